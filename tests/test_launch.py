@@ -1,0 +1,256 @@
+"""tfgc-launch with real worker processes (no mocks).
+
+The worker "programs" are tiny Python scripts written to tmp_path, so these
+tests exercise process groups, pipes and signals exactly as a training run
+would, in a few seconds and without TensorFlow in the workers.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tfgc import launch as tl
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _write(tmp_path: Path, name: str, body: str) -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def _launcher_env() -> dict:
+    env = dict(os.environ)
+    # The launcher subprocess must import this checkout's tfgc, whatever the cwd.
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # in case the package imports TF
+    return env
+
+
+def _launcher_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "tfgc.launch", *args]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists but not ours: certainly not our worker
+        return True
+    # A zombie still answers kill(0) but is no longer running.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def _wait_gone(pids, timeout=5.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if _pid_alive(p)]
+        time.sleep(0.05)
+    return alive
+
+
+def _read_pids(tmp_path: Path, n: int, timeout: float = 20.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        files = [tmp_path / f"pid{i}" for i in range(n)]
+        if all(f.exists() and f.read_text().strip() for f in files):
+            return [int(f.read_text()) for f in files]
+        time.sleep(0.05)
+    raise AssertionError("workers never wrote their pid files")
+
+
+# Shared worker preamble: records the pid so tests can check it is gone later.
+_PREAMBLE = """
+    import os, signal, sys, time
+    i = int(os.environ["TFGC_WORKER_INDEX"])
+    out = sys.argv[1]
+    with open(os.path.join(out, f"pid{i}.tmp"), "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(os.path.join(out, f"pid{i}.tmp"), os.path.join(out, f"pid{i}"))
+"""
+
+
+def test_two_workers_get_distinct_tf_config(tmp_path):
+    script = _write(tmp_path, "show.py", """
+        import json, os, sys
+        cfg = json.loads(os.environ["TF_CONFIG"])
+        print(json.dumps({"index": cfg["task"]["index"], "type": cfg["task"]["type"],
+                          "cluster": cfg["cluster"],
+                          "env_index": os.environ["TFGC_WORKER_INDEX"],
+                          "env_n": os.environ["TFGC_NUM_WORKERS"],
+                          "unbuffered": os.environ.get("PYTHONUNBUFFERED"),
+                          "extra": os.environ.get("TFGC_TEST_EXTRA")}))
+        print("to stderr", file=sys.stderr)
+        sys.stdout.write("no trailing newline")
+    """)
+    buf = io.StringIO()
+    result = tl.launch([sys.executable, script], 2, env={"TFGC_TEST_EXTRA": "x"},
+                       timeout=60, output=buf)
+    assert result.returncode == 0, result.message
+    assert result.failed_worker is None
+    assert result.worker_returncodes == [0, 0]
+
+    lines = buf.getvalue().splitlines()
+    assert lines and all(l.startswith(("[w0] ", "[w1] ")) for l in lines), lines
+    for i in range(2):
+        mine = [l[5:] for l in lines if l.startswith(f"[w{i}] ")]
+        assert "to stderr" in mine  # stderr is merged into the same stream
+        assert "no trailing newline" in mine  # a partial last line is not lost
+    infos = [json.loads(l[5:]) for l in lines if l[5:].startswith("{")]
+    assert len(infos) == 2
+    by_prefix = {int(l[2]): json.loads(l[5:]) for l in lines if l[5:].startswith("{")}
+    assert set(by_prefix) == {0, 1}
+    for i, info in by_prefix.items():
+        assert info["index"] == i and info["type"] == "worker"
+        assert info["env_index"] == str(i) and info["env_n"] == "2"
+        assert info["unbuffered"] == "1" and info["extra"] == "x"
+    cluster = by_prefix[0]["cluster"]
+    assert cluster == by_prefix[1]["cluster"]
+    assert cluster["worker"] == result.addresses
+    ports = [int(a.rsplit(":", 1)[1]) for a in cluster["worker"]]
+    assert len(set(ports)) == 2 and all(a.startswith("127.0.0.1:") for a in cluster["worker"])
+    # Captured per-worker text is unprefixed.
+    assert all("to stderr" in o and "[w" not in o for o in result.outputs)
+
+
+def test_failing_worker_stops_cluster_cli(tmp_path):
+    # Worker 1 fails once worker 0 is up; worker 0 ignores SIGTERM and sleeps,
+    # standing in for a peer stuck in a collective: only SIGKILL stops it.
+    script = _write(tmp_path, "fail.py", _PREAMBLE + """
+    if i == 1:
+        deadline = time.time() + 20
+        while not os.path.exists(os.path.join(out, "pid0")) and time.time() < deadline:
+            time.sleep(0.02)
+        for k in range(30):
+            print(f"line {k}")
+        sys.exit(3)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print("worker 0 waiting forever")
+    time.sleep(600)
+    """)
+    start = time.monotonic()
+    proc = subprocess.run(
+        _launcher_cmd("--workers", "2", "--grace", "1", "--", sys.executable, script,
+                      str(tmp_path)),
+        capture_output=True, text=True, timeout=60, env=_launcher_env(), cwd=tmp_path)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 3, (proc.returncode, proc.stderr)
+    assert elapsed < 30
+    assert "worker 1 exited with code 3" in proc.stderr
+    assert "last 20 lines of its output:" in proc.stderr
+    assert "127.0.0.1:" in proc.stderr
+    # The tail shows the end of worker 1's output (last 20 of 30 lines).
+    assert "line 29" in proc.stderr and "line 10" in proc.stderr
+    assert "[w1] line 9\n" not in proc.stderr
+    assert "[w0] worker 0 waiting forever" in proc.stdout
+    assert "[w1] line 0" in proc.stdout
+    pids = _read_pids(tmp_path, 2, timeout=1)
+    assert _wait_gone(pids) == []
+
+
+def test_worker_killed_by_signal_is_reported(tmp_path):
+    script = _write(tmp_path, "die.py", _PREAMBLE + """
+    if i == 1:
+        print("about to die", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(600)
+    """)
+    start = time.monotonic()
+    result = tl.launch([sys.executable, script, str(tmp_path)], 2, grace=1,
+                       timeout=60, output=io.StringIO())
+    assert time.monotonic() - start < 15
+    assert result.failed_worker == 1
+    assert result.returncode == 128 + signal.SIGKILL
+    assert "worker 1 was killed by signal 9 (SIGKILL)" in result.message
+    assert "about to die" in result.message
+    assert _wait_gone(_read_pids(tmp_path, 2, timeout=1)) == []
+
+
+def test_timeout_kills_cluster(tmp_path, capsys):
+    script = _write(tmp_path, "slow.py", _PREAMBLE + """
+    print("sleeping")
+    time.sleep(600)
+    """)
+    start = time.monotonic()
+    rc = tl.main(["--workers", "2", "--timeout", "1", "--grace", "1", "--",
+                  sys.executable, script, str(tmp_path)])
+    elapsed = time.monotonic() - start
+    captured = capsys.readouterr()
+    assert rc == tl.TIMEOUT_EXIT_CODE != 0
+    assert elapsed < 15
+    assert "timed out after 1 s" in captured.err
+    assert "[w0] sleeping" in captured.out and "[w1] sleeping" in captured.out
+    assert _wait_gone(_read_pids(tmp_path, 2, timeout=1)) == []
+
+
+def test_sigint_stops_all_workers(tmp_path):
+    script = _write(tmp_path, "ready.py", _PREAMBLE + """
+    print("ready", flush=True)
+    time.sleep(600)
+    """)
+    proc = subprocess.Popen(
+        _launcher_cmd("--workers", "2", "--grace", "2", "--", sys.executable, script,
+                      str(tmp_path)),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=_launcher_env(), cwd=tmp_path)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(l) for l in proc.stdout], daemon=True).start()
+    try:
+        ready, deadline = set(), time.monotonic() + 30
+        while ready != {"[w0] ready", "[w1] ready"}:
+            remaining = deadline - time.monotonic()
+            assert remaining > 0, f"workers never became ready; got {ready}"
+            try:
+                ready.add(lines.get(timeout=remaining).strip())
+            except queue.Empty:
+                pass
+        pids = _read_pids(tmp_path, 2)
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=20)
+        stderr = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert rc == 128 + signal.SIGINT, stderr
+    assert "SIGINT" in stderr
+    assert _wait_gone(pids) == []
+
+
+def test_cli_requires_command(capsys):
+    with pytest.raises(SystemExit) as exc:
+        tl.main(["--workers", "2"])
+    assert exc.value.code == 2
+    assert "--" in capsys.readouterr().err
+
+
+def test_unstartable_command_is_reported():
+    result = tl.launch(["/nonexistent/tfgc-no-such-binary"], 2, output=io.StringIO())
+    assert result.returncode == tl.SPAWN_FAILURE_EXIT_CODE
+    assert result.failed_worker == 0
+    assert "cannot start worker 0" in result.message
+
+
+def test_pick_free_ports_distinct():
+    ports = tl.pick_free_ports(8)
+    assert len(set(ports)) == 8 and all(0 < p < 65536 for p in ports)

@@ -1,0 +1,30 @@
+"""How payloads cross the wire, over TensorFlow's collective runtime.
+
+Each function takes a ``CollectiveReplicaLauncher`` (one per local device, owned by
+the cross-device ops), so every collective tfgc issues shares TensorFlow's instance
+keys and ordering token: workers launch them in one order and cannot deadlock.
+"""
+
+from tfgc.collectives.allgather import gather_payloads
+from tfgc.collectives.dense import fused_all_reduce
+
+# Communication schemes a compressed gradient can use. "allreduce" needs a
+# summable payload; "allgather" works for any payload. The butterfly (recompress
+# at every hop) and sparse all-reduce schemes plug in here.
+COMMUNICATIONS = ("auto", "allreduce", "allgather")
+
+
+
+def check_communication(communication, compressor):
+    """Refuses a communication scheme that cannot carry ``compressor``'s payloads."""
+    if communication not in COMMUNICATIONS:
+        raise ValueError(f"`communication` must be one of {COMMUNICATIONS}, got {communication!r}")
+    if communication == "allreduce" and not compressor.summable:
+        raise ValueError(
+            f"`communication`='allreduce' needs a summable compressor, but {compressor!r} "
+            "payloads do not add element-wise (they carry per-worker indices or scales); "
+            "use 'allgather' or 'auto'")
+    return communication
+
+
+__all__ = ["COMMUNICATIONS", "check_communication", "fused_all_reduce", "gather_payloads"]

@@ -1,0 +1,63 @@
+"""All-gather of packed payloads: many tensors' payloads share one collective."""
+
+from typing import List, Sequence, Tuple
+
+import tensorflow as tf
+
+from tfgc.ops import packing
+
+
+def payload_words(payload: Sequence[tf.Tensor]) -> tf.Tensor:
+    """Packs a payload (tensors of any 1, 2 or 4-byte dtype) into one int32 word vector."""
+    return tf.concat([packing.to_words(t) for t in payload], axis=0)
+
+
+def _unpack(words: tf.Tensor, like: Sequence[tf.Tensor]) -> Tuple[tf.Tensor, ...]:
+    """Splits one worker's word vector back into tensors shaped like ``like``."""
+    out, offset = [], 0
+    for t in like:
+        n = int(t.shape.num_elements())
+        w = packing.num_words(n, t.dtype)
+        out.append(tf.reshape(packing.from_words(words[offset:offset + w], t.dtype, n), t.shape))
+        offset += w
+    return tuple(out)
+
+
+def gather_payloads(launcher, payloads: List[Sequence[tf.Tensor]], num_workers: int, options,
+                    bucket_bytes: int) -> List[List[Tuple[tf.Tensor, ...]]]:
+    """Exchanges every worker's payloads.
+
+    Args:
+      launcher: the replica's ``CollectiveReplicaLauncher``.
+      payloads: this worker's payloads, one tuple of static-shape tensors per gradient.
+      num_workers: the collective group size.
+      options: ``tf.distribute.experimental.CommunicationOptions``.
+      bucket_bytes: payloads are fused into all-gathers of at most this many bytes
+        per worker (a single payload larger than that gets a bucket of its own).
+
+    Returns:
+      For each gradient, the list of all workers' payloads in group-rank order.
+    """
+    words = [payload_words(p) for p in payloads]
+    sizes = [int(w.shape[0]) for w in words]
+    buckets, current, current_bytes = [], [], 0
+    for i, size in enumerate(sizes):
+        if current and current_bytes + 4 * size > bucket_bytes:
+            buckets.append(current)
+            current, current_bytes = [], 0
+        current.append(i)
+        current_bytes += 4 * size
+    if current:
+        buckets.append(current)
+
+    results = [None] * len(payloads)
+    for bucket in buckets:
+        buffer = tf.concat([words[i] for i in bucket], axis=0) if len(bucket) > 1 else words[bucket[0]]
+        total = int(buffer.shape[0])
+        gathered = tf.reshape(launcher._all_gather(buffer, options), [num_workers, total])  # pylint: disable=protected-access
+        offset = 0
+        for i in bucket:
+            per_worker = gathered[:, offset:offset + sizes[i]]
+            results[i] = [_unpack(per_worker[r], payloads[i]) for r in range(num_workers)]
+            offset += sizes[i]
+    return results

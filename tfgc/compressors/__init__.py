@@ -1,0 +1,14 @@
+"""Gradient compressors: one algorithm per module, built by name through the registry."""
+
+from tfgc.compressors.base import CompressContext, Compressor
+from tfgc.compressors.casts import BF16, FP16, Identity
+from tfgc.compressors.error_feedback import ErrorFeedback
+from tfgc.compressors.quantizers import QSGD, OneBit, ScaledSign, SignSGD, TernGrad
+from tfgc.compressors.registry import get, names, register, serialize, serialize_config
+from tfgc.compressors.sparse import RandomK, TopK
+
+__all__ = [
+    "BF16", "CompressContext", "Compressor", "ErrorFeedback", "FP16", "Identity", "OneBit",
+    "QSGD", "RandomK", "ScaledSign", "SignSGD", "TernGrad", "TopK", "get", "names", "register",
+    "serialize", "serialize_config",
+]

@@ -1,0 +1,184 @@
+"""The compressor interface.
+
+A compressor holds hyperparameters only. Everything that changes from step to step
+(residuals, counters) is *state*: an explicit nest of tensors that ``init_state``
+creates and ``compress`` returns updated. The cross-device ops keep that state in
+variables, one set per gradient, so a compressor object can be shared, serialized
+and rebuilt from its config without losing anything.
+
+What crosses the network is the *payload*: a tuple of tensors with static shapes.
+Every compressor declares how payloads from different workers combine:
+
+* ``summable = True``: payloads add element-wise, and ``decompress`` is linear, so a
+  plain dense all-reduce of the payload followed by one ``decompress`` gives the sum
+  of all workers' decompressed gradients (identity, fp16, random-k with a shared
+  seed).
+* ``summable = False``: payloads must be exchanged whole (all-gather) and decoded
+  per worker; ``aggregate`` then combines the decoded tensors (a sum for most, a
+  majority vote for signSGD).
+"""
+
+import abc
+import dataclasses
+import inspect
+from typing import Any, Dict, List, Sequence, Tuple
+
+import tensorflow as tf
+
+Payload = Tuple[tf.Tensor, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class CompressContext:
+    """Where a compression call happens.
+
+    Attributes:
+      rank: this replica's index among all replicas of the cluster.
+      num_workers: number of replicas taking part in the reduction.
+      index: stable position of the tensor within its reduction call; random
+        compressors fold it into their seed so tensors draw independent streams.
+      step: scalar int64 tensor, the number of reductions this call site has done
+        before this one. Identical on every worker.
+    """
+
+    rank: int = 0
+    num_workers: int = 1
+    index: int = 0
+    step: Any = 0
+
+    def seed(self, base_seed: int, shared: bool) -> tf.Tensor:
+        """A stateless-RNG seed for this tensor at this step.
+
+        ``shared=True`` gives every worker the same stream (random-k picks the same
+        coordinates everywhere, so payloads stay summable); ``shared=False`` mixes in
+        the rank so workers' stochastic rounding is independent.
+        """
+        seed = tf.constant([base_seed & 0x7FFFFFFF, 0x5EED], dtype=tf.int64)
+        seed = tf.random.experimental.stateless_fold_in(seed, self.index)
+        if not shared:
+            seed = tf.random.experimental.stateless_fold_in(seed, self.rank + 1)
+        step = tf.cast(self.step, tf.int64)
+        return tf.random.experimental.stateless_fold_in(seed, step)
+
+
+class Compressor(abc.ABC):
+    """Base class of every gradient compressor.
+
+    Subclasses set ``name`` (the registry key), ``summable``, validate their
+    hyperparameters in ``__init__`` (raising ``ValueError`` naming the argument),
+    and implement ``compress`` and ``decompress``.
+    """
+
+    name: str = ""
+    summable: bool = False
+    # Compressors whose paper makes error feedback part of the algorithm (1-bit SGD,
+    # EF-signSGD) are wrapped in ErrorFeedback when built from the registry.
+    requires_error_feedback: bool = False
+
+    # -- serialization -------------------------------------------------------------
+
+    def get_config(self) -> Dict[str, Any]:
+        """The constructor arguments, so that ``type(self)(**config)`` rebuilds it."""
+        params = inspect.signature(type(self).__init__).parameters
+        kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        return {name: getattr(self, name) for name, p in params.items()
+                if name != "self" and p.kind in kinds}
+
+    @classmethod
+    def from_config(cls, config: Dict[str, Any]) -> "Compressor":
+        return cls(**config)
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
+        return f"{type(self).__name__}({args})"
+
+    def __eq__(self, other) -> bool:
+        return type(self) is type(other) and self.get_config() == other.get_config()
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, repr(self)))
+
+    # -- state ------------------------------------------------------------------------
+
+    def init_state(self, shape: tf.TensorShape, dtype: tf.DType) -> Dict[str, tf.Tensor]:
+        """Initial state for one gradient of ``shape`` and ``dtype``: a dict of tensors."""
+        del shape, dtype
+        return {}
+
+    # -- the algorithm ----------------------------------------------------------------
+
+    def supports(self, shape: tf.TensorShape, dtype: tf.DType) -> bool:
+        """Whether this compressor can handle a gradient of this shape and dtype."""
+        return dtype.is_floating and shape.is_fully_defined()
+
+    @abc.abstractmethod
+    def compress(self, x: tf.Tensor, state: Dict[str, tf.Tensor],
+                 ctx: CompressContext) -> Tuple[Payload, Dict[str, tf.Tensor]]:
+        """Encodes ``x``. Returns ``(payload, new_state)``; payload shapes are static."""
+
+    @abc.abstractmethod
+    def decompress(self, payload: Payload, shape: tf.TensorShape, dtype: tf.DType,
+                   ctx: CompressContext) -> tf.Tensor:
+        """Decodes one payload (or, if summable, a sum of payloads) to a dense tensor."""
+
+    def compress_and_decode(self, x, state, ctx):
+        """``compress`` plus the local decoding of its payload.
+
+        Error feedback needs both; compressors whose kernel produces the decoded
+        value (or the residual) as a by-product override this to skip a decode.
+        """
+        payload, new_state = self.compress(x, state, ctx)
+        return payload, new_state, self.decompress(payload, x.shape, x.dtype, ctx)
+
+    def aggregate(self, payloads: Sequence[Payload], shape: tf.TensorShape,
+                  dtype: tf.DType, ctx: CompressContext) -> tf.Tensor:
+        """Combines the payloads of all workers (in rank order) into one tensor.
+
+        The default decodes each payload and sums them in a fixed order, so every
+        worker computes bit-identical results.
+        """
+        decoded = [self.decompress(p, shape, dtype, ctx) for p in payloads]
+        total = decoded[0]
+        for d in decoded[1:]:
+            total = total + d
+        return total
+
+
+def check_ratio(name: str, value: float) -> float:
+    """Validates a density in (0, 1]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"`{name}` must be a number in (0, 1], got {value!r}")
+    if not 0.0 < float(value) <= 1.0:
+        raise ValueError(f"`{name}` must be in (0, 1], got {value!r}")
+    return float(value)
+
+
+def check_int(name: str, value: int, minimum: int, maximum: int = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"`{name}` must be an integer, got {value!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"`{name}` must be {bound}, got {value!r}")
+    return value
+
+
+def check_positive_float(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not float(value) > 0.0:
+        raise ValueError(f"`{name}` must be a positive number, got {value!r}")
+    if float(value) == float("inf"):
+        raise ValueError(f"`{name}` must be finite, got {value!r}")
+    return float(value)
+
+
+def num_elements(shape: tf.TensorShape) -> int:
+    return int(shape.num_elements())
+
+
+def as_columns(shape: tf.TensorShape) -> Tuple[int, int]:
+    """The [rows, cols] matrix view used by per-column quantizers: cols = last axis."""
+    dims: List[int] = shape.as_list()
+    if not dims:
+        return 1, 1
+    cols = dims[-1]
+    rows = num_elements(shape) // cols if cols else 0
+    return rows, cols

@@ -1,0 +1,222 @@
+"""Quantizers: 1-bit SGD, signSGD, EF-signSGD's scaled sign, QSGD and TernGrad.
+
+Each keeps every coordinate but sends it in a few bits. Their payloads carry
+per-worker scales (column means, norms, maxima), so they are not summable: workers
+all-gather them and decode each one.
+"""
+
+import math
+
+import tensorflow as tf
+
+from tfgc.compressors.base import Compressor, as_columns, check_int, num_elements
+from tfgc.ops import packing
+from tfgc.ops import sign_bits
+
+
+class OneBit(Compressor):
+    """1-bit SGD (Seide, Fu, Droppo, Li & Yu, Interspeech 2014).
+
+    The gradient is viewed as a matrix whose columns are the last axis. Each element
+    is sent as its sign bit (threshold 0); the receiver rebuilds column j from two
+    values, the mean of the column's non-negative entries and the mean of its
+    negative ones, which minimise the squared error of that partition. The
+    quantization error is carried to the next step: the registry name ``"onebit"``
+    builds ``ErrorFeedback(OneBit())``, since without it "training quickly diverges".
+
+    Wire: 1 bit per element plus 2 float32 per column.
+    """
+
+    name = "onebit"
+    summable = False
+    requires_error_feedback = True
+
+    def _matrix(self, x):
+        rows, cols = as_columns(x.shape)
+        return tf.reshape(x, [rows, cols]), rows, cols
+
+    def compress(self, x, state, ctx):
+        payload, state, _ = self.compress_and_decode(x, state, ctx)
+        return payload, state
+
+    def compress_and_decode(self, x, state, ctx):
+        m, _, _ = self._matrix(x)
+        words, pos, neg, residual = sign_bits.onebit_quantize(m)
+        # The kernel returns x - decode(x) as a by-product; recover the decode from it.
+        decoded = tf.reshape(m - residual, x.shape)
+        return (words, pos, neg), state, decoded
+
+    def decompress(self, payload, shape, dtype, ctx):
+        words, pos, neg = payload
+        rows, _ = as_columns(shape)
+        return tf.reshape(sign_bits.onebit_dequantize(words, pos, neg, rows, dtype=dtype), shape)
+
+
+class SignSGD(Compressor):
+    """signSGD with majority vote (Bernstein, Wang, Azizzadenesheli & Anandkumar, ICML 2018).
+
+    Each worker sends sign(g) (1 bit per element); the aggregate is
+    sign(sum_m sign(g_m)), the majority vote, so the optimizer steps by
+    ``learning_rate * vote``. A tie (possible with an even number of workers) gives 0.
+    Use a small learning rate: every coordinate moves by the full step.
+    """
+
+    name = "signsgd"
+    summable = False
+
+    def compress(self, x, state, ctx):
+        return (sign_bits.pack_sign_bits(tf.reshape(x, [-1])),), state
+
+    def decompress(self, payload, shape, dtype, ctx):
+        return tf.reshape(sign_bits.unpack_sign_bits(payload[0], num_elements(shape), dtype=dtype),
+                          shape)
+
+    def aggregate(self, payloads, shape, dtype, ctx):
+        votes = super().aggregate(payloads, shape, dtype, ctx)
+        return tf.sign(votes)
+
+
+class ScaledSign(Compressor):
+    """The scaled-sign compressor of EF-signSGD (Karimireddy, Rebjock, Stich & Jaggi, ICML 2019).
+
+    Sends delta = (||p||_1 / d) * sign(p): one float and 1 bit per element. The
+    registry name ``"efsignsgd"`` builds ``ErrorFeedback(ScaledSign())``, i.e.
+    p = g + e, e <- p - delta. Error feedback acts on the gradient before the
+    learning rate, which for a constant learning rate equals the paper's p = lr*g + e.
+    """
+
+    name = "scaledsign"
+    summable = False
+    requires_error_feedback = True
+
+    def compress(self, x, state, ctx):
+        flat = tf.reshape(x, [-1])
+        scale = tf.reduce_mean(tf.abs(tf.cast(flat, tf.float32)), keepdims=True)
+        return (scale, sign_bits.pack_sign_bits(flat)), state
+
+    def decompress(self, payload, shape, dtype, ctx):
+        scale, words = payload
+        signs = sign_bits.unpack_sign_bits(words, num_elements(shape), dtype=tf.float32)
+        return tf.reshape(tf.cast(scale * signs, dtype), shape)
+
+
+def _code_bits(num_codes: int) -> int:
+    """Smallest field width from {2, 4, 8, 16} that holds ``num_codes`` codes."""
+    for bits in (2, 4, 8, 16):
+        if num_codes <= (1 << bits):
+            return bits
+    raise ValueError("too many quantization levels")
+
+
+class QSGD(Compressor):
+    """QSGD (Alistarh, Grubic, Li, Tomioka & Vojnovic, NIPS 2017), bucketed.
+
+    The flattened gradient is cut into buckets of ``bucket_size``; bucket v is sent as
+    its norm and, per element, Q_s(v_i) = norm * sgn(v_i) * xi_i with
+    l = floor(s |v_i| / norm) and xi_i = (l + 1) / s with probability
+    s |v_i| / norm - l, else l / s. E[Q(v)] = v and
+    E||Q(v) - v||^2 <= min(d/s^2, sqrt(d)/s) ||v||^2 with d = bucket_size.
+
+    Args:
+      levels: s, the number of non-zero levels per sign (1 to 32767). Default 127.
+      bucket_size: d, elements per bucket. Default 512 (the paper's 8-bit setting).
+      norm: "l2" (the paper's analysis) or "max" (its practical variant, lower
+        variance, no sparsity guarantee).
+      seed: base seed of the stochastic rounding (independent per worker and step).
+
+    Wire: one float32 per bucket and ceil(log2(2s + 1)) bits per element, rounded up
+    to 2, 4, 8 or 16 (s = 1: 2 bits; s = 7: 4 bits; s = 127: 8 bits), instead of the
+    paper's Elias coding.
+    """
+
+    name = "qsgd"
+    summable = False
+
+    def __init__(self, levels: int = 127, bucket_size: int = 512, norm: str = "l2", seed: int = 0):
+        self.levels = check_int("levels", levels, 1, 32767)
+        self.bucket_size = check_int("bucket_size", bucket_size, 1)
+        if norm not in ("l2", "max"):
+            raise ValueError(f"`norm` must be 'l2' or 'max', got {norm!r}")
+        self.norm = norm
+        self.seed = check_int("seed", seed, 0)
+
+    @property
+    def bits(self) -> int:
+        return _code_bits(2 * self.levels + 1)
+
+    def _buckets(self, n):
+        return max(1, -(-n // self.bucket_size))
+
+    def compress(self, x, state, ctx):
+        n = num_elements(x.shape)
+        nb = self._buckets(n)
+        v = tf.cast(tf.reshape(x, [-1]), tf.float32)
+        v = tf.reshape(tf.pad(v, [[0, nb * self.bucket_size - n]]), [nb, self.bucket_size])
+        if self.norm == "l2":
+            norms = tf.norm(v, axis=1)
+        else:
+            norms = tf.reduce_max(tf.abs(v), axis=1)
+        s = float(self.levels)
+        scaled = tf.math.divide_no_nan(s * tf.abs(v), norms[:, None])
+        u = tf.random.stateless_uniform(tf.shape(v), seed=ctx.seed(self.seed, shared=False))
+        # floor(a + u) is l + 1 with probability a - l and l otherwise.
+        level = tf.minimum(tf.floor(scaled + u), s)
+        signed = tf.where(v < 0, -level, level)
+        codes = tf.cast(tf.reshape(signed, [-1])[:n] + s, tf.int32)
+        return (norms, packing.pack_codes(codes, self.bits)), state
+
+    def decompress(self, payload, shape, dtype, ctx):
+        norms, words = payload
+        n = num_elements(shape)
+        nb = self._buckets(n)
+        s = float(self.levels)
+        codes = tf.cast(packing.unpack_codes(words, n, self.bits), tf.float32) - s
+        codes = tf.reshape(tf.pad(codes, [[0, nb * self.bucket_size - n]]), [nb, self.bucket_size])
+        values = codes * (norms[:, None] / s)
+        return tf.reshape(tf.cast(tf.reshape(values, [-1])[:n], dtype), shape)
+
+
+class TernGrad(Compressor):
+    """TernGrad (Wen, Xu, Yan, Wu, Wang, Chen & Li, NIPS 2017).
+
+    Per tensor: clip g to +-c*sigma (sigma its standard deviation, c = 2.5), let
+    s = max|clip(g)|, and send s * sign(g) * b with b_k ~ Bernoulli(|g_k| / s):
+    values in {-s, 0, s}, unbiased for clip(g).
+
+    Args:
+      clip: c, the clipping factor in standard deviations; 0 disables clipping.
+      seed: base seed of the Bernoulli draws (independent per worker and step).
+
+    Wire: 2 bits per element plus one float32 per tensor. Each worker keeps its own
+    scaler, so payloads are gathered (the paper's shared max scaler, which makes the
+    ternary codes summable, is left to a compressed-domain collective).
+    """
+
+    name = "terngrad"
+    summable = False
+
+    def __init__(self, clip: float = 2.5, seed: int = 0):
+        if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0 \
+                or math.isinf(clip) or math.isnan(clip):
+            raise ValueError(f"`clip` must be a finite number >= 0, got {clip!r}")
+        self.clip = float(clip)
+        self.seed = check_int("seed", seed, 0)
+
+    def compress(self, x, state, ctx):
+        g = tf.cast(tf.reshape(x, [-1]), tf.float32)
+        if self.clip > 0:
+            bound = self.clip * tf.math.reduce_std(g)
+            g = tf.clip_by_value(g, -bound, bound)
+        scale = tf.reduce_max(tf.abs(g))
+        prob = tf.math.divide_no_nan(tf.abs(g), scale)
+        u = tf.random.stateless_uniform(tf.shape(g), seed=ctx.seed(self.seed, shared=False))
+        keep = tf.cast(u < prob, tf.int32)
+        # Codes 0, 1, 2 stand for -s, 0, +s.
+        codes = 1 + keep * tf.where(g < 0, -1, 1)
+        return (scale[None], packing.pack_codes(codes, 2)), state
+
+    def decompress(self, payload, shape, dtype, ctx):
+        scale, words = payload
+        codes = tf.cast(packing.unpack_codes(words, num_elements(shape), 2), tf.float32) - 1.0
+        return tf.reshape(tf.cast(codes * scale, dtype), shape)
+

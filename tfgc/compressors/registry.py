@@ -1,0 +1,146 @@
+"""Builds compressors from strings, config dicts or instances.
+
+String form, short enough for a command-line flag::
+
+    "topk:ratio=0.01"            a compressor and its hyperparameters
+    "ef+topk:ratio=0.01"         the same, wrapped in error feedback
+    "qsgd:levels=7,bucket_size=128"
+    "onebit"                     1-bit SGD; error feedback is part of the algorithm
+
+Dict form (what ``serialize_config`` returns and ``get`` accepts)::
+
+    {"name": "ef", "config": {"compressor": {"name": "topk", "config": {"ratio": 0.01, "k": 0}}}}
+"""
+
+import inspect
+from typing import Any, Dict, Type
+
+from tfgc.compressors.base import Compressor
+from tfgc.compressors.casts import BF16, FP16, Identity
+from tfgc.compressors.error_feedback import ErrorFeedback
+from tfgc.compressors.quantizers import QSGD, OneBit, ScaledSign, SignSGD, TernGrad
+from tfgc.compressors.sparse import RandomK, TopK
+
+_REGISTRY: Dict[str, Type[Compressor]] = {}
+
+# Names that mean a composition: the paper's algorithm is the quantizer plus memory.
+_ALIASES = {"efsignsgd": "ef+scaledsign"}
+
+
+def register(cls: Type[Compressor]) -> Type[Compressor]:
+    """Adds a compressor class under ``cls.name``; usable as a decorator."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} has no `name`")
+    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+        raise ValueError(f"a compressor named {cls.name!r} is already registered")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+for _cls in (Identity, FP16, BF16, TopK, RandomK, OneBit, SignSGD, ScaledSign, QSGD, TernGrad,
+             ErrorFeedback):
+    register(_cls)
+
+
+def names():
+    """All names ``get`` accepts."""
+    return sorted(set(_REGISTRY) | set(_ALIASES))
+
+
+def _parse_value(text: str) -> Any:
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _build(name: str, config: Dict[str, Any]) -> Compressor:
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown compressor {name!r}; known: {', '.join(names())}")
+    cls = _REGISTRY[name]
+    params = inspect.signature(cls.__init__).parameters
+    for key in config:
+        if key not in params or key == "self":
+            allowed = [p for p in params if p not in ("self", "args", "kwargs")]
+            raise ValueError(f"compressor {name!r} has no hyperparameter `{key}`; "
+                             f"it takes: {', '.join(allowed) or 'none'}")
+    return cls(**config)
+
+
+def _parse_string(spec: str) -> Compressor:
+    spec = spec.strip()
+    if not spec:
+        raise ValueError("empty compressor string")
+    head, _, args = spec.partition(":")
+    parts = [q.strip() for p in head.split("+") for q in _ALIASES.get(p.strip(), p).split("+")]
+    if any(not p for p in parts):
+        raise ValueError(f"malformed compressor string {spec!r}")
+    wrappers, base = parts[:-1], parts[-1]
+    config = {}
+    if args.strip():
+        for item in args.split(","):
+            key, eq, value = item.partition("=")
+            if not eq or not key.strip():
+                raise ValueError(f"malformed hyperparameter {item!r} in {spec!r}: expected key=value")
+            config[key.strip()] = _parse_value(value.strip())
+    compressor = _build(base, config)
+    for wrapper in reversed(wrappers):
+        if wrapper != "ef":
+            raise ValueError(f"unknown wrapper {wrapper!r} in {spec!r}; known: ef")
+        if not isinstance(compressor, ErrorFeedback):
+            compressor = ErrorFeedback(compressor)
+    return compressor
+
+
+def get(identifier=None, wrap_error_feedback: bool = True) -> Compressor:
+    """Returns a compressor for a name/string, a config dict, an instance or None.
+
+    None means no compression (``"none"``). Compressors whose algorithm includes
+    error feedback (1-bit SGD, EF-signSGD) come wrapped in ``ErrorFeedback`` unless
+    ``wrap_error_feedback=False``.
+    """
+    if identifier is None:
+        compressor = Identity()
+    elif isinstance(identifier, Compressor):
+        return identifier
+    elif isinstance(identifier, str):
+        compressor = _parse_string(identifier)
+    elif isinstance(identifier, dict):
+        if set(identifier) - {"name", "config"} or "name" not in identifier:
+            raise ValueError("a compressor config dict has keys 'name' and optionally 'config', "
+                             f"got {sorted(identifier)}")
+        config = identifier.get("config") or {}
+        if not isinstance(config, dict):
+            raise ValueError(f"compressor 'config' must be a dict, got {config!r}")
+        name = _ALIASES.get(identifier["name"], identifier["name"])
+        compressor = _parse_string(name) if "+" in name else _build(name, dict(config))
+        if "+" in name and config:
+            raise ValueError("an alias or wrapped name takes no 'config'; nest it instead")
+    else:
+        raise ValueError(f"cannot build a compressor from {identifier!r}")
+    if wrap_error_feedback and compressor.requires_error_feedback:
+        compressor = ErrorFeedback(compressor)
+    return compressor
+
+
+def serialize_config(compressor: Compressor) -> Dict[str, Any]:
+    """``{"name": ..., "config": ...}`` such that ``get`` rebuilds an equal compressor."""
+    return {"name": compressor.name, "config": compressor.get_config()}
+
+
+def serialize(compressor: Compressor) -> str:
+    """The string form, e.g. ``"ef+topk:k=0,ratio=0.01"``; ``get`` parses it back."""
+    prefix = ""
+    if isinstance(compressor, ErrorFeedback):
+        prefix, compressor = "ef+", compressor.inner
+    config = compressor.get_config()
+    for key, value in config.items():
+        if isinstance(value, str) and any(c in value for c in ",=:+"):
+            raise ValueError(f"hyperparameter `{key}`={value!r} cannot be written as a string")
+    args = ",".join(f"{k}={v}" for k, v in sorted(config.items()))
+    return prefix + compressor.name + (":" + args if args else "")

@@ -1,0 +1,110 @@
+"""Sparsifiers: top-k and random-k.
+
+Both send k = ceil(ratio * n) values of each gradient. Top-k picks the k largest
+magnitudes, so every worker picks different coordinates and the payload is
+(values, int32 indices), exchanged by all-gather. Random-k draws its coordinates
+from a seed shared by all workers, so the k values line up and add element-wise:
+only the values cross the wire, through a plain all-reduce.
+
+Neither keeps what it drops; wrap them in ``ErrorFeedback`` (``"ef+topk:..."``) to
+carry the remainder into the next step, as sparsified SGD with memory does
+(Stich, Cordonnier & Jaggi 2018; Aji & Heafield 2017).
+"""
+
+import math
+
+import tensorflow as tf
+
+from tfgc.compressors.base import Compressor, check_int, check_ratio, num_elements
+
+
+def _k_for(n: int, ratio: float, k: int) -> int:
+    if k:
+        return min(k, n)
+    return min(n, max(1, int(math.ceil(ratio * n))))
+
+
+class TopK(Compressor):
+    """Keeps the k entries of largest magnitude.
+
+    Args:
+      ratio: fraction of entries kept, in (0, 1]. Default 0.01.
+      k: if non-zero, keep exactly this many entries per tensor (overrides ratio).
+
+    Wire: k float values and k int32 indices, 64 bits per kept entry.
+
+    Example: ``tfgc.get_compressor("ef+topk:ratio=0.001")``.
+    """
+
+    name = "topk"
+    summable = False
+
+    def __init__(self, ratio: float = 0.01, k: int = 0):
+        self.ratio = check_ratio("ratio", ratio)
+        self.k = check_int("k", k, 0)
+
+    def num_kept(self, shape) -> int:
+        return _k_for(num_elements(shape), self.ratio, self.k)
+
+    def compress(self, x, state, ctx):
+        flat = tf.reshape(x, [-1])
+        k = self.num_kept(x.shape)
+        # top_k's ties go to the lower index, so the selection is deterministic.
+        _, indices = tf.math.top_k(tf.abs(flat), k=k, sorted=False)
+        values = tf.gather(flat, indices)
+        return (values, indices), state
+
+    def decompress(self, payload, shape, dtype, ctx):
+        values, indices = payload
+        n = num_elements(shape)
+        dense = tf.scatter_nd(indices[:, None], tf.cast(values, dtype), [n])
+        return tf.reshape(dense, shape)
+
+    def aggregate(self, payloads, shape, dtype, ctx):
+        # One scatter-add over all workers' entries instead of N dense decodes.
+        values = tf.concat([tf.cast(p[0], dtype) for p in payloads], axis=0)
+        indices = tf.concat([p[1] for p in payloads], axis=0)
+        return self.decompress((values, indices), shape, dtype, ctx)
+
+
+class RandomK(Compressor):
+    """Keeps k uniformly random entries, the same coordinates on every worker.
+
+    Args:
+      ratio: fraction of entries kept, in (0, 1]. Default 0.01.
+      seed: base seed; workers derive identical per-step, per-tensor streams from it.
+      unbiased: scale kept values by n/k so the estimate is unbiased (without error
+        feedback); leave False when wrapping in ErrorFeedback.
+
+    Wire: k float values (the indices are regenerated from the shared seed).
+    """
+
+    name = "randomk"
+    summable = True
+
+    def __init__(self, ratio: float = 0.01, seed: int = 0, unbiased: bool = False):
+        self.ratio = check_ratio("ratio", ratio)
+        self.seed = check_int("seed", seed, 0)
+        if not isinstance(unbiased, bool):
+            raise ValueError(f"`unbiased` must be a bool, got {unbiased!r}")
+        self.unbiased = unbiased
+
+    def _indices(self, shape, ctx):
+        n = num_elements(shape)
+        k = _k_for(n, self.ratio, 0)
+        if k == n:
+            return tf.range(n, dtype=tf.int32)
+        keys = tf.random.stateless_uniform([n], seed=ctx.seed(self.seed, shared=True))
+        return tf.math.top_k(keys, k=k, sorted=False).indices
+
+    def compress(self, x, state, ctx):
+        flat = tf.reshape(x, [-1])
+        values = tf.gather(flat, self._indices(x.shape, ctx))
+        if self.unbiased:
+            values = values * tf.cast(num_elements(x.shape) / int(values.shape[0]), values.dtype)
+        return (values,), state
+
+    def decompress(self, payload, shape, dtype, ctx):
+        indices = self._indices(shape, ctx)
+        dense = tf.scatter_nd(indices[:, None], tf.cast(payload[0], dtype), [num_elements(shape)])
+        return tf.reshape(dense, shape)

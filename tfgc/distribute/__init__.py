@@ -1,0 +1,1 @@
+"""The strategy, its cross-device ops, and the per-replica compressor state."""

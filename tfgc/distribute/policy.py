@@ -1,0 +1,40 @@
+"""Which gradients are worth compressing."""
+
+import tensorflow as tf
+
+
+class CompressionPolicy:
+    """Decides per gradient whether it is compressed or all-reduced densely.
+
+    Biases, normalization scales and other small or 1-D tensors cost little to send
+    dense and lose the most from compression (QSGD's authors leave tensors under
+    10K elements unquantized); they join the plain fused all-reduce.
+
+    Args:
+      min_elements: gradients with fewer elements are sent dense. Default 1024.
+      compress_vectors: also compress 1-D (and scalar) gradients that are large enough.
+    """
+
+    def __init__(self, min_elements: int = 1024, compress_vectors: bool = False):
+        if isinstance(min_elements, bool) or not isinstance(min_elements, int) or min_elements < 0:
+            raise ValueError(f"`min_elements` must be an integer >= 0, got {min_elements!r}")
+        if not isinstance(compress_vectors, bool):
+            raise ValueError(f"`compress_vectors` must be a bool, got {compress_vectors!r}")
+        self.min_elements = min_elements
+        self.compress_vectors = compress_vectors
+
+    def get_config(self):
+        return {"min_elements": self.min_elements, "compress_vectors": self.compress_vectors}
+
+    def should_compress(self, tensor: tf.Tensor, compressor) -> bool:
+        shape = tensor.shape
+        if not shape.is_fully_defined() or not tensor.dtype.is_floating:
+            return False
+        if shape.rank < 2 and not self.compress_vectors:
+            return False
+        if shape.num_elements() < max(self.min_elements, 1):
+            return False
+        return compressor.supports(shape, tensor.dtype)
+
+    def __repr__(self):
+        return f"CompressionPolicy(min_elements={self.min_elements}, compress_vectors={self.compress_vectors})"

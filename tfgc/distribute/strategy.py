@@ -1,0 +1,122 @@
+"""``CompressedMultiWorkerMirroredStrategy``: MultiWorkerMirroredStrategy with compression."""
+
+import tensorflow as tf
+from tensorflow.python.distribute import collective_all_reduce_strategy as mwms_lib
+from tensorflow.python.distribute import collective_util
+from tensorflow.python.distribute import distribute_lib
+from tensorflow.python.distribute import multi_worker_util
+
+from tfgc import collectives
+from tfgc.compressors import get as get_compressor
+from tfgc.distribute.cross_device_ops import CompressedAllReduce
+from tfgc.distribute.policy import CompressionPolicy
+
+
+class _CompressedExtended(mwms_lib.CollectiveAllReduceExtended):
+    """Swaps the strategy's cross-device ops for ``CompressedAllReduce``.
+
+    The parent builds a stock ``CollectiveAllReduce`` while it sets up local or
+    multi-worker collectives; right after, we build ours on the same devices, group
+    size and collective keys. Host-side reductions keep the stock ops.
+    """
+
+    def __init__(self, container_strategy, cluster_resolver, communication_options,
+                 compression_kwargs):
+        self._compression_kwargs = compression_kwargs
+        super().__init__(container_strategy, cluster_resolver=cluster_resolver,
+                         communication_options=communication_options)
+
+    def _install_compression(self, worker_index):
+        stock = self._cross_device_ops
+        self._cross_device_ops = CompressedAllReduce(
+            devices=stock._devices,  # pylint: disable=protected-access
+            group_size=stock._group_size,  # pylint: disable=protected-access
+            options=self._communication_options,
+            collective_keys=self._collective_keys,
+            worker_rank=worker_index * len(stock._devices),  # pylint: disable=protected-access
+            **self._compression_kwargs)
+
+    def _initialize_local(self, cluster_resolver, devices=None):
+        super()._initialize_local(cluster_resolver, devices=devices)
+        self._install_compression(0)
+
+    def _initialize_multi_worker(self, cluster_resolver):
+        super()._initialize_multi_worker(cluster_resolver)
+        worker_index = multi_worker_util.id_in_cluster(
+            self._cluster_spec, self._task_type, self._task_id)
+        self._install_compression(worker_index)
+
+
+class CompressedMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
+    """``tf.distribute.MultiWorkerMirroredStrategy`` whose gradients cross the network compressed.
+
+    Use it exactly like the stock strategy; the cluster comes from ``TF_CONFIG`` (or
+    ``cluster_resolver``), and without one it runs as a single worker::
+
+        strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="ef+topk:ratio=0.01")
+        with strategy.scope():
+            model = build_model()
+            model.compile(optimizer="sgd", loss=...)
+        model.fit(dataset, callbacks=[tfgc.keras.CompressionStatsCallback(strategy)])
+
+    Args:
+      compressor: a compressor, registry string (``"qsgd:levels=7"``,
+        ``"ef+topk:ratio=0.001"``) or config dict. Default ``"none"`` (exact).
+      cluster_resolver: as for ``MultiWorkerMirroredStrategy``.
+      communication_options: as for ``MultiWorkerMirroredStrategy``.
+      policy: a ``tfgc.CompressionPolicy`` choosing which gradients to compress.
+      communication: "auto", "allreduce" (summable compressors only) or "allgather".
+      bucket_bytes: largest per-worker size of one fused all-gather.
+
+    Invalid arguments raise ``ValueError`` here, before any worker connects.
+    """
+
+    def __init__(self, compressor="none", cluster_resolver=None, communication_options=None,
+                 policy=None, communication="auto", bucket_bytes=32 << 20):
+        compressor = get_compressor(compressor)
+        policy = policy if policy is not None else CompressionPolicy()
+        if not isinstance(policy, CompressionPolicy):
+            raise ValueError(f"`policy` must be a tfgc.CompressionPolicy, got {policy!r}")
+        collectives.check_communication(communication, compressor)
+        if communication_options is None:
+            communication_options = collective_util.Options()
+        kwargs = dict(compressor=compressor, policy=policy, communication=communication,
+                      bucket_bytes=bucket_bytes)
+        # The parent's __init__ hard-codes its own extended class; build ours and
+        # hand it to the common Strategy base instead.
+        distribute_lib.Strategy.__init__(  # pylint: disable=non-parent-init-called
+            self, _CompressedExtended(self, cluster_resolver, communication_options, kwargs))
+
+    @property
+    def cross_device_ops(self) -> CompressedAllReduce:
+        return self.extended._cross_device_ops  # pylint: disable=protected-access
+
+    @property
+    def compressor(self):
+        return self.cross_device_ops.compressor
+
+    @compressor.setter
+    def compressor(self, value):
+        """Switches compressor; it takes effect when the train function is next traced."""
+        self.cross_device_ops.compressor = value
+
+    @property
+    def worker_index(self) -> int:
+        """This worker's index in the cluster (0 for a single worker)."""
+        extended = self.extended
+        if not getattr(extended, "_cluster_spec", None):
+            return 0
+        return multi_worker_util.id_in_cluster(
+            extended._cluster_spec, extended._task_type, extended._task_id)  # pylint: disable=protected-access
+
+    def compression_stats(self):
+        """Bytes of the last reduction and totals, as a dict of Python numbers."""
+        return self.cross_device_ops.stats.result()
+
+    def compression_state(self):
+        """The compressor state variables of this worker (residuals, counters)."""
+        return self.cross_device_ops.state
+
+    def reset_compression_state(self):
+        """Zeroes residuals and counters, e.g. after loading weights from a checkpoint."""
+        self.cross_device_ops.state.reset()

@@ -1,0 +1,460 @@
+"""Local multi-worker launcher: ``tfgc-launch --workers N -- python train.py ...``.
+
+Starts N copies of a command on this machine, each with its own ``TF_CONFIG``
+so that ``tf.distribute.MultiWorkerMirroredStrategy`` (and our subclass) can
+form a cluster over localhost.  The launcher's main job beyond spawning is
+failure handling: in a collective-based cluster a single dead worker leaves
+its peers blocked forever inside an all-reduce, so the launcher must notice
+the first failure, tear the whole cluster down (escalating to SIGKILL), and
+tell the user which worker died and why.
+
+The launcher itself deliberately uses only the standard library (argparse, not
+absl; no TensorFlow import) so that it starts instantly and cannot be broken
+by the code it launches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import IO, Iterable, Mapping, Sequence
+
+__all__ = [
+    "LaunchResult",
+    "launch",
+    "main",
+    "pick_free_ports",
+    "build_tf_config",
+    "TAIL_LINES",
+]
+
+PROG = "tfgc-launch"
+# How many trailing output lines of a failed worker are shown in the report.
+TAIL_LINES = 20
+# Main-loop polling period.  Small enough that failures are noticed promptly,
+# large enough to cost nothing measurable.
+_POLL_S = 0.05
+# Exit code used for --timeout, mirroring coreutils timeout(1).
+TIMEOUT_EXIT_CODE = 124
+# Exit code when a worker could not even be started (like a shell's 127).
+SPAWN_FAILURE_EXIT_CODE = 127
+
+
+@dataclasses.dataclass
+class LaunchResult:
+    """Outcome of :func:`launch`.
+
+    ``returncode`` is what the ``tfgc-launch`` process exits with: 0 when all
+    workers exited 0; the failing worker's exit code, or 128+signal when it was
+    killed by a signal; 124 on timeout; 128+signal when the launcher itself was
+    interrupted.  ``failed_worker`` is the index of the worker whose failure
+    brought the cluster down (None on success, timeout or interruption).
+    ``outputs`` holds each worker's full merged stdout/stderr, unprefixed.
+    ``message`` is a human-readable summary (the failure report on error).
+    """
+
+    returncode: int
+    failed_worker: int | None
+    outputs: list[str]
+    message: str
+    addresses: list[str] = dataclasses.field(default_factory=list)
+    worker_returncodes: list[int | None] = dataclasses.field(default_factory=list)
+    timed_out: bool = False
+    interrupted_by: int | None = None  # signal number, if the launcher was signalled
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+
+def pick_free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """Return ``n`` distinct ports that are currently free on ``host``.
+
+    All sockets stay bound until every port has been chosen; otherwise the
+    kernel could hand the same ephemeral port out twice.  There is an
+    unavoidable window between closing them and the workers binding, but the
+    kernel cycles through the ephemeral range, so reuse within that window is
+    very unlikely.
+    """
+    if n < 1:
+        raise ValueError(f"need at least one port, got {n}")
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
+                              socket.SOCK_STREAM)
+            socks.append(s)
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def build_tf_config(addresses: Sequence[str], index: int) -> dict:
+    """TF_CONFIG for worker ``index`` of a worker-only cluster."""
+    return {
+        "cluster": {"worker": list(addresses)},
+        "task": {"type": "worker", "index": index},
+    }
+
+
+def _format_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _exit_code_for(returncode: int) -> int:
+    """Map a Popen returncode to a shell-style exit status (never 0 for failures)."""
+    if returncode < 0:
+        return 128 + (-returncode)
+    if returncode > 255:  # cannot be represented by exit(); still must be non-zero
+        return 1
+    return returncode if returncode > 0 else 1
+
+
+class _Worker:
+    """One launched process plus the thread that relays its output."""
+
+    def __init__(self, index: int, address: str, proc: subprocess.Popen,
+                 output: IO[str], lock: threading.Lock):
+        self.index = index
+        self.address = address
+        self.proc = proc
+        self.prefix = f"[w{index}] "
+        self.lines: list[str] = []
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self._output = output
+        self._lock = lock
+        self._output_broken = False
+        self.reader = threading.Thread(
+            target=self._relay, name=f"tfgc-launch-w{index}", daemon=True)
+
+    def _relay(self) -> None:
+        # Read raw bytes and decode leniently: a worker printing invalid UTF-8
+        # must not kill the relay (that would eventually block the worker on
+        # a full pipe).
+        stream = self.proc.stdout
+        assert stream is not None
+        for raw in iter(stream.readline, b""):
+            line = raw.decode("utf-8", errors="replace")
+            if not line.endswith("\n"):
+                line += "\n"  # last line without newline: still keep lines whole
+            self.lines.append(line)
+            self.tail.append(line.rstrip("\n"))
+            if self._output_broken:
+                continue  # keep draining so the worker never blocks on the pipe
+            with self._lock:  # one whole line at a time across workers
+                try:
+                    self._output.write(self.prefix + line)
+                    self._output.flush()
+                except (OSError, ValueError):
+                    # e.g. `tfgc-launch ... | head`: stop echoing, keep draining.
+                    self._output_broken = True
+        try:
+            stream.close()
+        except OSError:
+            pass
+
+    def signal_group(self, signum: int) -> None:
+        # Each worker is its own session / process-group leader, so killpg also
+        # reaches anything it spawned (data loaders, compilers, shells).
+        try:
+            os.killpg(self.proc.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+
+class _SignalCatcher:
+    """Records SIGINT/SIGTERM delivered to the launcher while workers run.
+
+    Handlers are installed before the workers are spawned (so a Ctrl-C during
+    start-up is not lost) and restored afterwards.  Only possible from the main
+    thread; :func:`launch` called from another thread simply does not forward.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self._previous: dict[int, object] = {}
+
+    def _handler(self, signum, frame) -> None:  # noqa: ARG002
+        self.received.append(signum)
+
+    def __enter__(self) -> "_SignalCatcher":
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, prev in self._previous.items():
+            signal.signal(sig, prev)
+
+
+def _tail_report(worker: _Worker) -> str:
+    lines = list(worker.tail)
+    if not lines:
+        return "  (no output)"
+    return "\n".join(worker.prefix + line for line in lines)
+
+
+def launch(
+    command: Sequence[str],
+    num_workers: int,
+    env: Mapping[str, str] | None = None,
+    timeout: float | None = None,
+    grace: float = 5.0,
+    output: IO[str] | None = None,
+    *,
+    host: str = "127.0.0.1",
+    cwd: str | os.PathLike | None = None,
+) -> LaunchResult:
+    """Run ``command`` as ``num_workers`` local TF workers and wait for them.
+
+    ``env`` is laid over the launcher's own environment (it does not replace
+    it); the per-worker variables ``TF_CONFIG``, ``TFGC_WORKER_INDEX``,
+    ``TFGC_NUM_WORKERS`` and ``PYTHONUNBUFFERED`` always win.  Worker output
+    is echoed line by line, prefixed with ``[w{i}] ``, to ``output``
+    (default: the current ``sys.stdout``).  Nothing is printed to stderr here;
+    the CLI prints ``result.message`` on failure.
+
+    When called from the main thread, SIGINT/SIGTERM sent to this process are
+    forwarded to every worker's process group; workers still alive ``grace``
+    seconds later are SIGKILLed.  The same escalation is used when one worker
+    fails or ``timeout`` expires.
+    """
+    command = list(command)
+    if not command:
+        raise ValueError("no command given to launch")
+    if int(num_workers) != num_workers or num_workers < 1:
+        raise ValueError(f"num_workers must be a positive integer, got {num_workers!r}")
+    num_workers = int(num_workers)
+    if timeout is not None and timeout <= 0:
+        raise ValueError(f"timeout must be positive, got {timeout}")
+    if grace < 0:
+        raise ValueError(f"grace must be >= 0, got {grace}")
+    if output is None:
+        # Resolve at call time, not import time, so redirected/captured stdout works.
+        output = sys.stdout
+
+    ports = pick_free_ports(num_workers, host)
+    addresses = [_format_address(host, p) for p in ports]
+    base_env = dict(os.environ)
+    if env:
+        base_env.update({str(k): str(v) for k, v in env.items()})
+
+    lock = threading.Lock()
+    workers: list[_Worker] = []
+    start = time.monotonic()
+
+    with _SignalCatcher() as catcher:
+        # --- spawn -----------------------------------------------------------
+        for i in range(num_workers):
+            wenv = dict(base_env)
+            wenv.update({
+                "TF_CONFIG": json.dumps(build_tf_config(addresses, i)),
+                "TFGC_WORKER_INDEX": str(i),
+                "TFGC_NUM_WORKERS": str(num_workers),
+                "PYTHONUNBUFFERED": "1",
+            })
+            try:
+                proc = subprocess.Popen(
+                    command,
+                    env=wenv,
+                    cwd=cwd,
+                    stdin=subprocess.DEVNULL,  # workers have no terminal to read
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,  # merged, so lines keep their order
+                    start_new_session=True,    # own group: signal it as a unit
+                )
+            except OSError as exc:
+                _stop(workers, signal.SIGKILL, 0.0, catcher)
+                _join_readers(workers, 2.0)
+                msg = f"{PROG}: cannot start worker {i} ({command[0]!r}): {exc}"
+                return LaunchResult(
+                    returncode=SPAWN_FAILURE_EXIT_CODE, failed_worker=i,
+                    outputs=[''.join(w.lines) for w in workers] + [""] * (num_workers - len(workers)),
+                    message=msg, addresses=addresses,
+                    worker_returncodes=[w.proc.returncode for w in workers]
+                    + [None] * (num_workers - len(workers)))
+            worker = _Worker(i, addresses[i], proc, output, lock)
+            workers.append(worker)
+            worker.reader.start()
+
+        # --- supervise -------------------------------------------------------
+        failed: _Worker | None = None
+        timed_out = False
+        interrupted_by: int | None = None
+        while True:
+            if catcher.received:
+                interrupted_by = catcher.received[0]
+                # Forward the very signal the user sent (Ctrl-C -> SIGINT) so
+                # workers can run their own KeyboardInterrupt clean-up.
+                _stop(workers, interrupted_by, grace, catcher)
+                break
+            codes = [w.poll() for w in workers]
+            bad = [w for w, c in zip(workers, codes) if c not in (None, 0)]
+            if bad:
+                failed = bad[0]
+                # Peers are likely blocked in a collective waiting for the dead
+                # worker; they will never finish on their own.
+                _stop(workers, signal.SIGTERM, grace, catcher)
+                break
+            if all(c == 0 for c in codes):
+                break
+            if timeout is not None and time.monotonic() - start > timeout:
+                timed_out = True
+                _stop(workers, signal.SIGTERM, grace, catcher)
+                break
+            time.sleep(_POLL_S)
+
+        # Collect the remaining output.  Normally the pipes close when the
+        # workers exit; a leftover grandchild holding the pipe open is killed
+        # with its group rather than waited for.
+        _join_readers(workers, 2.0)
+        stragglers = [w for w in workers if w.reader.is_alive()]
+        for w in stragglers:
+            w.signal_group(signal.SIGKILL)
+        _join_readers(stragglers, 2.0)
+
+    outputs = ["".join(w.lines) for w in workers]
+    worker_codes = [w.proc.returncode for w in workers]
+    elapsed = time.monotonic() - start
+
+    if failed is not None:
+        rc = failed.proc.returncode
+        if rc < 0:
+            how = f"was killed by signal {-rc} ({_signal_name(-rc)})"
+        else:
+            how = f"exited with code {rc}"
+        shown = len(failed.tail)
+        what = "line" if shown == 1 else "lines"
+        message = (
+            f"{PROG}: worker {failed.index} {how} ({failed.address}); "
+            f"last {shown} {what} of its output:\n{_tail_report(failed)}"
+        )
+        return LaunchResult(_exit_code_for(rc), failed.index, outputs, message,
+                            addresses, worker_codes)
+    if interrupted_by is not None:
+        message = (f"{PROG}: received {_signal_name(interrupted_by)}; "
+                   f"stopped all {num_workers} workers")
+        return LaunchResult(128 + interrupted_by, None, outputs, message,
+                            addresses, worker_codes, interrupted_by=interrupted_by)
+    if timed_out:
+        message = (f"{PROG}: timed out after {timeout:g} s "
+                   f"(ran {elapsed:.1f} s); killed all {num_workers} workers")
+        return LaunchResult(TIMEOUT_EXIT_CODE, None, outputs, message,
+                            addresses, worker_codes, timed_out=True)
+    message = f"{PROG}: all {num_workers} workers exited with code 0 ({elapsed:.1f} s)"
+    return LaunchResult(0, None, outputs, message, addresses, worker_codes)
+
+
+def _stop(workers: Iterable[_Worker], first_signal: int, grace: float,
+          catcher: _SignalCatcher | None = None) -> None:
+    """Signal every worker group, wait up to ``grace`` s, then SIGKILL the rest.
+
+    The group is signalled even if its leader already exited, so orphans left
+    behind by a worker are cleaned up too.  A further SIGINT/SIGTERM to the
+    launcher during the grace period (impatient second Ctrl-C) skips straight
+    to SIGKILL.  Every worker is reaped before returning, so no zombies remain.
+    """
+    workers = list(workers)
+    seen = len(catcher.received) if catcher else 0
+    for w in workers:
+        w.signal_group(first_signal)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        if all(w.poll() is not None for w in workers):
+            break
+        if catcher is not None and len(catcher.received) > seen:
+            break
+        time.sleep(_POLL_S)
+    for w in workers:
+        # Unconditional: also reaches group members outliving their leader.
+        w.signal_group(signal.SIGKILL)
+    for w in workers:
+        try:
+            w.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # pragma: no cover - unkillable (D state)
+            pass
+
+
+def _join_readers(workers: Iterable[_Worker], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for w in workers:
+        w.reader.join(max(0.0, deadline - time.monotonic()))
+
+
+def _parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        usage=f"{PROG} --workers N [--host HOST] [--grace S] [--timeout S] -- COMMAND [ARGS...]",
+        description="Run COMMAND as N local TensorFlow multi-worker processes "
+                    "(TF_CONFIG set per worker), prefix their output with [w<i>], "
+                    "and stop the whole cluster as soon as one worker fails.",
+    )
+    parser.add_argument("--workers", "-n", type=int, required=True,
+                        help="number of worker processes")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address the workers bind to (default 127.0.0.1)")
+    parser.add_argument("--grace", type=float, default=5.0,
+                        help="seconds between SIGTERM/SIGINT and SIGKILL (default 5)")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="kill the cluster and fail if it runs longer than this")
+    # Split on the first "--" ourselves: argparse's REMAINDER would otherwise
+    # swallow or misinterpret options that belong to the worker command.
+    argv = list(argv)
+    if "--" in argv:
+        cut = argv.index("--")
+        own, command = argv[:cut], argv[cut + 1:]
+    else:
+        own, command = argv, []
+    args = parser.parse_args(own)
+    if not command:
+        parser.error("missing command: put it after '--', e.g. "
+                     f"{PROG} --workers 2 -- python train.py")
+    if args.workers < 1:
+        parser.error("--workers must be >= 1")
+    if args.grace < 0:
+        parser.error("--grace must be >= 0")
+    if args.timeout is not None and args.timeout <= 0:
+        parser.error("--timeout must be > 0")
+    return args, command
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry point; returns the exit status (console scripts sys.exit it)."""
+    args, command = _parse_args(sys.argv[1:] if argv is None else argv)
+    result = launch(command, args.workers, timeout=args.timeout, grace=args.grace,
+                    output=sys.stdout, host=args.host)
+    if result.returncode != 0:
+        try:
+            sys.stdout.flush()
+        except (OSError, ValueError):
+            pass
+        print(result.message, file=sys.stderr, flush=True)
+    return result.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""``tfgc-train``: train a model with compressed gradients on a local or TF_CONFIG cluster.
+
+    tfgc-train --workers 2 --dataset fashion_mnist --model mlp --compressor "ef+topk:ratio=0.01"
+    tfgc-train --workers 2 --dataset fashion_mnist --model mlp --baseline
+
+With ``--workers N`` (N > 1) and no ``TF_CONFIG`` in the environment, it starts a
+local cluster of N copies of itself through ``tfgc-launch``; with ``TF_CONFIG`` set it
+runs as that one worker. Worker 0 prints test accuracy, bytes per step, compression
+ratio and step time, and a final ``RESULT {json}`` line.
+"""
+
+import json
+import os
+import sys
+import time
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+
+flags.DEFINE_string("compressor", "ef+topk:ratio=0.01",
+                    "Compressor spec, e.g. 'none', 'qsgd:levels=7', 'ef+topk:ratio=0.001'.")
+flags.DEFINE_enum("model", "mlp", ["mlp", "cnn"], "Model to train.")
+flags.DEFINE_enum("dataset", "fashion_mnist", ["fashion_mnist", "mnist5k", "synthetic"],
+                  "Data set; each worker trains on its own shard.")
+flags.DEFINE_integer("epochs", 2, "Epochs over each worker's shard.", lower_bound=1)
+flags.DEFINE_integer("batch_size", 64, "Batch size per worker.", lower_bound=1)
+flags.DEFINE_float("learning_rate", 0.05, "Learning rate.", lower_bound=0.0)
+flags.DEFINE_enum("optimizer", "momentum", ["sgd", "momentum", "adam"], "Optimizer.")
+flags.DEFINE_integer("workers", 1, "Workers to launch locally when TF_CONFIG is not set.",
+                     lower_bound=1)
+flags.DEFINE_bool("baseline", False, "Use stock tf.distribute.MultiWorkerMirroredStrategy.")
+flags.DEFINE_integer("seed", 0, "Seed for weights, data order and compressors.")
+flags.DEFINE_integer("min_elements", 1024, "Gradients with fewer elements are sent dense.",
+                     lower_bound=0)
+flags.DEFINE_enum("communication", "auto", ["auto", "allreduce", "allgather"],
+                  "How compressed payloads cross the wire.")
+flags.DEFINE_integer("steps_per_epoch", 0, "Cap on steps per epoch (0: a full shard).",
+                     lower_bound=0)
+flags.DEFINE_string("save_weights", "", "If set, each worker saves its final weights to "
+                    "PATH.w<index>.npz.")
+flags.DEFINE_string("json_out", "", "If set, worker 0 writes its results here as JSON.")
+flags.DEFINE_integer("timeout", 0, "With --workers, stop the local cluster after this many "
+                     "seconds (0: no limit).", lower_bound=0)
+
+
+def worker_info(strategy):
+    """(index, count) of this worker in the strategy's cluster."""
+    from tensorflow.python.distribute import multi_worker_util
+    resolver = strategy.cluster_resolver
+    spec = resolver.cluster_spec()
+    if not spec.as_dict():
+        return 0, 1
+    return (multi_worker_util.id_in_cluster(spec, resolver.task_type, resolver.task_id),
+            multi_worker_util.worker_count(spec, resolver.task_type))
+
+
+def make_optimizer(name, learning_rate):
+    import tf_keras as keras
+    if name == "sgd":
+        return keras.optimizers.SGD(learning_rate)
+    if name == "momentum":
+        return keras.optimizers.SGD(learning_rate, momentum=0.9)
+    return keras.optimizers.Adam(learning_rate)
+
+
+def make_step_timer():
+    """A Keras callback recording each training batch's wall time (``median_ms()``)."""
+    import numpy as np
+    import tf_keras as keras
+
+    class StepTimer(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.durations = []
+            self._start = None
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self._start = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.durations.append(time.perf_counter() - self._start)
+
+        def median_ms(self, skip=5):
+            # The first batches include tracing and cluster warm-up.
+            kept = self.durations[skip:] if len(self.durations) > skip else self.durations
+            return float(np.median(kept) * 1e3) if kept else 0.0
+
+    return StepTimer()
+
+
+def train_and_evaluate(strategy, *, model="mlp", dataset="mnist5k", epochs=1, batch_size=64,
+                       learning_rate=0.05, optimizer="momentum", seed=0, steps_per_epoch=0,
+                       data=None, verbose=None, callbacks=()):
+    """Trains ``model`` on this worker's shard of ``dataset`` under ``strategy``.
+
+    Returns a dict of results (accuracy, bytes, ratio, step time) and the model.
+    ``data`` may pass a loaded ``tfgc.data.Dataset`` to skip loading.
+    """
+    import numpy as np
+    import tf_keras as keras
+
+    from tfgc import data as data_lib
+    from tfgc import models
+
+    rank, num_workers = worker_info(strategy)
+    ds = data if data is not None else data_lib.load_dataset(dataset, seed=seed)
+    x, y = data_lib.shard(ds.x_train, ds.y_train, rank, num_workers)
+    # Every worker must run the same number of steps: a worker with one more would
+    # wait forever in its all-reduce. Shards differ by at most one example.
+    per_worker = len(ds.x_train) // num_workers
+    steps = per_worker // batch_size
+    if steps_per_epoch:
+        steps = min(steps, steps_per_epoch)
+    if steps < 1:
+        raise ValueError(f"batch_size {batch_size} is larger than a worker's shard ({per_worker})")
+    train_ds = data_lib.make_tf_dataset(x, y, batch_size, seed=seed + rank, repeat=True)
+    test_ds = data_lib.make_tf_dataset(ds.x_test, ds.y_test, 500, shuffle=False,
+                                       drop_remainder=False)
+
+    with strategy.scope():
+        net = models.build_model(model, input_shape=ds.x_train.shape[1:],
+                                 num_classes=ds.num_classes, seed=seed)
+        net.compile(optimizer=make_optimizer(optimizer, learning_rate),
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                    metrics=["accuracy"])
+
+    timer = make_step_timer()
+    all_callbacks = [timer] + list(callbacks)
+    stats_cb = None
+    if hasattr(strategy, "compression_stats"):
+        from tfgc.keras import CompressionStatsCallback
+        stats_cb = CompressionStatsCallback(strategy)
+        all_callbacks.append(stats_cb)
+    if verbose is None:
+        verbose = 2 if rank == 0 else 0
+    start = time.perf_counter()
+    net.fit(train_ds, epochs=epochs, steps_per_epoch=steps, callbacks=all_callbacks,
+            verbose=verbose)
+    train_seconds = time.perf_counter() - start
+    loss, accuracy = net.evaluate(test_ds, verbose=0)
+
+    dense_bytes = sum(int(np.prod(v.shape)) * v.dtype.size for v in net.trainable_variables)
+    if stats_cb is not None:
+        stats = strategy.compression_stats()
+        sent_bytes, dense_reduced = stats["sent_bytes"], stats["dense_bytes"]
+    else:
+        sent_bytes = dense_reduced = dense_bytes
+    results = {
+        "compressor": (getattr(strategy, "compressor", None) and
+                       _spec(strategy.compressor)) or "baseline",
+        "baseline": stats_cb is None,
+        "model": model, "dataset": ds.name, "workers": num_workers, "rank": rank,
+        "epochs": epochs, "steps_per_epoch": steps, "batch_size": batch_size,
+        "test_accuracy": float(accuracy), "test_loss": float(loss),
+        "dense_bytes_per_step": int(dense_reduced), "sent_bytes_per_step": int(sent_bytes),
+        "ratio": (dense_reduced / sent_bytes) if sent_bytes else 0.0,
+        "step_time_ms": timer.median_ms(), "train_seconds": train_seconds,
+    }
+    return results, net
+
+
+def _spec(compressor):
+    from tfgc.compressors import serialize
+    try:
+        return serialize(compressor)
+    except ValueError:
+        return repr(compressor)
+
+
+def _launch_local_cluster(argv):
+    from tfgc.launch import launch
+    command = [sys.executable, "-m", "tfgc.train"] + list(argv[1:])
+    result = launch(command, FLAGS.workers, timeout=FLAGS.timeout or None)
+    if not result.ok:
+        print(result.message, file=sys.stderr)
+    return result.returncode
+
+
+def main(argv):
+    if FLAGS.workers > 1 and not os.environ.get("TF_CONFIG"):
+        sys.exit(_launch_local_cluster(argv))
+
+    import numpy as np
+    import tensorflow as tf
+    import tf_keras
+
+    import tfgc
+
+    if FLAGS.baseline:
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    else:
+        strategy = tfgc.CompressedMultiWorkerMirroredStrategy(
+            compressor=FLAGS.compressor,
+            policy=tfgc.CompressionPolicy(min_elements=FLAGS.min_elements),
+            communication=FLAGS.communication)
+    tf_keras.utils.set_random_seed(FLAGS.seed)
+    results, net = train_and_evaluate(
+        strategy, model=FLAGS.model, dataset=FLAGS.dataset, epochs=FLAGS.epochs,
+        batch_size=FLAGS.batch_size, learning_rate=FLAGS.learning_rate,
+        optimizer=FLAGS.optimizer, seed=FLAGS.seed, steps_per_epoch=FLAGS.steps_per_epoch)
+
+    if FLAGS.save_weights:
+        np.savez(f"{FLAGS.save_weights}.w{results['rank']}.npz",
+                 *[w.numpy() for w in net.weights])
+    if results["rank"] == 0:
+        print(f"compressor     {results['compressor']}")
+        print(f"test accuracy  {results['test_accuracy']:.4f}")
+        print(f"bytes/step     {results['sent_bytes_per_step']:,} sent of "
+              f"{results['dense_bytes_per_step']:,} dense (ratio {results['ratio']:.1f}x)")
+        print(f"step time      {results['step_time_ms']:.2f} ms (median)")
+        print("RESULT " + json.dumps(results, sort_keys=True))
+        if FLAGS.json_out:
+            with open(FLAGS.json_out, "w") as f:
+                json.dump(results, f, indent=2, sort_keys=True)
+
+
+def run():
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()
