@@ -168,9 +168,10 @@ def _spec(compressor):
         return repr(compressor)
 
 
-def _launch_local_cluster(argv):
+def _launch_local_cluster():
     from tfgc.launch import launch
-    command = [sys.executable, "-m", "tfgc.train"] + list(argv[1:])
+    # absl hands main() only the positional arguments; the workers need every flag.
+    command = [sys.executable, "-m", "tfgc.train"] + sys.argv[1:]
     result = launch(command, FLAGS.workers, timeout=FLAGS.timeout or None)
     if not result.ok:
         print(result.message, file=sys.stderr)
@@ -179,7 +180,7 @@ def _launch_local_cluster(argv):
 
 def main(argv):
     if FLAGS.workers > 1 and not os.environ.get("TF_CONFIG"):
-        sys.exit(_launch_local_cluster(argv))
+        sys.exit(_launch_local_cluster())
 
     import numpy as np
     import tensorflow as tf

@@ -1,0 +1,279 @@
+"""Invariants of every compressor, checked on one process (no cluster)."""
+
+import math
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfgc
+from tfgc.compressors import (BF16, FP16, QSGD, CompressContext, ErrorFeedback, Identity, OneBit,
+                              RandomK, ScaledSign, SignSGD, TernGrad, TopK)
+
+ALL_SPECS = ["none", "fp16", "bf16", "topk:ratio=0.05", "ef+topk:ratio=0.05", "randomk:ratio=0.1",
+             "onebit", "signsgd", "efsignsgd", "qsgd", "qsgd:levels=7,bucket_size=128", "terngrad"]
+
+
+def ctx(step=0, rank=0, index=0, num_workers=2):
+    return CompressContext(rank=rank, num_workers=num_workers, index=index,
+                           step=tf.constant(step, tf.int64))
+
+
+def roundtrip(compressor, x, state=None, c=None):
+    c = c or ctx()
+    state = compressor.init_state(x.shape, x.dtype) if state is None else state
+    payload, new_state = compressor.compress(x, state, c)
+    return payload, new_state, compressor.decompress(payload, x.shape, x.dtype, c)
+
+
+def assert_unbiased(draws, target, variance):
+    """Monte-Carlo check of E[draw] = target, given each coordinate's exact variance."""
+    mean = draws.mean(axis=0)
+    exact = variance < 1e-12
+    np.testing.assert_allclose(mean[exact], target[exact], rtol=1e-5, atol=1e-6)
+    z = (mean - target)[~exact] / np.sqrt(variance[~exact] / len(draws))
+    assert np.mean(np.abs(z) < 4.0) > 0.99
+    assert 0.6 < np.mean(z ** 2) < 1.4  # chi-square per degree of freedom
+
+
+# -- registry and configuration -------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS)
+def test_string_and_config_round_trip(spec):
+    c = tfgc.get_compressor(spec)
+    assert tfgc.get_compressor(tfgc.serialize(c)) == c
+    config = tfgc.compressors.serialize_config(c)
+    assert tfgc.get_compressor(config) == c
+    # get_config returns exactly the constructor's arguments.
+    assert type(c)(**c.get_config()) == c
+
+
+def test_registry_builds_what_the_string_says():
+    c = tfgc.get_compressor("qsgd:levels=7,bucket_size=128,norm=max")
+    assert isinstance(c, QSGD) and (c.levels, c.bucket_size, c.norm) == (7, 128, "max")
+    ef = tfgc.get_compressor("ef+topk:ratio=0.001")
+    assert isinstance(ef, ErrorFeedback) and isinstance(ef.inner, TopK) and ef.inner.ratio == 0.001
+    # Error feedback is part of 1-bit SGD and EF-signSGD, so their names include it.
+    assert isinstance(tfgc.get_compressor("onebit").inner, OneBit)
+    assert isinstance(tfgc.get_compressor("efsignsgd").inner, ScaledSign)
+    assert tfgc.get_compressor("ef+onebit") == tfgc.get_compressor("onebit")
+    assert isinstance(tfgc.get_compressor(None), Identity)
+    assert isinstance(tfgc.get_compressor({"name": "fp16"}), FP16)
+    assert isinstance(tfgc.get_compressor("bf16"), BF16)
+    inst = TopK(ratio=0.5)
+    assert tfgc.get_compressor(inst) is inst
+
+
+@pytest.mark.parametrize("build, argument", [
+    (lambda: TopK(ratio=0), "ratio"),
+    (lambda: TopK(ratio=1.5), "ratio"),
+    (lambda: TopK(ratio="a"), "ratio"),
+    (lambda: TopK(k=-1), "k"),
+    (lambda: RandomK(ratio=-0.1), "ratio"),
+    (lambda: RandomK(seed=-3), "seed"),
+    (lambda: RandomK(unbiased="yes"), "unbiased"),
+    (lambda: QSGD(levels=0), "levels"),
+    (lambda: QSGD(levels=1 << 20), "levels"),
+    (lambda: QSGD(bucket_size=0), "bucket_size"),
+    (lambda: QSGD(norm="l3"), "norm"),
+    (lambda: TernGrad(clip=-1.0), "clip"),
+    (lambda: TernGrad(clip=float("nan")), "clip"),
+    (lambda: tfgc.get_compressor("topk:ratio=2"), "ratio"),
+    (lambda: tfgc.get_compressor("topk:bogus=1"), "bogus"),
+    (lambda: tfgc.get_compressor("qsgd:levels"), "levels"),
+    (lambda: tfgc.get_compressor("nosuch"), "nosuch"),
+    (lambda: tfgc.get_compressor("zz+topk"), "zz"),
+    (lambda: tfgc.CompressionPolicy(min_elements=-1), "min_elements"),
+    (lambda: tfgc.CompressedMultiWorkerMirroredStrategy(compressor="topk", communication="allreduce"),
+     "allreduce"),
+    (lambda: tfgc.CompressedMultiWorkerMirroredStrategy(compressor="topk", communication="ring"),
+     "communication"),
+    (lambda: tfgc.CompressedMultiWorkerMirroredStrategy(compressor="topk:ratio=0"), "ratio"),
+])
+def test_invalid_hyperparameters_fail_at_construction(build, argument):
+    with pytest.raises(ValueError, match=argument):
+        build()
+
+
+# -- error feedback -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("inner", ["topk:ratio=0.05", "randomk:ratio=0.1", "onebit", "scaledsign",
+                                   "qsgd:levels=3", "terngrad", "signsgd"])
+def test_error_feedback_conserves_mass(inner):
+    """sum_t decoded_t + e_T == sum_t g_t."""
+    ef = tfgc.get_compressor("ef+" + inner)
+    rng = np.random.default_rng(0)
+    shape = (40, 30)
+    state = ef.init_state(tf.TensorShape(shape), tf.float32)
+    sent_total = np.zeros(shape)
+    grad_total = np.zeros(shape)
+    for step in range(6):
+        g = rng.normal(size=shape).astype(np.float32)
+        c = ctx(step=step)
+        payload, state = ef.compress(tf.constant(g), state, c)
+        sent_total += ef.decompress(payload, tf.TensorShape(shape), tf.float32, c).numpy()
+        grad_total += g
+    np.testing.assert_allclose(sent_total + state["residual"].numpy(), grad_total,
+                               rtol=1e-5, atol=1e-4)
+
+
+# -- sparsifiers ------------------------------------------------------------------------
+
+
+def test_topk_keeps_exactly_the_k_largest():
+    x = tf.random.stateless_normal([1000], seed=[1, 2])
+    c = TopK(ratio=0.013)
+    (values, indices), _, decoded = roundtrip(c, x)
+    k = math.ceil(0.013 * 1000)
+    assert values.shape == [k] and len(set(indices.numpy())) == k
+    mags = np.abs(x.numpy())
+    kept = np.zeros(1000, bool)
+    kept[indices.numpy()] = True
+    assert mags[kept].min() >= mags[~kept].max()
+    np.testing.assert_array_equal(decoded.numpy()[kept], x.numpy()[kept])
+    assert not decoded.numpy()[~kept].any()
+
+
+def test_topk_aggregate_sums_overlapping_entries():
+    c = TopK(k=2)
+    a = tf.constant([5.0, 0, 0, -4, 0, 0])
+    b = tf.constant([3.0, 0, 7, 0, 0, 0])
+    pa, _ = c.compress(a, {}, ctx())
+    pb, _ = c.compress(b, {}, ctx())
+    out = c.aggregate([pa, pb], a.shape, tf.float32, ctx())
+    np.testing.assert_array_equal(out.numpy(), [8, 0, 7, -4, 0, 0])
+
+
+def test_randomk_indices_shared_across_workers_and_fresh_each_step():
+    c = RandomK(ratio=0.05, seed=3)
+    shape = tf.TensorShape([400])
+    idx = lambda **kw: set(c._indices(shape, ctx(**kw)).numpy())  # noqa: E731
+    assert idx(step=4, rank=0) == idx(step=4, rank=1)
+    assert idx(step=4, rank=0) != idx(step=5, rank=0)
+    assert idx(step=4, index=0) != idx(step=4, index=1)
+    assert len(idx(step=4)) == 20
+    # Summable: decoding the sum of payloads equals the sum of decodings.
+    x0, x1 = tf.random.normal([400]), tf.random.normal([400])
+    p0, _ = c.compress(x0, {}, ctx(step=2, rank=0))
+    p1, _ = c.compress(x1, {}, ctx(step=2, rank=1))
+    summed = c.decompress((p0[0] + p1[0],), shape, tf.float32, ctx(step=2))
+    separate = c.decompress(p0, shape, tf.float32, ctx(step=2)) + \
+        c.decompress(p1, shape, tf.float32, ctx(step=2))
+    np.testing.assert_allclose(summed.numpy(), separate.numpy(), atol=1e-6)
+
+
+# -- quantizers -------------------------------------------------------------------------
+
+
+def test_onebit_decodes_to_per_column_means():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(64, 7)).astype(np.float32)
+    x[:, 3] = np.abs(x[:, 3])  # a column with no negative entry
+    payload, _, decoded = roundtrip(OneBit(), tf.constant(x))
+    d = decoded.numpy()
+    for j in range(7):
+        col, dec = x[:, j], d[:, j]
+        pos = col >= 0
+        np.testing.assert_allclose(dec[pos], col[pos].mean(), rtol=1e-5)
+        if (~pos).any():
+            np.testing.assert_allclose(dec[~pos], col[~pos].mean(), rtol=1e-5)
+        assert len(np.unique(dec)) <= 2
+        # The means preserve each column's sum, so the residual sums to zero.
+        np.testing.assert_allclose(dec.sum(), col.sum(), rtol=1e-4, atol=1e-4)
+    assert [int(t.shape.num_elements()) for t in payload] == [math.ceil(64 * 7 / 32), 7, 7]
+
+
+def test_signsgd_majority_vote():
+    c = SignSGD()
+    xs = [tf.constant([1.0, -2, 3, -1]), tf.constant([2.0, -1, -3, 1]), tf.constant([-1.0, -1, 5, 2])]
+    payloads = [c.compress(x, {}, ctx())[0] for x in xs]
+    out = c.aggregate(payloads, xs[0].shape, tf.float32, ctx(num_workers=3))
+    expected = np.sign(np.sum([np.sign(x.numpy()) for x in xs], axis=0))
+    np.testing.assert_array_equal(out.numpy(), expected)
+
+
+def test_scaled_sign_preserves_l1_norm():
+    x = tf.random.stateless_normal([333], seed=[4, 5])
+    _, _, decoded = roundtrip(ScaledSign(), x)
+    np.testing.assert_allclose(np.abs(decoded.numpy()).sum(), np.abs(x.numpy()).sum(), rtol=1e-5)
+    np.testing.assert_array_equal(np.sign(decoded.numpy()), np.where(x.numpy() >= 0, 1, -1))
+
+
+@pytest.mark.parametrize("levels, bucket, norm", [(1, 64, "l2"), (4, 100, "l2"), (7, 128, "max")])
+def test_qsgd_unbiased_and_within_variance_bound(levels, bucket, norm):
+    rng = np.random.default_rng(2)
+    v = rng.normal(size=300).astype(np.float32)
+    v[::7] = 0.0
+    c = QSGD(levels=levels, bucket_size=bucket, norm=norm, seed=11)
+    draws = np.stack([
+        roundtrip(c, tf.constant(v), c=ctx(step=t))[2].numpy() for t in range(400)])
+    # Exact per-coordinate variance: norm/s * (l + Bernoulli(p)).
+    chunks = np.array_split(v, range(bucket, len(v), bucket))
+    norms = np.concatenate([np.full(len(ch), np.linalg.norm(ch) if norm == "l2"
+                                    else np.abs(ch).max()) for ch in chunks])
+    scaled = levels * np.abs(v) / norms
+    p = scaled - np.floor(scaled)
+    variance = (norms / levels) ** 2 * p * (1 - p)
+    assert_unbiased(draws, v, variance)
+    # Outputs lie on the levels {±norm * l / s} of their bucket; zeros stay zero.
+    assert np.all(draws[:, ::7] == 0)
+    if norm == "l2":
+        d = bucket
+        mse = np.mean(np.sum((draws - v) ** 2, axis=1))
+        bound = sum(min(d / levels ** 2, math.sqrt(d) / levels) * np.sum(chunk ** 2)
+                    for chunk in np.array_split(v, range(bucket, len(v), bucket)))
+        assert mse <= bound * 1.05
+
+
+def test_qsgd_wire_size():
+    c = QSGD(levels=7, bucket_size=128)
+    payload, _, _ = roundtrip(c, tf.random.normal([1000]))
+    norms, words = payload
+    assert c.bits == 4 and norms.shape == [8] and words.shape == [math.ceil(1000 * 4 / 32)]
+    assert QSGD(levels=127).bits == 8 and QSGD(levels=1).bits == 2
+
+
+def test_terngrad_values_are_ternary_and_unbiased():
+    g = tf.random.stateless_normal([2000], seed=[7, 8])
+    c = TernGrad(seed=5)
+    clipped = np.clip(g.numpy(), -2.5 * g.numpy().std(), 2.5 * g.numpy().std())
+    s = np.abs(clipped).max()
+    draws = np.stack([roundtrip(c, g, c=ctx(step=t))[2].numpy() for t in range(300)])
+    assert set(np.unique(draws)) <= {-s, 0.0, s} or np.allclose(
+        np.unique(np.abs(draws)), [0.0, s], rtol=1e-6)
+    p = np.abs(clipped) / s
+    assert_unbiased(draws, clipped, s ** 2 * p * (1 - p))
+
+
+def test_stochastic_compressors_differ_across_workers_and_steps():
+    x = tf.random.normal([50, 40])
+    c = QSGD(levels=2)
+    a = roundtrip(c, x, c=ctx(step=1, rank=0))[2].numpy()
+    assert np.array_equal(a, roundtrip(c, x, c=ctx(step=1, rank=0))[2].numpy())
+    assert not np.array_equal(a, roundtrip(c, x, c=ctx(step=1, rank=1))[2].numpy())
+    assert not np.array_equal(a, roundtrip(c, x, c=ctx(step=2, rank=0))[2].numpy())
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS)
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float16, tf.bfloat16])
+def test_every_compressor_handles_half_precision_and_odd_sizes(spec, dtype):
+    c = tfgc.get_compressor(spec)
+    x = tf.cast(tf.random.stateless_normal([37, 3], seed=[1, 1]), dtype)
+    payload, _, decoded = roundtrip(c, x)
+    assert decoded.shape == x.shape and decoded.dtype == dtype
+    assert np.all(np.isfinite(tf.cast(decoded, tf.float32).numpy()))
+    agg = c.aggregate([payload, payload], x.shape, dtype, ctx())
+    assert agg.shape == x.shape and agg.dtype == dtype
+
+
+def test_policy_keeps_small_and_vector_gradients_dense():
+    policy = tfgc.CompressionPolicy(min_elements=100)
+    topk = TopK()
+    assert policy.should_compress(tf.zeros([20, 10]), topk)
+    assert not policy.should_compress(tf.zeros([9, 10]), topk)
+    assert not policy.should_compress(tf.zeros([1000]), topk)
+    assert not policy.should_compress(tf.zeros([20, 10], tf.int32), topk)
+    assert tfgc.CompressionPolicy(min_elements=100, compress_vectors=True).should_compress(
+        tf.zeros([1000]), topk)
