@@ -38,6 +38,12 @@ def gather_payloads(launcher, payloads: List[Sequence[tf.Tensor]], num_workers: 
     Returns:
       For each gradient, the list of all workers' payloads in group-rank order.
     """
+    for payload in payloads:
+        for t in payload:
+            if not t.shape.is_fully_defined():
+                raise ValueError(
+                    f"all-gather needs payloads of static shape, got {t.shape} ({t.dtype.name}); "
+                    "a compressor with data-dependent payload sizes needs a padded exchange")
     words = [payload_words(p) for p in payloads]
     sizes = [int(w.shape[0]) for w in words]
     buckets, current, current_bytes = [], [], 0
