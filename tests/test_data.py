@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gzip
 import os
-import shutil
 import struct
 
 import numpy as np
