@@ -171,6 +171,10 @@ def test_failing_worker_stops_cluster_cli(tmp_path):
 def test_worker_killed_by_signal_is_reported(tmp_path):
     script = _write(tmp_path, "die.py", _PREAMBLE + """
     if i == 1:
+        # Wait until worker 0 has recorded its pid, so the test can check it is reaped.
+        deadline = time.time() + 20
+        while not os.path.exists(os.path.join(out, "pid0")) and time.time() < deadline:
+            time.sleep(0.02)
         print("about to die", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(600)
@@ -192,13 +196,14 @@ def test_timeout_kills_cluster(tmp_path, capsys):
     time.sleep(600)
     """)
     start = time.monotonic()
-    rc = tl.main(["--workers", "2", "--timeout", "1", "--grace", "1", "--",
+    # 3 s: long enough for both workers to start and record their pids on a busy machine.
+    rc = tl.main(["--workers", "2", "--timeout", "3", "--grace", "1", "--",
                   sys.executable, script, str(tmp_path)])
     elapsed = time.monotonic() - start
     captured = capsys.readouterr()
     assert rc == tl.TIMEOUT_EXIT_CODE != 0
-    assert elapsed < 15
-    assert "timed out after 1 s" in captured.err
+    assert elapsed < 20
+    assert "timed out after 3 s" in captured.err
     assert "[w0] sleeping" in captured.out and "[w1] sleeping" in captured.out
     assert _wait_gone(_read_pids(tmp_path, 2, timeout=1)) == []
 
