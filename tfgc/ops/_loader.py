@@ -5,7 +5,7 @@ optional: every op has a pure-TensorFlow reference that is used whenever the
 library is missing, fails to load, or is switched off with
 ``TFGC_DISABLE_CUSTOM_OPS=1``.
 
-The environment variable is read on every call rather than once at import so
+``TFGC_DISABLE_CUSTOM_OPS`` is read on every call rather than once at import so
 that tests (and users debugging a numerical difference) can flip between the
 two implementations inside one process. Ops dispatch when they are called, so
 inside a ``tf.function`` the choice is made at trace time.
@@ -18,6 +18,8 @@ from absl import logging
 
 LIBRARY_NAME = "_tfgc_ops.so"
 DISABLE_ENV_VAR = "TFGC_DISABLE_CUSTOM_OPS"
+# Loads the library from another path (a private build, a packaged copy).
+LIBRARY_ENV_VAR = "TFGC_OPS_LIBRARY"
 
 _lock = threading.Lock()
 _attempted = False
@@ -25,7 +27,13 @@ _library = None
 
 
 def library_path():
-    """Absolute path where the compiled op library is expected."""
+    """Absolute path where the compiled op library is expected.
+
+    ``TFGC_OPS_LIBRARY`` overrides the default, the library next to this file.
+    """
+    override = os.environ.get(LIBRARY_ENV_VAR, "").strip()
+    if override:
+        return os.path.abspath(override)
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), LIBRARY_NAME)
 
 
