@@ -130,6 +130,16 @@ class Compressor(abc.ABC):
         payload, new_state = self.compress(x, state, ctx)
         return payload, new_state, self.decompress(payload, x.shape, x.dtype, ctx)
 
+    def compress_with_feedback(self, x, residual, state, ctx):
+        """Compresses v = x + residual; returns ``(payload, new_state, v - decode(payload))``.
+
+        ``ErrorFeedback`` calls this. Compressors with a fused kernel (add the
+        residual, select, write the new residual in one pass) override it.
+        """
+        v = x + residual
+        payload, new_state, decoded = self.compress_and_decode(v, state, ctx)
+        return payload, new_state, v - decoded
+
     def aggregate(self, payloads: Sequence[Payload], shape: tf.TensorShape,
                   dtype: tf.DType, ctx: CompressContext) -> tf.Tensor:
         """Combines the payloads of all workers (in rank order) into one tensor.

@@ -51,13 +51,9 @@ class ErrorFeedback(Compressor):
         return {"residual": tf.zeros(shape, dtype), "inner": self.inner.init_state(shape, dtype)}
 
     def compress(self, x, state, ctx):
-        payload, new_state, _ = self.compress_and_decode(x, state, ctx)
-        return payload, new_state
-
-    def compress_and_decode(self, x, state, ctx):
-        v = x + state["residual"]
-        payload, inner_state, decoded = self.inner.compress_and_decode(v, state["inner"], ctx)
-        return payload, {"residual": v - decoded, "inner": inner_state}, decoded
+        payload, inner_state, residual = self.inner.compress_with_feedback(
+            x, state["residual"], state["inner"], ctx)
+        return payload, {"residual": residual, "inner": inner_state}
 
     def decompress(self, payload, shape, dtype, ctx):
         return self.inner.decompress(payload, shape, dtype, ctx)

@@ -31,20 +31,22 @@ class OneBit(Compressor):
     summable = False
     requires_error_feedback = True
 
-    def _matrix(self, x):
-        rows, cols = as_columns(x.shape)
-        return tf.reshape(x, [rows, cols]), rows, cols
+    def _quantize(self, v):
+        """Returns the payload and v - decode(payload), which the kernel computes in passing."""
+        rows, cols = as_columns(v.shape)
+        words, pos, neg, residual = sign_bits.onebit_quantize(tf.reshape(v, [rows, cols]))
+        return (words, pos, neg), tf.reshape(residual, v.shape)
 
     def compress(self, x, state, ctx):
-        payload, state, _ = self.compress_and_decode(x, state, ctx)
-        return payload, state
+        return self._quantize(x)[0], state
 
     def compress_and_decode(self, x, state, ctx):
-        m, _, _ = self._matrix(x)
-        words, pos, neg, residual = sign_bits.onebit_quantize(m)
-        # The kernel returns x - decode(x) as a by-product; recover the decode from it.
-        decoded = tf.reshape(m - residual, x.shape)
-        return (words, pos, neg), state, decoded
+        payload, residual = self._quantize(x)
+        return payload, state, x - residual
+
+    def compress_with_feedback(self, x, residual, state, ctx):
+        payload, new_residual = self._quantize(x + residual)
+        return payload, state, new_residual
 
     def decompress(self, payload, shape, dtype, ctx):
         words, pos, neg = payload
