@@ -17,6 +17,18 @@ Environment knobs:
     CXX                     compiler to use (default g++)
     TFGC_BUILD_JOBS         parallel compile jobs (default 2)
     TFGC_BUILD_CUSTOM_OPS=0 skip the custom-op library entirely
+    TFGC_BUILD_CUDA=0       CPU-only library even with a CUDA-enabled TensorFlow
+    NVCC                    CUDA compiler (default: nvcc on PATH, then $CUDA_HOME/bin)
+    TFGC_CUDA_ARCH          comma-separated GPU targets, e.g. "sm_80,sm_90"
+                            (default: nvcc's own default)
+    TFGC_CUDA_LDFLAGS       link flags for the CUDA runtime
+                            (default: nvcc's static libcudart_static.a)
+
+With a CUDA-enabled TensorFlow (tf.test.is_built_with_cuda()) and an nvcc of
+the same CUDA major version as TensorFlow's build, the *.cu.cc kernels are
+compiled with nvcc and linked in, and every .cc file is compiled with
+-DGOOGLE_CUDA=1 so that it registers its GPU kernels. Otherwise the library is
+CPU-only, exactly as without CUDA support.
 """
 
 import glob
@@ -75,7 +87,10 @@ def _tensorflow_build_info():
         "import json, tensorflow as tf;"
         "print(json.dumps({'version': tf.__version__,"
         " 'cflags': tf.sysconfig.get_compile_flags(),"
-        " 'lflags': tf.sysconfig.get_link_flags()}))"
+        " 'lflags': tf.sysconfig.get_link_flags(),"
+        " 'cuda': bool(tf.test.is_built_with_cuda()),"
+        " 'cuda_version': str(getattr(tf.sysconfig, 'get_build_info', dict)()"
+        ".get('cuda_version', ''))}))"
     )
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
     try:
@@ -116,6 +131,79 @@ def _mtime(path):
         return None
 
 
+# ---------------------------------------------------------------------------
+# Optional CUDA kernels. Only used when the importable TensorFlow is built with
+# CUDA and nvcc is found; _cuda_config returns None otherwise, and the build
+# below is then exactly the CPU-only one.
+
+def _cuda_sources():
+    return sorted(glob.glob(os.path.join(CC_DIR, "**", "*.cu.cc"), recursive=True))
+
+
+def _find_nvcc():
+    explicit = os.environ.get("NVCC")
+    if explicit:
+        return shutil.which(explicit) or (explicit if os.path.exists(explicit) else None)
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    candidate = os.path.join(cuda_home, "bin", "nvcc")
+    return candidate if os.path.exists(candidate) else None
+
+
+def _cuda_config(info):
+    """nvcc command prefix and CUDA link flags, or None for a CPU-only build."""
+    if os.environ.get("TFGC_BUILD_CUDA", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    if not info.get("cuda") or not _cuda_sources():
+        return None
+    nvcc = _find_nvcc()
+    if nvcc is None:
+        _warn("TensorFlow is built with CUDA but nvcc was not found (set NVCC or "
+              "CUDA_HOME); building the CPU kernels only.")
+        return None
+    # Kernels built by another CUDA major version than TensorFlow's may need a
+    # newer driver than TensorFlow does and fail at launch; stay CPU-only then.
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+        nvcc_version = out.split("release", 1)[1].split(",", 1)[0].strip()
+    except (OSError, IndexError):
+        nvcc_version = ""
+    tf_version = info.get("cuda_version", "")
+    if not nvcc_version or nvcc_version.split(".")[0] != tf_version.split(".")[0]:
+        print(f"tfgc: TensorFlow is built with CUDA {tf_version or '?'} but {nvcc} is CUDA "
+              f"{nvcc_version or '?'}; building the CPU kernels only.", flush=True)
+        return None
+    arch = []
+    for target in filter(None, os.environ.get("TFGC_CUDA_ARCH", "").replace(" ", "").split(",")):
+        arch += ["-gencode", f"arch=compute_{target.split('_')[-1]},code={target}"]
+    ldflags = os.environ.get("TFGC_CUDA_LDFLAGS")
+    if ldflags is None:
+        # The CUDA runtime next to nvcc (nvcc may be a wrapper elsewhere).
+        homes = [os.path.dirname(os.path.dirname(os.path.realpath(nvcc))),
+                 os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "",
+                 "/usr/local/cuda"]
+        dirs = [os.path.join(h, "lib64") for h in homes if h]
+        static = [d for d in dirs if os.path.exists(os.path.join(d, "libcudart_static.a"))]
+        if static:
+            # Listed after TensorFlow's framework library, whose cudart stub
+            # exports the runtime API: those symbols bind there, so the
+            # kernels share TensorFlow's CUDA runtime. The static runtime only
+            # fills in the rest; no libcudart.so is needed on the loader path.
+            ldflags = f"-L{static[0]} -lcudart_static -ldl -lrt -lpthread"
+        else:
+            ldflags = "-lcudart"
+    return {
+        "nvcc": [nvcc, "-std=c++17", "-O3", "-DNDEBUG", "-DGOOGLE_CUDA=1", "-x", "cu",
+                 "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC",
+                 "-Xcompiler", "-Wno-deprecated-declarations",
+                 # Front-end warnings raised inside TensorFlow / absl headers.
+                 "-diag-suppress=68,69,186,554,611,970,1427,2810"] + arch,
+        "lflags": shlex.split(ldflags),
+    }
+
+
 def build_custom_ops(jobs=2, force=False):
     """Builds tfgc/ops/_tfgc_ops.so; returns its path, or None if skipped."""
     if os.environ.get("TFGC_BUILD_CUSTOM_OPS", "1").strip().lower() in ("0", "false", "no", "off"):
@@ -152,13 +240,28 @@ def build_custom_ops(jobs=2, force=False):
         cflags.append("-Wno-interference-size")
     lflags = list(info["lflags"])
 
+    cuda = _cuda_config(info)
+    if cuda is not None:
+        # The .cc files register their GPU kernels under GOOGLE_CUDA; the
+        # .cu.cc files hold the device code. TensorFlow's include flags go to
+        # nvcc too (only the GOOGLE_CUDA part of a .cu.cc uses them).
+        print("tfgc: TensorFlow is built with CUDA; compiling the GPU kernels", flush=True)
+        cflags.append("-DGOOGLE_CUDA=1")
+        lflags += cuda["lflags"]
+        sources = sources + _cuda_sources()
+
     # One object directory per (compiler, flags, TensorFlow) combination, so a
     # TensorFlow upgrade or a flag change never links stale objects.
-    tag = hashlib.sha1(json.dumps([cxx, cflags, lflags, info["version"]]).encode()).hexdigest()[:12]
+    tag_key = [cxx, cflags, lflags, info["version"]] + ([cuda["nvcc"]] if cuda else [])
+    tag = hashlib.sha1(json.dumps(tag_key).encode()).hexdigest()[:12]
     obj_dir = os.path.join(OBJ_ROOT, tag)
     os.makedirs(obj_dir, exist_ok=True)
 
     newest_header = max((_mtime(h) or 0.0 for h in _cc_headers()), default=0.0)
+    if cuda is not None:
+        # .cu.cc files also include the shared *.cuh device headers.
+        cuh = glob.glob(os.path.join(CC_DIR, "**", "*.cuh"), recursive=True)
+        newest_header = max([newest_header] + [_mtime(h) or 0.0 for h in cuh])
     plan = []
     for src in sources:
         rel = os.path.relpath(src, CC_DIR)
@@ -169,7 +272,10 @@ def build_custom_ops(jobs=2, force=False):
 
     def compile_one(item):
         src, obj, _ = item
-        cmd = cxx + cflags + ["-c", src, "-o", obj + ".tmp"]
+        if src.endswith(".cu.cc"):  # only listed when cuda is not None
+            cmd = cuda["nvcc"] + list(info["cflags"]) + ["-I" + ROOT, "-c", src, "-o", obj + ".tmp"]
+        else:
+            cmd = cxx + cflags + ["-c", src, "-o", obj + ".tmp"]
         print("tfgc: compiling", os.path.relpath(src, ROOT), flush=True)
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:

@@ -1,6 +1,6 @@
 """Invariants of every compressor, checked on one process (no cluster).
 
-Tests taking the ``mode`` fixture run twice: through the compiled kernels and through
+Every test runs twice (the ``mode`` fixture): through the compiled kernels and through
 the pure-TF references.
 """
 
@@ -13,6 +13,8 @@ import tensorflow as tf
 import tfgc
 from tfgc.compressors import (BF16, FP16, QSGD, CompressContext, ErrorFeedback, Identity, OneBit,
                               RandomK, ScaledSign, SignSGD, TernGrad, TopK)
+
+pytestmark = pytest.mark.usefixtures("mode")
 
 ALL_SPECS = ["none", "fp16", "bf16", "topk:ratio=0.05", "ef+topk:ratio=0.05", "randomk:ratio=0.1",
              "onebit", "signsgd", "efsignsgd", "qsgd", "qsgd:levels=7,bucket_size=128", "terngrad"]
@@ -105,7 +107,7 @@ def test_invalid_hyperparameters_fail_at_construction(build, argument):
 
 @pytest.mark.parametrize("inner", ["topk:ratio=0.05", "randomk:ratio=0.1", "onebit", "scaledsign",
                                    "qsgd:levels=3", "terngrad", "signsgd"])
-def test_error_feedback_conserves_mass(inner, mode):
+def test_error_feedback_conserves_mass(inner):
     """sum_t decoded_t + e_T == sum_t g_t."""
     ef = tfgc.get_compressor("ef+" + inner)
     rng = np.random.default_rng(0)
@@ -171,7 +173,7 @@ def test_randomk_indices_shared_across_workers_and_fresh_each_step():
 # -- quantizers -------------------------------------------------------------------------
 
 
-def test_onebit_decodes_to_per_column_means(mode):
+def test_onebit_decodes_to_per_column_means():
     rng = np.random.default_rng(1)
     x = rng.normal(size=(64, 7)).astype(np.float32)
     x[:, 3] = np.abs(x[:, 3])  # a column with no negative entry
@@ -189,7 +191,7 @@ def test_onebit_decodes_to_per_column_means(mode):
     assert [int(t.shape.num_elements()) for t in payload] == [math.ceil(64 * 7 / 32), 7, 7]
 
 
-def test_signsgd_majority_vote(mode):
+def test_signsgd_majority_vote():
     c = SignSGD()
     xs = [tf.constant([1.0, -2, 3, -1]), tf.constant([2.0, -1, -3, 1]), tf.constant([-1.0, -1, 5, 2])]
     payloads = [c.compress(x, {}, ctx())[0] for x in xs]
@@ -198,7 +200,7 @@ def test_signsgd_majority_vote(mode):
     np.testing.assert_array_equal(out.numpy(), expected)
 
 
-def test_scaled_sign_preserves_l1_norm(mode):
+def test_scaled_sign_preserves_l1_norm():
     x = tf.random.stateless_normal([333], seed=[4, 5])
     _, _, decoded = roundtrip(ScaledSign(), x)
     np.testing.assert_allclose(np.abs(decoded.numpy()).sum(), np.abs(x.numpy()).sum(), rtol=1e-5)
@@ -262,7 +264,7 @@ def test_stochastic_compressors_differ_across_workers_and_steps():
 
 @pytest.mark.parametrize("spec", ALL_SPECS)
 @pytest.mark.parametrize("dtype", [tf.float32, tf.float16, tf.bfloat16])
-def test_every_compressor_handles_half_precision_and_odd_sizes(spec, dtype, mode):
+def test_every_compressor_handles_half_precision_and_odd_sizes(spec, dtype):
     c = tfgc.get_compressor(spec)
     x = tf.cast(tf.random.stateless_normal([37, 3], seed=[1, 1]), dtype)
     payload, _, decoded = roundtrip(c, x)

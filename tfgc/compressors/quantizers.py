@@ -10,7 +10,7 @@ import math
 import tensorflow as tf
 
 from tfgc.compressors.base import Compressor, as_columns, check_int, num_elements
-from tfgc.ops import packing
+from tfgc.ops import quantize
 from tfgc.ops import sign_bits
 
 
@@ -146,36 +146,18 @@ class QSGD(Compressor):
     def bits(self) -> int:
         return _code_bits(2 * self.levels + 1)
 
-    def _buckets(self, n):
-        return max(1, -(-n // self.bucket_size))
-
     def compress(self, x, state, ctx):
-        n = num_elements(x.shape)
-        nb = self._buckets(n)
-        v = tf.cast(tf.reshape(x, [-1]), tf.float32)
-        v = tf.reshape(tf.pad(v, [[0, nb * self.bucket_size - n]]), [nb, self.bucket_size])
-        if self.norm == "l2":
-            norms = tf.norm(v, axis=1)
-        else:
-            norms = tf.reduce_max(tf.abs(v), axis=1)
-        s = float(self.levels)
-        scaled = tf.math.divide_no_nan(s * tf.abs(v), norms[:, None])
-        u = tf.random.stateless_uniform(tf.shape(v), seed=ctx.seed(self.seed, shared=False))
-        # floor(a + u) is l + 1 with probability a - l and l otherwise.
-        level = tf.minimum(tf.floor(scaled + u), s)
-        signed = tf.where(v < 0, -level, level)
-        codes = tf.cast(tf.reshape(signed, [-1])[:n] + s, tf.int32)
-        return (norms, packing.pack_codes(codes, self.bits)), state
+        scales, words = quantize.quantize_bucketed(
+            tf.reshape(x, [-1]), ctx.seed(self.seed, shared=False), levels=self.levels,
+            bucket_size=self.bucket_size, bits=self.bits, norm=self.norm)
+        return (scales, words), state
 
     def decompress(self, payload, shape, dtype, ctx):
-        norms, words = payload
-        n = num_elements(shape)
-        nb = self._buckets(n)
-        s = float(self.levels)
-        codes = tf.cast(packing.unpack_codes(words, n, self.bits), tf.float32) - s
-        codes = tf.reshape(tf.pad(codes, [[0, nb * self.bucket_size - n]]), [nb, self.bucket_size])
-        values = codes * (norms[:, None] / s)
-        return tf.reshape(tf.cast(tf.reshape(values, [-1])[:n], dtype), shape)
+        scales, words = payload
+        values = quantize.dequantize_bucketed(
+            scales, words, num_elements(shape), levels=self.levels, bucket_size=self.bucket_size,
+            bits=self.bits, dtype=dtype)
+        return tf.reshape(values, shape)
 
 
 class TernGrad(Compressor):
@@ -209,16 +191,15 @@ class TernGrad(Compressor):
         if self.clip > 0:
             bound = self.clip * tf.math.reduce_std(g)
             g = tf.clip_by_value(g, -bound, bound)
-        scale = tf.reduce_max(tf.abs(g))
-        prob = tf.math.divide_no_nan(tf.abs(g), scale)
-        u = tf.random.stateless_uniform(tf.shape(g), seed=ctx.seed(self.seed, shared=False))
-        keep = tf.cast(u < prob, tf.int32)
-        # Codes 0, 1, 2 stand for -s, 0, +s.
-        codes = 1 + keep * tf.where(g < 0, -1, 1)
-        return (scale[None], packing.pack_codes(codes, 2)), state
+        # TernGrad is QSGD with one level, the max norm and one bucket per tensor.
+        scale, words = quantize.quantize_bucketed(
+            g, ctx.seed(self.seed, shared=False), levels=1, bucket_size=max(1, int(g.shape[0])),
+            bits=2, norm="max")
+        return (scale, words), state
 
     def decompress(self, payload, shape, dtype, ctx):
         scale, words = payload
-        codes = tf.cast(packing.unpack_codes(words, num_elements(shape), 2), tf.float32) - 1.0
-        return tf.reshape(tf.cast(codes * scale, dtype), shape)
-
+        n = num_elements(shape)
+        values = quantize.dequantize_bucketed(scale, words, n, levels=1, bucket_size=max(1, n),
+                                              bits=2, dtype=dtype)
+        return tf.reshape(values, shape)

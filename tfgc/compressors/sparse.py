@@ -16,6 +16,7 @@ import math
 import tensorflow as tf
 
 from tfgc.compressors.base import Compressor, check_int, check_ratio, num_elements
+from tfgc.ops import sparsify
 
 
 def _k_for(n: int, ratio: float, k: int) -> int:
@@ -47,17 +48,23 @@ class TopK(Compressor):
         return _k_for(num_elements(shape), self.ratio, self.k)
 
     def compress(self, x, state, ctx):
-        flat = tf.reshape(x, [-1])
+        payload, state, _ = self.compress_with_feedback(x, tf.zeros_like(x), state, ctx)
+        return payload, state
+
+    def compress_with_feedback(self, x, residual, state, ctx):
+        # One fused kernel: v = x + residual, exact top-k of |v| (ties to the lower
+        # index, indices ascending), and the new residual with the sent entries zeroed.
         k = self.num_kept(x.shape)
-        # top_k's ties go to the lower index, so the selection is deterministic.
-        _, indices = tf.math.top_k(tf.abs(flat), k=k, sorted=False)
-        values = tf.gather(flat, indices)
-        return (values, indices), state
+        out = sparsify.sparsify_with_residual(x, residual, k, exact=True)
+        values = tf.ensure_shape(out.values, [k])
+        indices = tf.ensure_shape(out.indices, [k])
+        return (values, indices), state, out.new_residual
 
     def decompress(self, payload, shape, dtype, ctx):
         values, indices = payload
-        n = num_elements(shape)
-        dense = tf.scatter_nd(indices[:, None], tf.cast(values, dtype), [n])
+        # The kernel checks every index against the tensor size: a payload from
+        # another worker can fail with InvalidArgument, never write out of bounds.
+        dense = sparsify.scatter_add_payloads(tf.cast(values, dtype), indices, num_elements(shape))
         return tf.reshape(dense, shape)
 
     def aggregate(self, payloads, shape, dtype, ctx):

@@ -920,4 +920,34 @@ TFGC_REGISTER_SIGN_BITS_CPU(Eigen::bfloat16);
 
 #undef TFGC_REGISTER_SIGN_BITS_CPU
 
+#if GOOGLE_CUDA
+// GPU kernels (sign_bits_gpu.cu.cc), only in a CUDA-enabled TensorFlow build.
+// Sizes are read on the host while validating, so they stay in host memory.
+#define TFGC_REGISTER_SIGN_BITS_GPU(T)                                      \
+  REGISTER_KERNEL_BUILDER(Name("TfgcPackSignBits")                          \
+                              .Device(tensorflow::DEVICE_GPU)               \
+                              .TypeConstraint<T>("T"),                      \
+                          PackSignBitsOp<Eigen::GpuDevice, T>);             \
+  REGISTER_KERNEL_BUILDER(Name("TfgcUnpackSignBits")                        \
+                              .Device(tensorflow::DEVICE_GPU)               \
+                              .TypeConstraint<T>("T")                       \
+                              .HostMemory("num_elements"),                  \
+                          UnpackSignBitsOp<Eigen::GpuDevice, T>);           \
+  REGISTER_KERNEL_BUILDER(Name("TfgcOneBitQuantize")                        \
+                              .Device(tensorflow::DEVICE_GPU)               \
+                              .TypeConstraint<T>("T"),                      \
+                          OneBitQuantizeOp<Eigen::GpuDevice, T>);           \
+  REGISTER_KERNEL_BUILDER(Name("TfgcOneBitDequantize")                      \
+                              .Device(tensorflow::DEVICE_GPU)               \
+                              .TypeConstraint<T>("T")                       \
+                              .HostMemory("rows"),                          \
+                          OneBitDequantizeOp<Eigen::GpuDevice, T>);
+
+TFGC_REGISTER_SIGN_BITS_GPU(float);
+TFGC_REGISTER_SIGN_BITS_GPU(Eigen::half);
+TFGC_REGISTER_SIGN_BITS_GPU(Eigen::bfloat16);
+
+#undef TFGC_REGISTER_SIGN_BITS_GPU
+#endif  // GOOGLE_CUDA
+
 }  // namespace tfgc

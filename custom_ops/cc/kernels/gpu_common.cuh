@@ -1,0 +1,98 @@
+// Device helpers shared by the tfgc CUDA kernels (*_gpu.cu.cc).
+//
+// Deliberately free of TensorFlow headers: the kernels and their extern "C"
+// launchers are compiled by plain nvcc (scripts/check_cuda.sh and the
+// standalone harness in custom_ops/cuda_harness/), and only the
+// `#if GOOGLE_CUDA` sections of the .cu.cc files pull in TensorFlow.
+//
+// Element types travel as raw storage (float, or uint16_t bit patterns for
+// float16 / bfloat16) so that the launchers can take void pointers from
+// ctypes and the TF functors can reinterpret Eigen::half / Eigen::bfloat16
+// buffers without either side knowing the other's types.
+
+#ifndef TFGC_CUSTOM_OPS_CC_KERNELS_GPU_COMMON_CUH_
+#define TFGC_CUSTOM_OPS_CC_KERNELS_GPU_COMMON_CUH_
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace tfgc {
+namespace cuda {
+
+// dtype codes of the extern "C" launchers.
+enum DTypeCode : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+constexpr int kThreads = 256;
+// Grid-stride loops cover any size; more blocks than this only add
+// scheduling overhead.
+constexpr int64_t kMaxBlocks = int64_t{1} << 16;
+
+inline int NumBlocks(int64_t work_items, int64_t per_block = kThreads) {
+  const int64_t blocks = work_items / per_block + (work_items % per_block != 0);
+  return static_cast<int>(std::max<int64_t>(1, std::min(blocks, kMaxBlocks)));
+}
+
+// Conversions are the CUDA round-to-nearest-even intrinsics, the same
+// rounding as Eigen's on the CPU (NaN payloads may differ).
+template <int D>
+struct Codec;
+
+template <>
+struct Codec<kFloat32> {
+  using Raw = float;
+  __device__ __forceinline__ static float ToFloat(Raw r) { return r; }
+  __device__ __forceinline__ static Raw FromFloat(float f) { return f; }
+};
+
+template <>
+struct Codec<kFloat16> {
+  using Raw = uint16_t;
+  __device__ __forceinline__ static float ToFloat(Raw r) {
+    return __half2float(__ushort_as_half(r));
+  }
+  __device__ __forceinline__ static Raw FromFloat(float f) {
+    return __half_as_ushort(__float2half_rn(f));
+  }
+};
+
+template <>
+struct Codec<kBFloat16> {
+  using Raw = uint16_t;
+  __device__ __forceinline__ static float ToFloat(Raw r) {
+    return __bfloat162float(__ushort_as_bfloat16(r));
+  }
+  __device__ __forceinline__ static Raw FromFloat(float f) {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(f));
+  }
+};
+
+// First thread / thread count of a 1-D grid-stride loop, in 64 bits.
+__device__ __forceinline__ int64_t GlobalThread() {
+  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+}
+__device__ __forceinline__ int64_t GlobalThreads() {
+  return static_cast<int64_t>(gridDim.x) * blockDim.x;
+}
+
+}  // namespace cuda
+}  // namespace tfgc
+
+// Calls fn<D>(args...) for a runtime dtype code; unknown codes give
+// cudaErrorInvalidValue.
+#define TFGC_CUDA_DISPATCH_DTYPE(dtype, fn, ...)                         \
+  switch (dtype) {                                                     \
+    case ::tfgc::cuda::kFloat32:                                       \
+      return fn<::tfgc::cuda::kFloat32>(__VA_ARGS__);                  \
+    case ::tfgc::cuda::kFloat16:                                       \
+      return fn<::tfgc::cuda::kFloat16>(__VA_ARGS__);                  \
+    case ::tfgc::cuda::kBFloat16:                                      \
+      return fn<::tfgc::cuda::kBFloat16>(__VA_ARGS__);                 \
+    default:                                                           \
+      return cudaErrorInvalidValue;                                    \
+  }
+
+#endif  // TFGC_CUSTOM_OPS_CC_KERNELS_GPU_COMMON_CUH_
