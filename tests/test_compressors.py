@@ -96,6 +96,8 @@ def test_registry_builds_what_the_string_says():
     (lambda: tfgc.CompressedMultiWorkerMirroredStrategy(compressor="topk", communication="ring"),
      "communication"),
     (lambda: tfgc.CompressedMultiWorkerMirroredStrategy(compressor="topk:ratio=0"), "ratio"),
+    (lambda: tfgc.CompressedMultiWorkerMirroredStrategy(bucket_bytes=0), "bucket_bytes"),
+    (lambda: tfgc.CompressedMultiWorkerMirroredStrategy(policy="dense"), "policy"),
 ])
 def test_invalid_hyperparameters_fail_at_construction(build, argument):
     with pytest.raises(ValueError, match=argument):

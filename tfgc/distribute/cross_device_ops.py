@@ -48,6 +48,21 @@ def _payload_bytes(payload, gathered: bool) -> int:
     return sum(4 * packing.num_words(int(p.shape.num_elements()), p.dtype) for p in payload)
 
 
+def check_compression_args(compressor, policy, communication, bucket_bytes):
+    """Validates the compression settings; returns ``(compressor, policy)`` built from them.
+
+    Raises ``ValueError`` naming the offending argument.
+    """
+    compressor = get_compressor(compressor)
+    policy = CompressionPolicy() if policy is None else policy
+    if not isinstance(policy, CompressionPolicy):
+        raise ValueError(f"`policy` must be a tfgc.CompressionPolicy, got {policy!r}")
+    collectives.check_communication(communication, compressor)
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+        raise ValueError(f"`bucket_bytes` must be a positive integer, got {bucket_bytes!r}")
+    return compressor, policy
+
+
 class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
     """Cross-device ops that compress gradients on their way through collectives.
 
@@ -69,13 +84,8 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
     def __init__(self, devices, group_size, options, collective_keys=None,
                  canonicalize_devices=True, *, compressor="none", policy=None,
                  communication="auto", bucket_bytes=32 << 20, worker_rank=0):
-        self._compressor = get_compressor(compressor)
-        self._policy = policy if policy is not None else CompressionPolicy()
-        if not isinstance(self._policy, CompressionPolicy):
-            raise ValueError(f"`policy` must be a tfgc.CompressionPolicy, got {policy!r}")
-        collectives.check_communication(communication, self._compressor)
-        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
-            raise ValueError(f"`bucket_bytes` must be a positive integer, got {bucket_bytes!r}")
+        self._compressor, self._policy = check_compression_args(
+            compressor, policy, communication, bucket_bytes)
         self._communication = communication
         self._bucket_bytes = bucket_bytes
         self._worker_rank = worker_rank

@@ -6,10 +6,7 @@ from tensorflow.python.distribute import collective_util
 from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import multi_worker_util
 
-from tfgc import collectives
-from tfgc.compressors import get as get_compressor
-from tfgc.distribute.cross_device_ops import CompressedAllReduce
-from tfgc.distribute.policy import CompressionPolicy
+from tfgc.distribute.cross_device_ops import CompressedAllReduce, check_compression_args
 
 
 class _CompressedExtended(mwms_lib.CollectiveAllReduceExtended):
@@ -73,11 +70,10 @@ class CompressedMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStr
 
     def __init__(self, compressor="none", cluster_resolver=None, communication_options=None,
                  policy=None, communication="auto", bucket_bytes=32 << 20):
-        compressor = get_compressor(compressor)
-        policy = policy if policy is not None else CompressionPolicy()
-        if not isinstance(policy, CompressionPolicy):
-            raise ValueError(f"`policy` must be a tfgc.CompressionPolicy, got {policy!r}")
-        collectives.check_communication(communication, compressor)
+        # Everything is checked here, before the parent starts a server and waits
+        # for the other workers.
+        compressor, policy = check_compression_args(compressor, policy, communication,
+                                                    bucket_bytes)
         if communication_options is None:
             communication_options = collective_util.Options()
         kwargs = dict(compressor=compressor, policy=policy, communication=communication,
