@@ -19,6 +19,7 @@
 #include <functional>
 #include <vector>
 
+#include "custom_ops/cc/kernels/cpu_util.h"
 #include "custom_ops/cc/kernels/threshold.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
@@ -42,6 +43,13 @@ namespace errors = tensorflow::errors;
 namespace {
 
 using ThreadPool = tsl::thread::ThreadPool;
+// Shared helpers (cpu_util.h).
+using cpu::BitsToFloat;
+using cpu::CeilDiv;
+using cpu::FloatToBits;
+using cpu::kBit;
+using cpu::ParallelFor;
+using cpu::Workers;
 
 // Encode block: 1024 mask words = 32768 elements. Large enough that the
 // per-block bookkeeping is noise, small enough to balance 25M elements over
@@ -49,41 +57,6 @@ using ThreadPool = tsl::thread::ThreadPool;
 constexpr int64_t kEncodeBlockWords = 1024;
 // Decode validation chunk, in words.
 constexpr int64_t kDecodeChunk = int64_t{1} << 16;
-
-// Bit b of a word; `mask & kBit[b]` avoids per-lane variable shifts (see
-// sign_bits_kernels.cc), so the 32-element loops vectorise on baseline SSE2.
-alignas(64) constexpr uint32_t kBit[32] = {
-    1u << 0,  1u << 1,  1u << 2,  1u << 3,  1u << 4,  1u << 5,  1u << 6,
-    1u << 7,  1u << 8,  1u << 9,  1u << 10, 1u << 11, 1u << 12, 1u << 13,
-    1u << 14, 1u << 15, 1u << 16, 1u << 17, 1u << 18, 1u << 19, 1u << 20,
-    1u << 21, 1u << 22, 1u << 23, 1u << 24, 1u << 25, 1u << 26, 1u << 27,
-    1u << 28, 1u << 29, 1u << 30, 1u << 31};
-
-inline int64_t CeilDiv(int64_t a, int64_t b) { return a / b + (a % b != 0); }
-
-ThreadPool* Workers(OpKernelContext* ctx) {
-  return ctx->device()->tensorflow_cpu_worker_threads()->workers;
-}
-
-void ParallelFor(OpKernelContext* ctx, int64_t total, int64_t cost_per_unit,
-                 const std::function<void(int64_t, int64_t)>& fn) {
-  if (total <= 0) return;
-  Workers(ctx)->ParallelFor(
-      total,
-      ThreadPool::SchedulingParams::Adaptive(std::max<int64_t>(cost_per_unit, 1)),
-      fn);
-}
-
-inline float BitsToFloat(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-inline uint32_t FloatToBits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  return u;
-}
 
 // T <-> float through Eigen's conversions (round to nearest even), the same
 // ones TensorFlow's Cast and AddV2 use, so that the kernels agree bit for bit
