@@ -9,6 +9,8 @@ compares the results with NumPy oracles that restate the CPU ops' semantics:
   pack_sign_bits / unpack_sign_bits   bit = (x >= 0), LSB first
   onebit_quantize / onebit_dequantize per-column class means (Seide et al.)
   threshold_encode / threshold_decode Strom 2015 / Dryden et al. 2016 words
+  quantize_bucketed / dequantize_*    QSGD / TernGrad codes, Philox uniforms
+  scatter_add_payloads                sparse (value, index) decode
 
 Prints PASS / FAIL per kernel and dtype; exits 1 if anything failed, 2 if no
 CUDA device could be used.
@@ -141,6 +143,98 @@ def np_decode(words, pv, nv, n, dt):
     return from_f32(out.astype(np.float32), dt)
 
 
+# Philox-4x32-10 and TensorFlow's stateless seed scrambling, as the CPU op
+# and quantize_gpu.cu.cc implement them: element i of
+# tf.random.stateless_uniform([N], seed) is output i % 4 of counter
+# (lo64 = i // 4, hi64 = counter_hi) under the scrambled key.
+PHILOX_MASK = np.uint64(0xFFFFFFFF)
+
+
+def np_philox(c0, c1, c2, c3, k0, k1):
+    c0, c1, c2, c3 = (np.asarray(c, np.uint64) & PHILOX_MASK for c in (c0, c1, c2, c3))
+    k0, k1 = np.uint64(k0), np.uint64(k1)
+    for _ in range(10):
+        p0 = np.uint64(0xD2511F53) * c0
+        p1 = np.uint64(0xCD9E8D57) * c2
+        c0, c1, c2, c3 = ((p1 >> np.uint64(32)) ^ c1 ^ k0, p1 & PHILOX_MASK,
+                          (p0 >> np.uint64(32)) ^ c3 ^ k1, p0 & PHILOX_MASK)
+        k0 = (k0 + np.uint64(0x9E3779B9)) & PHILOX_MASK
+        k1 = (k1 + np.uint64(0xBB67AE85)) & PHILOX_MASK
+    return c0, c1, c2, c3
+
+
+def np_philox_stream(seed):
+    s0, s1 = (int(v) & 0xFFFFFFFFFFFFFFFF for v in seed)
+    out = np_philox([s0 & 0xFFFFFFFF], [s0 >> 32], [s1 & 0xFFFFFFFF], [s1 >> 32],
+                    0x3EC8F720, 0x02461E29)
+    return [int(o[0]) for o in out]  # key0, key1, counter_hi0, counter_hi1
+
+
+def np_uniform_bits(n, seed):
+    k0, k1, h0, h1 = np_philox_stream(seed)
+    g = np.arange(-(-n // 4), dtype=np.uint64)
+    outs = np_philox(g & PHILOX_MASK, g >> np.uint64(32), np.full_like(g, h0),
+                     np.full_like(g, h1), k0, k1)
+    return np.stack(outs, axis=1).ravel()[:n].astype(np.uint32)
+
+
+def np_bucket_scales(x_f32, d, max_norm):
+    n = x_f32.size
+    nb = max(1, -(-n // d))
+    xp = np.concatenate([x_f32, np.zeros(nb * d - n, np.float32)]).reshape(nb, d)
+    if max_norm:
+        return (xp.view(np.uint32) & np.uint32(0x7FFFFFFF)).max(axis=1).view(np.float32)
+    x64 = xp.astype(np.float64)
+    return np.sqrt((x64 * x64).sum(axis=1)).astype(np.float32)
+
+
+def np_pack_codes(codes, bits):
+    k = 32 // bits
+    codes = np.concatenate([codes.astype(np.uint64), np.zeros((-codes.size) % k, np.uint64)])
+    shifts = (np.arange(k, dtype=np.uint64) * np.uint64(bits))
+    return (codes.reshape(-1, k) << shifts).sum(axis=1).astype(np.uint32).view(np.int32)
+
+
+def np_quantize_codes(x_f32, scales, seed, levels, d, bits):
+    """Words of the CPU op given the per-bucket scales (float32 arithmetic)."""
+    n = x_f32.size
+    if n == 0:
+        return np.zeros(0, np.int32)
+    sf = np.float32(levels)
+    sc = np.asarray(scales, np.float32)[np.arange(n) // d]
+    vb = x_f32.view(np.uint32)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        a = ((sf * (vb & np.uint32(0x7FFFFFFF)).view(np.float32)) / sc).view(np.uint32)
+    a = np.where((sc.view(np.uint32) == 0) | (a > 0x7F800000), np.uint32(0), a)
+    a = np.minimum(a, sf.view(np.uint32)).astype(np.uint32)
+    af = a.view(np.float32)
+    lv = af.astype(np.int32)
+    frac = af - lv.astype(np.float32)
+    u = (np.uint32(0x3F800000) | (np_uniform_bits(n, seed) & np.uint32(0x7FFFFF))).view(
+        np.float32) - np.float32(1)
+    level = lv.astype(np.int64) + (u.view(np.uint32) < frac.view(np.uint32))
+    codes = levels + np.where(vb >> np.uint32(31) == 1, -level, level)
+    return np_pack_codes(codes, bits)
+
+
+def np_unpack_codes(words, n, bits):
+    k = 32 // bits
+    w = np.asarray(words, np.int32).view(np.uint32).astype(np.uint64)
+    shifts = np.arange(k, dtype=np.uint64) * np.uint64(bits)
+    codes = (w[:, None] >> shifts) & np.uint64((1 << bits) - 1)
+    return codes.ravel()[:n].astype(np.int64)
+
+
+def np_dequantize(scales, words, n, levels, d, bits):
+    """float32 values, or None if a used code exceeds 2 * levels."""
+    codes = np_unpack_codes(words, n, bits)
+    if codes.size and codes.max() > 2 * levels:
+        return None
+    so = np.asarray(scales, np.float32) / np.float32(levels)
+    with np.errstate(invalid="ignore", over="ignore"):
+        return (codes - levels).astype(np.float32) * so[np.arange(n) // d]
+
+
 # ---------------------------------------------------------------------------
 # Backends: the CUDA library through ctypes, or tfgc's TensorFlow CPU ops.
 
@@ -179,6 +273,20 @@ class CudaBackend:
                                                           ctypes.POINTER(ctypes.c_int), vp]
         L.tfgc_cuda_threshold_decode.argtypes = [ctypes.c_int, i32p, i64, ctypes.c_float,
                                                  ctypes.c_float, i64, ctypes.c_int, vp, vp, vp]
+        ip = ctypes.POINTER(ctypes.c_int)
+        L.tfgc_cuda_quantize_bucketed_scratch_bytes.argtypes = [i64, i64]
+        L.tfgc_cuda_quantize_bucketed_scratch_bytes.restype = i64
+        L.tfgc_cuda_quantize_bucketed.argtypes = [
+            ctypes.c_int, vp, i64, i64, ctypes.c_int, ctypes.c_int, ctypes.c_int, i64, i64, vp,
+            f32p, i32p, vp]
+        L.tfgc_cuda_dequantize_bucketed.argtypes = [ctypes.c_int, f32p, i32p, i64, i64,
+                                                    ctypes.c_int, ctypes.c_int, vp, vp, ip, vp]
+        L.tfgc_cuda_dequantize_bucketed_sum.argtypes = [f32p, i32p, i64, i64, i64, ctypes.c_int,
+                                                        ctypes.c_int, f32p, vp, ip, vp]
+        L.tfgc_cuda_scatter_add_scratch_bytes.argtypes = [ctypes.c_int, i64]
+        L.tfgc_cuda_scatter_add_scratch_bytes.restype = i64
+        L.tfgc_cuda_scatter_add_validate.argtypes = [i32p, i64, i64, vp, ip, vp]
+        L.tfgc_cuda_scatter_add.argtypes = [ctypes.c_int, vp, i32p, i64, i64, vp, vp, vp]
         self._live = []
         buf = ctypes.create_string_buffer(256)
         self.check(L.tfgc_harness_device_name(buf, 256), "cudaGetDeviceProperties")
@@ -280,6 +388,51 @@ class CudaBackend:
                                                       counts, out, None), "decode")
         return self.get(out, [n], raw_dtype(dt))
 
+    def qb_quantize(self, x_raw, dt, seed, levels, d, bits, norm):
+        n = x_raw.size
+        nb, nw = max(1, -(-n // d)), -(-n // (32 // bits))
+        scales, words = self.alloc(4 * nb), self.alloc(4 * max(nw, 1))
+        scratch = self.alloc(max(8, self.lib.tfgc_cuda_quantize_bucketed_scratch_bytes(n, d)))
+        x = self.put(x_raw) if n else self.alloc(8)
+        self.sync(self.lib.tfgc_cuda_quantize_bucketed(
+            DTYPE_CODE[dt], x, n, d, levels, bits, 1 if norm == "max" else 0, int(seed[0]),
+            int(seed[1]), scratch, scales, words, None), "quantize_bucketed")
+        return self.get(scales, [nb], np.float32), self.get(words, [nw], np.int32)
+
+    def qb_dequantize(self, scales, words, n, levels, d, bits, dt):
+        out = self.alloc(max(8, n * np.dtype(raw_dtype(dt)).itemsize))
+        bad = ctypes.c_int()
+        wd = self.put(words) if words.size else self.alloc(8)
+        self.check(self.lib.tfgc_cuda_dequantize_bucketed(
+            DTYPE_CODE[dt], self.put(scales), wd, n, d, levels, bits, out, self.alloc(4),
+            ctypes.byref(bad), None), "dequantize_bucketed")
+        return None if bad.value else self.get(out, [n], raw_dtype(dt))
+
+    def qb_dequantize_sum(self, scales, words, n, levels, d, bits):
+        out = self.alloc(max(8, 4 * n))
+        bad = ctypes.c_int()
+        wd = self.put(words) if words.size else self.alloc(8)
+        self.check(self.lib.tfgc_cuda_dequantize_bucketed_sum(
+            self.put(scales), wd, scales.shape[0], n, d, levels, bits, out, self.alloc(4),
+            ctypes.byref(bad), None), "dequantize_bucketed_sum")
+        return None if bad.value else self.get(out, [n], np.float32)
+
+    def scatter_add(self, values_raw, indices, n, dt):
+        m = indices.size
+        ind = self.put(indices) if m else self.alloc(8)
+        vals = self.put(values_raw) if m else self.alloc(8)
+        bad = ctypes.c_int()
+        self.check(self.lib.tfgc_cuda_scatter_add_validate(ind, m, n, self.alloc(4),
+                                                           ctypes.byref(bad), None),
+                   "scatter_add_validate")
+        if bad.value:
+            return None
+        scratch = self.alloc(max(8, self.lib.tfgc_cuda_scatter_add_scratch_bytes(DTYPE_CODE[dt], n)))
+        out = self.alloc(n * np.dtype(raw_dtype(dt)).itemsize)
+        self.sync(self.lib.tfgc_cuda_scatter_add(DTYPE_CODE[dt], vals, ind, m, n, scratch, out,
+                                                 None), "scatter_add")
+        return self.get(out, [n], raw_dtype(dt))
+
 
 class TfBackend:
     """tfgc's TensorFlow CPU ops behind the same interface (oracle self-test)."""
@@ -290,12 +443,15 @@ class TfBackend:
         # The tfgc of this checkout, not whichever one is installed.
         sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
         import tensorflow as tf
+
+        import tfgc.ops.quantize as qb
         import tfgc.ops.sign_bits as sb
+        import tfgc.ops.sparsify as sp
         import tfgc.ops.threshold as th
         from tfgc.ops import _loader
         if not _loader.custom_ops_available():
             raise RuntimeError("tfgc's compiled op library is not available")
-        self.tf, self.sb, self.th = tf, sb, th
+        self.tf, self.sb, self.th, self.qb, self.sp = tf, sb, th, qb, sp
         self.device = "TensorFlow CPU ops"
 
     def _in(self, raw, dt):
@@ -333,6 +489,31 @@ class TfBackend:
     def decode(self, words, pv, nv, n, dt):
         try:
             return self._out(self.th.threshold_decode(words, pv, nv, n, dtype=dt), dt)
+        except self.tf.errors.InvalidArgumentError:
+            return None
+
+    def qb_quantize(self, x_raw, dt, seed, levels, d, bits, norm):
+        q = self.qb.quantize_bucketed(self._in(x_raw, dt), np.asarray(seed, np.int64),
+                                      levels=levels, bucket_size=d, bits=bits, norm=norm)
+        return q.scales.numpy(), q.words.numpy()
+
+    def qb_dequantize(self, scales, words, n, levels, d, bits, dt):
+        try:
+            return self._out(self.qb.dequantize_bucketed(scales, words, n, levels=levels,
+                                                         bucket_size=d, bits=bits, dtype=dt), dt)
+        except self.tf.errors.InvalidArgumentError:
+            return None
+
+    def qb_dequantize_sum(self, scales, words, n, levels, d, bits):
+        try:
+            return self.qb.dequantize_bucketed_sum(scales, words, n, levels=levels, bucket_size=d,
+                                                   bits=bits).numpy()
+        except self.tf.errors.InvalidArgumentError:
+            return None
+
+    def scatter_add(self, values_raw, indices, n, dt):
+        try:
+            return self._out(self.sp.scatter_add_payloads(self._in(values_raw, dt), indices, n), dt)
         except self.tf.errors.InvalidArgumentError:
             return None
 
@@ -432,9 +613,132 @@ def check_decode(b, dt, rng):
     return None
 
 
+QB_CONFIGS = [(1, 2), (7, 4), (127, 8), (32767, 16), (1, 16)]  # (levels, bits)
+
+
+def check_quantize_bucketed(b, dt, rng):
+    cases = [(0, 5), (1, 1), (5, 2), (63, 64), (65, 64), (1000, 7), (1000, 128), (4099, 4099),
+             (10007, 300), (100003, 100003), (100003, 128)]
+    for k, (n, d) in enumerate(cases):
+        levels, bits = QB_CONFIGS[k % len(QB_CONFIGS)]
+        for norm in ("l2", "max"):
+            seed = [int(rng.integers(-2**63, 2**63)), int(rng.integers(-2**63, 2**63))]
+            # Specials only in ragged multi-bucket cases, so other buckets stay finite.
+            x = random_raw(n, dt, rng, specials=(k % 3 == 1))
+            xf = to_f32(x, dt)
+            scales, words = b.qb_quantize(x, dt, seed, levels, d, bits, norm)
+            oracle = np_bucket_scales(xf, d, norm == "max")
+            if norm == "max":
+                ok = same_values(scales, oracle, "float32")
+            else:  # float64 sums in another order: at most the last float32 bit
+                fin = np.isfinite(oracle)
+                ok = (np.array_equal(np.isnan(scales), np.isnan(oracle))
+                      and np.allclose(scales[fin], oracle[fin], rtol=2.5e-7, atol=0)
+                      and np.array_equal(scales[~fin & ~np.isnan(oracle)],
+                                         oracle[~fin & ~np.isnan(oracle)]))
+            if not ok:
+                return f"quantize_bucketed n={n} d={d} {norm}: scales differ"
+            # Codes bit-exact given the returned scales (Philox stream included).
+            if not np.array_equal(words, np_quantize_codes(xf, scales, seed, levels, d, bits)):
+                return f"quantize_bucketed n={n} d={d} s={levels} bits={bits} {norm}: words differ"
+            b.release()
+    return None
+
+
+def check_dequantize_bucketed(b, dt, rng):
+    for k, (n, d) in enumerate([(1, 1), (5, 2), (64, 64), (1000, 7), (100003, 1000)]):
+        levels, bits = QB_CONFIGS[k % len(QB_CONFIGS)]
+        nb, k_per = max(1, -(-n // d)), 32 // bits
+        scales = (rng.standard_normal(nb) ** 2).astype(np.float32)
+        scales[0] = 0.0
+        if nb > 2:
+            scales[1], scales[2] = np.inf, np.nan
+        codes = rng.integers(0, 2 * levels + 1, n)
+        words = np_pack_codes(codes, bits)
+        out = b.qb_dequantize(scales, words, n, levels, d, bits, dt)
+        expected = from_f32(np_dequantize(scales, words, n, levels, d, bits), dt)
+        if out is None or not same_values(out, expected, dt):
+            return f"dequantize_bucketed n={n} d={d}: values differ"
+        # Sums over workers, in worker order from +0.
+        for workers in (1, 3):
+            sc = (rng.standard_normal((workers, nb)) ** 2).astype(np.float32)
+            ws = np.stack([np_pack_codes(rng.integers(0, 2 * levels + 1, n), bits)
+                           for _ in range(workers)])
+            acc = np.zeros(n, np.float32)
+            for w in range(workers):
+                acc = acc + np_dequantize(sc[w], ws[w], n, levels, d, bits)
+            out = b.qb_dequantize_sum(sc, ws, n, levels, d, bits)
+            if out is None or not same_values(out, acc, "float32"):
+                return f"dequantize_bucketed_sum n={n} workers={workers}: values differ"
+            if 2 * levels + 1 < (1 << bits):  # a code above 2s exists: must be rejected
+                bad = ws.copy()
+                j = int(rng.integers(0, n))
+                field = (bad[-1, j // k_per].view(np.uint32)
+                         | np.uint32(((1 << bits) - 1) << (bits * (j % k_per))))
+                bad[-1, j // k_per] = np.uint32(field).view(np.int32)
+                if b.qb_dequantize_sum(sc, bad, n, levels, d, bits) is not None:
+                    return f"dequantize_bucketed_sum n={n}: code > 2s accepted"
+                if b.qb_dequantize(sc[-1], bad[-1], n, levels, d, bits, dt) is not None:
+                    return f"dequantize_bucketed n={n}: code > 2s accepted"
+        # Padding fields are not codes: junk there is ignored.
+        if n % k_per:
+            junk = words.copy()
+            junk[-1] = np.int32(-1)  # all ones, used fields included...
+            used = n % k_per
+            keep = np.uint32((1 << (bits * used)) - 1)
+            junk[-1] = np.uint32((words[-1].view(np.uint32) & keep)
+                                 | (np.uint32(0xFFFFFFFF) & ~keep)).view(np.int32)
+            out = b.qb_dequantize(scales, junk, n, levels, d, bits, dt)
+            if out is None or not same_values(out, expected, dt):
+                return f"dequantize_bucketed n={n}: padding junk not ignored"
+        b.release()
+    return None
+
+
+def check_scatter_add(b, dt, rng):
+    for n in [1, 5, 1000, 100003]:
+        m = max(1, n // 3)
+        unique = rng.choice(n, size=m, replace=False).astype(np.int32)
+        values = random_raw(m, dt, rng)
+        # Each index once: exact (+0 + v), whatever the summation order.
+        expected = np.zeros(n, np.float32)
+        expected[unique] = expected[unique] + to_f32(values, dt)
+        out = b.scatter_add(values, unique, n, dt)
+        if out is None or not same_values(out, from_f32(expected, dt), dt):
+            return f"scatter_add n={n} unique: values differ"
+        # Repeated indices: the GPU adds in any order, so compare against a
+        # float64 sum with the float32 accumulation error bound, plus one
+        # rounding to the dtype.
+        rep = rng.integers(0, n, 3 * m + 7).astype(np.int32)
+        values = random_raw(rep.size, dt, rng, specials=False)
+        v64 = to_f32(values, dt).astype(np.float64)
+        exact = np.zeros(n)
+        np.add.at(exact, rep, v64)
+        mag, count = np.zeros(n), np.zeros(n)
+        np.add.at(mag, rep, np.abs(v64))
+        np.add.at(count, rep, 1.0)
+        out = b.scatter_add(values, rep, n, dt)
+        if out is None:
+            return f"scatter_add n={n}: valid payload rejected"
+        ulp = {"float32": 2.0**-23, "float16": 2.0**-10, "bfloat16": 2.0**-7}[dt]
+        tol = count * 2.0**-23 * mag + ulp * np.abs(exact) + 1e-30
+        if not np.all(np.abs(to_f32(out, dt).astype(np.float64) - exact) <= tol):
+            return f"scatter_add n={n} repeated: sums off by more than rounding"
+        if b.scatter_add(np.zeros(0, raw_dtype(dt)), np.zeros(0, np.int32), n, dt) is None:
+            return f"scatter_add n={n}: empty payload rejected"
+        for bad in ([-1], [n], [0, n], [-2**31], [2**31 - 1]):
+            bad = np.array(bad, np.int32)
+            if b.scatter_add(from_f32(np.ones(bad.size, np.float32), dt), bad, n, dt) is not None:
+                return f"scatter_add n={n}: malformed indices {bad.tolist()} accepted"
+        b.release()
+    return None
+
+
 CHECKS = [("pack/unpack_sign_bits", check_pack_unpack), ("onebit_quantize", check_quantize),
           ("onebit_dequantize", check_dequantize), ("threshold_encode", check_encode),
-          ("threshold_decode", check_decode)]
+          ("threshold_decode", check_decode), ("quantize_bucketed", check_quantize_bucketed),
+          ("dequantize_bucketed", check_dequantize_bucketed),
+          ("scatter_add_payloads", check_scatter_add)]
 
 
 def main(argv=None):

@@ -1026,4 +1026,35 @@ TFGC_REGISTER_QUANTIZE_CPU(Eigen::bfloat16);
 
 #undef TFGC_REGISTER_QUANTIZE_CPU
 
+#if GOOGLE_CUDA
+// GPU kernels (quantize_gpu.cu.cc), only in a CUDA-enabled TensorFlow build.
+// The seed and num_elements are read on the host while validating (the seed
+// is scrambled into the Philox key there, with TensorFlow's PhiloxRandom),
+// so they stay in host memory.
+using GPUDevice = Eigen::GpuDevice;
+
+REGISTER_KERNEL_BUILDER(Name("TfgcDequantizeBucketedSum")
+                            .Device(tensorflow::DEVICE_GPU)
+                            .HostMemory("num_elements"),
+                        DequantizeBucketedSumOp<GPUDevice>);
+
+#define TFGC_REGISTER_QUANTIZE_GPU(T)                                   \
+  REGISTER_KERNEL_BUILDER(Name("TfgcQuantizeBucketed")                  \
+                              .Device(tensorflow::DEVICE_GPU)           \
+                              .TypeConstraint<T>("T")                   \
+                              .HostMemory("seed"),                      \
+                          QuantizeBucketedOp<GPUDevice, T>);            \
+  REGISTER_KERNEL_BUILDER(Name("TfgcDequantizeBucketed")                \
+                              .Device(tensorflow::DEVICE_GPU)           \
+                              .TypeConstraint<T>("T")                   \
+                              .HostMemory("num_elements"),              \
+                          DequantizeBucketedOp<GPUDevice, T>);
+
+TFGC_REGISTER_QUANTIZE_GPU(float);
+TFGC_REGISTER_QUANTIZE_GPU(Eigen::half);
+TFGC_REGISTER_QUANTIZE_GPU(Eigen::bfloat16);
+
+#undef TFGC_REGISTER_QUANTIZE_GPU
+#endif  // GOOGLE_CUDA
+
 }  // namespace tfgc

@@ -990,4 +990,26 @@ TFGC_REGISTER_SPARSIFY_CPU(Eigen::bfloat16);
 
 #undef TFGC_REGISTER_SPARSIFY_CPU
 
+#if GOOGLE_CUDA
+// GPU kernel for the payload decode only (sparsify_gpu.cu.cc); the selection
+// ops stay CPU-only until there is a GPU radix-select. num_elements is read
+// on the host while validating, so it stays in host memory. Unlike the CPU
+// kernel, the GPU one sums repeated indices in a nondeterministic order
+// (float atomics).
+using GPUDevice = Eigen::GpuDevice;
+
+#define TFGC_REGISTER_SPARSIFY_GPU(T)                                 \
+  REGISTER_KERNEL_BUILDER(Name("TfgcScatterAddPayloads")              \
+                              .Device(tensorflow::DEVICE_GPU)         \
+                              .TypeConstraint<T>("T")                 \
+                              .HostMemory("num_elements"),            \
+                          ScatterAddPayloadsOp<GPUDevice, T>);
+
+TFGC_REGISTER_SPARSIFY_GPU(float);
+TFGC_REGISTER_SPARSIFY_GPU(Eigen::half);
+TFGC_REGISTER_SPARSIFY_GPU(Eigen::bfloat16);
+
+#undef TFGC_REGISTER_SPARSIFY_GPU
+#endif  // GOOGLE_CUDA
+
 }  // namespace tfgc
