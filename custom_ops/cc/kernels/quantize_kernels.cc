@@ -27,6 +27,7 @@
 #include <functional>
 #include <type_traits>
 
+#include "custom_ops/cc/kernels/cpu_util.h"
 #include "custom_ops/cc/kernels/quantize.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
@@ -51,6 +52,10 @@ namespace errors = tensorflow::errors;
 namespace {
 
 using ThreadPool = tsl::thread::ThreadPool;
+// Shared helpers (cpu_util.h).
+using cpu::CeilDiv;
+using cpu::ParallelFor;
+using cpu::Workers;
 
 // Elements per block: 16 Philox counters, and a whole number of words for
 // every field width (4 words of 2-bit codes ... 32 words of 16-bit codes).
@@ -89,21 +94,6 @@ constexpr int kIsaPortable = 0;
 constexpr int kIsaSse2 = 1;
 constexpr int kIsaAvx2 = 2;
 constexpr int kIsaBase = TFGC_Q_MULTIVERSION ? kIsaSse2 : kIsaPortable;
-
-inline int64_t CeilDiv(int64_t a, int64_t b) { return a / b + (a % b != 0); }
-
-ThreadPool* Workers(OpKernelContext* ctx) {
-  return ctx->device()->tensorflow_cpu_worker_threads()->workers;
-}
-
-void ParallelFor(OpKernelContext* ctx, int64_t total, int64_t cost_per_unit,
-                 const std::function<void(int64_t, int64_t)>& fn) {
-  if (total <= 0) return;
-  Workers(ctx)->ParallelFor(
-      total,
-      ThreadPool::SchedulingParams::Adaptive(std::max<int64_t>(cost_per_unit, 1)),
-      fn);
-}
 
 TFGC_Q_INLINE float BitsToFloat(uint32_t u) {
   float f;

@@ -40,6 +40,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "custom_ops/cc/kernels/cpu_util.h"
 #include "custom_ops/cc/kernels/sparsify.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
@@ -77,6 +78,13 @@ namespace errors = tensorflow::errors;
 namespace {
 
 using ThreadPool = tsl::thread::ThreadPool;
+// Shared helpers (cpu_util.h).
+using cpu::BitsToFloat;
+using cpu::FloatCodec;
+using cpu::FloatToBits;
+using cpu::ParallelFor;
+using cpu::Select;
+using cpu::Workers;
 
 // Elements per chunk of the collect pass: its flag bytes stay in L1.
 constexpr int64_t kChunk = 2048;
@@ -125,73 +133,6 @@ template <typename T>
 using RawOf = typename RawTraits<T>::Raw;
 template <typename T>
 using AliasedRawOf = typename RawTraits<T>::AliasedRaw;
-
-inline float BitsToFloat(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-inline uint32_t FloatToBits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  return u;
-}
-inline uint32_t Select(uint32_t mask, uint32_t a, uint32_t b) {
-  return (a & mask) | (b & ~mask);
-}
-
-// Exact, branch-free conversions between T and float32 bit patterns, rounding
-// to nearest even (same results as Eigen's conversions, which branch and so
-// block vectorisation). Same scheme as in sign_bits_kernels.cc.
-template <typename T>
-struct FloatCodec;
-
-template <>
-struct FloatCodec<float> {
-  static inline uint32_t ToF32Bits(uint32_t r) { return r; }
-  static inline uint32_t FromF32Bits(uint32_t f) { return f; }
-};
-
-template <>
-struct FloatCodec<Eigen::bfloat16> {
-  static inline uint32_t ToF32Bits(uint16_t r) {
-    return static_cast<uint32_t>(r) << 16;
-  }
-  static inline uint16_t FromF32Bits(uint32_t f) {
-    const uint32_t rounded = (f + 0x7fffu + ((f >> 16) & 1u)) >> 16;
-    const uint32_t nan = ((f >> 16) & 0x8000u) | 0x7fc0u;
-    return static_cast<uint16_t>((f & 0x7fffffffu) > 0x7f800000u ? nan
-                                                                 : rounded);
-  }
-};
-
-template <>
-struct FloatCodec<Eigen::half> {
-  static inline uint32_t ToF32Bits(uint16_t h) {
-    const uint32_t em = h & 0x7fffu;
-    const uint32_t normal = (em << 13) + 0x38000000u;
-    const uint32_t inf_nan = normal + 0x38000000u;
-    const uint32_t subnormal = FloatToBits(
-        static_cast<float>(static_cast<int32_t>(em)) * 5.9604644775390625e-8f);
-    const uint32_t is_special = 0u - static_cast<uint32_t>(em >= 0x7c00u);
-    const uint32_t is_normal = 0u - static_cast<uint32_t>(em >= 0x0400u);
-    const uint32_t mag = Select(is_special, inf_nan,
-                                Select(is_normal, normal, subnormal));
-    return mag | (static_cast<uint32_t>(h & 0x8000u) << 16);
-  }
-  static inline uint16_t FromF32Bits(uint32_t f) {
-    const uint32_t sign = f & 0x80000000u;
-    const uint32_t a = f ^ sign;
-    const uint32_t big = a > 0x7f800000u ? 0x7e00u : 0x7c00u;
-    const uint32_t subnormal = FloatToBits(BitsToFloat(a) + 0.5f) - 0x3f000000u;
-    const uint32_t normal = (a + 0xc8000fffu + ((a >> 13) & 1u)) >> 13;
-    const uint32_t is_big = 0u - static_cast<uint32_t>(a >= 0x47800000u);
-    const uint32_t is_subnormal = 0u - static_cast<uint32_t>(a < 0x38800000u);
-    const uint32_t mag =
-        Select(is_big, big, Select(is_subnormal, subnormal, normal));
-    return static_cast<uint16_t>(mag | (sign >> 16));
-  }
-};
 
 // x + residual exactly as TensorFlow's Add computes it: float32 addition,
 // rounded once to T for the half types.
@@ -244,19 +185,6 @@ struct OutsideBand {
     return not_nan & static_cast<uint32_t>((o >= pos) | (o <= neg));
   }
 };
-
-ThreadPool* Workers(OpKernelContext* ctx) {
-  return ctx->device()->tensorflow_cpu_worker_threads()->workers;
-}
-
-void ParallelFor(OpKernelContext* ctx, int64_t total, int64_t cost_per_unit,
-                 const std::function<void(int64_t, int64_t)>& fn) {
-  if (total <= 0) return;
-  Workers(ctx)->ParallelFor(
-      total,
-      ThreadPool::SchedulingParams::Adaptive(std::max<int64_t>(cost_per_unit, 1)),
-      fn);
-}
 
 // A contiguous range of the flat input and the entries selected in it, in
 // ascending index order.
