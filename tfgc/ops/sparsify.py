@@ -42,12 +42,12 @@ Modes of :func:`sparsify_with_residual`:
 """
 
 import collections
-import math
 
 import numpy as np
 import tensorflow as tf
 
 from tfgc.ops import _loader
+from tfgc.ops.sign_bits import _Checks, _invalid
 
 _FLOAT_DTYPES = (tf.float32, tf.float16, tf.bfloat16)
 # int32 indices address at most 2^31 elements.
@@ -70,36 +70,6 @@ for _op_type in ("TfgcSparsifyWithResidual", "TfgcSparsifyByThreshold", "TfgcSca
 
 # ---------------------------------------------------------------------------
 # Validation helpers (same behaviour as tfgc.ops.sign_bits).
-
-def _invalid(message):
-    raise tf.errors.InvalidArgumentError(None, None, message)
-
-
-class _Checks:
-    """Run-time checks failing with InvalidArgumentError.
-
-    Conditions known now raise immediately; others become tf.debugging.Assert
-    ops that the caller puts in front of its computation (``self.asserts``).
-    """
-
-    def __init__(self):
-        self.asserts = []
-
-    def require(self, cond, message):
-        value = tf.get_static_value(cond) if tf.is_tensor(cond) else cond
-        if value is not None:
-            if not bool(np.all(value)):
-                _invalid(message)
-            return
-        self.asserts.append(tf.debugging.Assert(cond, [message]))
-
-    def require_rank(self, t, rank, name):
-        message = f"{name} must have rank {rank}"
-        if t.shape.rank is not None:
-            self.require(t.shape.rank == rank, f"{message}, got shape {t.shape}")
-        else:
-            self.require(tf.equal(tf.rank(t), rank), message)
-
 
 def _to_tensor(value, dtype_hint):
     """convert_to_tensor that never casts typed (NumPy / tensor) inputs."""
