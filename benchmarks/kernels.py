@@ -149,7 +149,7 @@ def main():
         copy_gbs = 2 * gb / copy[0]
         print(f"\n## {n:,} float32 ({gb * 1e3:.0f} MB); copy bandwidth {copy_gbs:.1f} GB/s "
               f"(read + write, median of {args.repeats})")
-        print(f"| op | custom GB/s | spread ms | reference GB/s | spread ms | speed-up | % of copy |")
+        print("| op | custom GB/s | spread ms | reference GB/s | spread ms | speed-up | % of copy |")
         print("|:--|--:|--:|--:|--:|--:|--:|")
         rows = []
         for name, custom, reference in table:

@@ -214,7 +214,6 @@ def dequantize_bucketed_reference(scales, words, num_elements, *, levels, bucket
         checks2 = _Checks()
         checks2.require(tf.reduce_all(codes <= 2 * levels), f"words holds a code above 2 * levels = {2 * levels}")
     with tf.control_dependencies(checks2.asserts):
-        s = tf.constant(float(levels), tf.float32)
         factor = _divide_by_levels(scales, levels)
         q = tf.cast(codes - levels, tf.float32)
         d_eff = tf.minimum(tf.constant(d, tf.int64), tf.maximum(n, 1))
