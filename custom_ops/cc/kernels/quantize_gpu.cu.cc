@@ -470,41 +470,17 @@ int tfgc_cuda_dequantize_bucketed_sum(const float* scales,
 #include "tensorflow/core/framework/tensor_shape.h"
 #include "tensorflow/core/framework/types.h"
 #include "tensorflow/core/platform/errors.h"
+#include "custom_ops/cc/kernels/gpu_tf_util.h"
 
 namespace tfgc {
 namespace functor {
 namespace {
 
 using GPUDevice = Eigen::GpuDevice;
-
-template <typename T>
-struct QuantizeCudaDType;
-template <>
-struct QuantizeCudaDType<float> {
-  static constexpr int kCode = cuda::kFloat32;
-};
-template <>
-struct QuantizeCudaDType<Eigen::half> {
-  static constexpr int kCode = cuda::kFloat16;
-};
-template <>
-struct QuantizeCudaDType<Eigen::bfloat16> {
-  static constexpr int kCode = cuda::kBFloat16;
-};
-
-absl::Status QuantizeCudaStatus(cudaError_t err, const char* what) {
-  if (err == cudaSuccess) return absl::OkStatus();
-  return tensorflow::errors::Internal(what, ": ", cudaGetErrorString(err));
-}
-
-absl::Status QuantizeScratch(tensorflow::OpKernelContext* ctx, int64_t bytes,
-                             tensorflow::Tensor* t, void** ptr) {
-  TF_RETURN_IF_ERROR(ctx->allocate_temp(
-      tensorflow::DT_INT8,
-      tensorflow::TensorShape({std::max<int64_t>(bytes, 8)}), t));
-  *ptr = t->flat<int8_t>().data();
-  return absl::OkStatus();
-}
+using gpu_tf::CudaDType;
+using gpu_tf::CudaStatus;
+using gpu_tf::ScratchBytes;
+using gpu_tf::StreamOf;
 
 absl::Status BadCodeError(const QuantizeParams& p) {
   return tensorflow::errors::InvalidArgument(
@@ -524,7 +500,7 @@ struct QuantizeBucketedFunctor<GPUDevice, T> {
     void* scratch_ptr = nullptr;
     const int64_t bytes = cuda::QuantizeBucketedScratchBytes(n, p.bucket_size);
     if (bytes > 0) {
-      TF_RETURN_IF_ERROR(QuantizeScratch(ctx, bytes, &scratch, &scratch_ptr));
+      TF_RETURN_IF_ERROR(ScratchBytes(ctx, bytes, &scratch, &scratch_ptr));
     }
     // The OpKernel derived the stream with TensorFlow's own PhiloxRandom;
     // the kernels only need its four words.
@@ -533,8 +509,8 @@ struct QuantizeBucketedFunctor<GPUDevice, T> {
     st.key[1] = stream.key[1];
     st.counter_hi[0] = stream.counter_hi[0];
     st.counter_hi[1] = stream.counter_hi[1];
-    return QuantizeCudaStatus(
-        cuda::QuantizeBucketed<QuantizeCudaDType<T>::kCode>(
+    return CudaStatus(
+        cuda::QuantizeBucketed<CudaDType<T>::kCode>(
             x, n, p.bucket_size, p.levels, p.bits, p.max_norm, st,
             scratch_ptr, scales, words, cu_stream),
         "TfgcQuantizeBucketed");
@@ -549,10 +525,10 @@ struct DequantizeBucketedFunctor<GPUDevice, T> {
     if (n == 0) return absl::OkStatus();
     tensorflow::Tensor flag;
     void* flag_ptr = nullptr;
-    TF_RETURN_IF_ERROR(QuantizeScratch(ctx, sizeof(int), &flag, &flag_ptr));
+    TF_RETURN_IF_ERROR(ScratchBytes(ctx, sizeof(int), &flag, &flag_ptr));
     int bad = 0;
-    TF_RETURN_IF_ERROR(QuantizeCudaStatus(
-        cuda::DequantizeBucketed<QuantizeCudaDType<T>::kCode>(
+    TF_RETURN_IF_ERROR(CudaStatus(
+        cuda::DequantizeBucketed<CudaDType<T>::kCode>(
             scales, words, n, p.bucket_size, p.levels, p.bits, out,
             static_cast<int*>(flag_ptr), &bad,
             ctx->eigen_device<GPUDevice>().stream()),
@@ -579,9 +555,9 @@ absl::Status DequantizeBucketedSumFunctor<GPUDevice>::operator()(
   if (n == 0) return absl::OkStatus();
   tensorflow::Tensor flag;
   void* flag_ptr = nullptr;
-  TF_RETURN_IF_ERROR(QuantizeScratch(ctx, sizeof(int), &flag, &flag_ptr));
+  TF_RETURN_IF_ERROR(ScratchBytes(ctx, sizeof(int), &flag, &flag_ptr));
   int bad = 0;
-  TF_RETURN_IF_ERROR(QuantizeCudaStatus(
+  TF_RETURN_IF_ERROR(CudaStatus(
       cuda::DequantizeBucketedSum(scales, words, workers, n, p.bucket_size,
                                   p.levels, p.bits, out,
                                   static_cast<int*>(flag_ptr), &bad,

@@ -345,35 +345,16 @@ int tfgc_cuda_onebit_dequantize(int dtype, const int32_t* words,
 #include "tensorflow/core/framework/tensor_shape.h"
 #include "tensorflow/core/framework/types.h"
 #include "tensorflow/core/platform/errors.h"
+#include "custom_ops/cc/kernels/gpu_tf_util.h"
 
 namespace tfgc {
 namespace functor {
 
 using GPUDevice = Eigen::GpuDevice;
-
-template <typename T>
-struct CudaDType;
-template <>
-struct CudaDType<float> {
-  static constexpr int kCode = cuda::kFloat32;
-};
-template <>
-struct CudaDType<Eigen::half> {
-  static constexpr int kCode = cuda::kFloat16;
-};
-template <>
-struct CudaDType<Eigen::bfloat16> {
-  static constexpr int kCode = cuda::kBFloat16;
-};
-
-inline cudaStream_t StreamOf(tensorflow::OpKernelContext* ctx) {
-  return ctx->eigen_device<GPUDevice>().stream();
-}
-
-inline absl::Status CudaStatus(cudaError_t err, const char* what) {
-  if (err == cudaSuccess) return absl::OkStatus();
-  return tensorflow::errors::Internal(what, ": ", cudaGetErrorString(err));
-}
+using gpu_tf::CudaDType;
+using gpu_tf::CudaStatus;
+using gpu_tf::ScratchBytes;
+using gpu_tf::StreamOf;
 
 template <typename T>
 struct PackSignBitsFunctor<GPUDevice, T> {

@@ -158,41 +158,17 @@ int tfgc_cuda_scatter_add(int dtype, const void* values, const int32_t* indices,
 #include "tensorflow/core/framework/tensor_shape.h"
 #include "tensorflow/core/framework/types.h"
 #include "tensorflow/core/platform/errors.h"
+#include "custom_ops/cc/kernels/gpu_tf_util.h"
 
 namespace tfgc {
 namespace functor {
 namespace {
 
 using GPUDevice = Eigen::GpuDevice;
-
-template <typename T>
-struct SparsifyCudaDType;
-template <>
-struct SparsifyCudaDType<float> {
-  static constexpr int kCode = cuda::kFloat32;
-};
-template <>
-struct SparsifyCudaDType<Eigen::half> {
-  static constexpr int kCode = cuda::kFloat16;
-};
-template <>
-struct SparsifyCudaDType<Eigen::bfloat16> {
-  static constexpr int kCode = cuda::kBFloat16;
-};
-
-absl::Status SparsifyCudaStatus(cudaError_t err, const char* what) {
-  if (err == cudaSuccess) return absl::OkStatus();
-  return tensorflow::errors::Internal(what, ": ", cudaGetErrorString(err));
-}
-
-absl::Status SparsifyScratch(tensorflow::OpKernelContext* ctx, int64_t bytes,
-                             tensorflow::Tensor* t, void** ptr) {
-  TF_RETURN_IF_ERROR(ctx->allocate_temp(
-      tensorflow::DT_INT8,
-      tensorflow::TensorShape({std::max<int64_t>(bytes, 8)}), t));
-  *ptr = t->flat<int8_t>().data();
-  return absl::OkStatus();
-}
+using gpu_tf::CudaDType;
+using gpu_tf::CudaStatus;
+using gpu_tf::ScratchBytes;
+using gpu_tf::StreamOf;
 
 }  // namespace
 
@@ -201,13 +177,13 @@ struct ScatterAddPayloadsFunctor<GPUDevice, T> {
   absl::Status operator()(tensorflow::OpKernelContext* ctx, const T* values,
                           const int32_t* indices, int64_t m, int64_t n,
                           T* out) {
-    constexpr int kCode = SparsifyCudaDType<T>::kCode;
+    constexpr int kCode = CudaDType<T>::kCode;
     const cudaStream_t stream = ctx->eigen_device<GPUDevice>().stream();
     tensorflow::Tensor flag;
     void* flag_ptr = nullptr;
-    TF_RETURN_IF_ERROR(SparsifyScratch(ctx, sizeof(int), &flag, &flag_ptr));
+    TF_RETURN_IF_ERROR(ScratchBytes(ctx, sizeof(int), &flag, &flag_ptr));
     int bad = 0;
-    TF_RETURN_IF_ERROR(SparsifyCudaStatus(
+    TF_RETURN_IF_ERROR(CudaStatus(
         cuda::ScatterAddValidate(indices, m, n, static_cast<int*>(flag_ptr),
                                  &bad, stream),
         "TfgcScatterAddPayloads"));
@@ -219,9 +195,9 @@ struct ScatterAddPayloadsFunctor<GPUDevice, T> {
     void* acc_ptr = nullptr;
     const int64_t bytes = cuda::ScatterAddScratchBytes(kCode, n);
     if (bytes > 0) {
-      TF_RETURN_IF_ERROR(SparsifyScratch(ctx, bytes, &acc, &acc_ptr));
+      TF_RETURN_IF_ERROR(ScratchBytes(ctx, bytes, &acc, &acc_ptr));
     }
-    return SparsifyCudaStatus(
+    return CudaStatus(
         cuda::ScatterAdd<kCode>(values, indices, m, n, acc_ptr, out, stream),
         "TfgcScatterAddPayloads");
   }

@@ -379,41 +379,17 @@ int tfgc_cuda_threshold_decode(int dtype, const int32_t* words, int64_t m,
 #include "tensorflow/core/framework/tensor_shape.h"
 #include "tensorflow/core/framework/types.h"
 #include "tensorflow/core/platform/errors.h"
+#include "custom_ops/cc/kernels/gpu_tf_util.h"
 
 namespace tfgc {
 namespace functor {
 namespace {
 
 using GPUDevice = Eigen::GpuDevice;
-
-template <typename T>
-struct ThresholdCudaDType;
-template <>
-struct ThresholdCudaDType<float> {
-  static constexpr int kCode = cuda::kFloat32;
-};
-template <>
-struct ThresholdCudaDType<Eigen::half> {
-  static constexpr int kCode = cuda::kFloat16;
-};
-template <>
-struct ThresholdCudaDType<Eigen::bfloat16> {
-  static constexpr int kCode = cuda::kBFloat16;
-};
-
-absl::Status ThresholdCudaStatus(cudaError_t err, const char* what) {
-  if (err == cudaSuccess) return absl::OkStatus();
-  return tensorflow::errors::Internal(what, ": ", cudaGetErrorString(err));
-}
-
-absl::Status ScratchBytes(tensorflow::OpKernelContext* ctx, int64_t bytes,
-                          tensorflow::Tensor* t, void** ptr) {
-  TF_RETURN_IF_ERROR(ctx->allocate_temp(
-      tensorflow::DT_INT8, tensorflow::TensorShape({std::max<int64_t>(bytes, 8)}),
-      t));
-  *ptr = t->flat<int8_t>().data();
-  return absl::OkStatus();
-}
+using gpu_tf::CudaDType;
+using gpu_tf::CudaStatus;
+using gpu_tf::ScratchBytes;
+using gpu_tf::StreamOf;
 
 }  // namespace
 
@@ -429,15 +405,15 @@ struct ThresholdEncodeFunctor<GPUDevice, T> {
     TF_RETURN_IF_ERROR(ScratchBytes(
         ctx, cuda::ThresholdEncodeScratchBytes(n), &scratch, &scratch_ptr));
     int64_t m = 0;
-    TF_RETURN_IF_ERROR(ThresholdCudaStatus(
-        cuda::ThresholdEncodeCount<ThresholdCudaDType<T>::kCode>(
+    TF_RETURN_IF_ERROR(CudaStatus(
+        cuda::ThresholdEncodeCount<CudaDType<T>::kCode>(
             x, residual, n, pos_threshold, neg_threshold, new_residual,
             scratch_ptr, &m, stream),
         "TfgcThresholdEncode"));
     int32_t* words = nullptr;
     TF_RETURN_IF_ERROR(allocate_words(m, &words));
     if (m == 0) return absl::OkStatus();
-    return ThresholdCudaStatus(
+    return CudaStatus(
         cuda::ThresholdEncodeEmit(scratch_ptr, n, words, stream),
         "TfgcThresholdEncode");
   }
@@ -453,7 +429,7 @@ struct ThresholdDecodeFunctor<GPUDevice, T> {
     void* flag_ptr = nullptr;
     TF_RETURN_IF_ERROR(ScratchBytes(ctx, sizeof(int), &flag_scratch, &flag_ptr));
     int flags = 0;
-    TF_RETURN_IF_ERROR(ThresholdCudaStatus(
+    TF_RETURN_IF_ERROR(CudaStatus(
         cuda::ThresholdDecodeValidate(words, m, n, static_cast<int*>(flag_ptr),
                                       &flags, stream),
         "TfgcThresholdDecode"));
@@ -471,8 +447,8 @@ struct ThresholdDecodeFunctor<GPUDevice, T> {
       }
       TF_RETURN_IF_ERROR(ScratchBytes(ctx, n * 8, &counts, &counts_ptr));
     }
-    return ThresholdCudaStatus(
-        cuda::ThresholdDecode<ThresholdCudaDType<T>::kCode>(
+    return CudaStatus(
+        cuda::ThresholdDecode<CudaDType<T>::kCode>(
             words, m, pos_value, neg_value, n, unsorted ? 1 : 0, counts_ptr,
             out, stream),
         "TfgcThresholdDecode");
