@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "custom_ops/cc/ops/shape_util.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/framework/tensor.h"
@@ -98,16 +99,7 @@ REGISTER_OP("TfgcDequantizeBucketed")
     .Attr("levels: int")
     .Attr("bucket_size: int")
     .Attr("bits: int")
-    .SetShapeFn([](InferenceContext* c) {
-      DimensionHandle n = c->UnknownDim();
-      const Tensor* t = c->input_tensor(2);
-      if (t != nullptr && t->dims() == 0 && t->dtype() == tensorflow::DT_INT64) {
-        const int64_t v = t->scalar<int64_t>()();
-        if (v >= 0) n = c->MakeDim(v);
-      }
-      c->set_output(0, c->Vector(n));
-      return absl::OkStatus();
-    })
+    .SetShapeFn([](InferenceContext* c) { return VectorOfScalarInputLength(c, 2); })
     .Doc(R"doc(
 Inverse of TfgcQuantizeBucketed: values_i = T((code_i - levels) *
 (scales[i / bucket_size] / levels)).
@@ -126,16 +118,7 @@ REGISTER_OP("TfgcDequantizeBucketedSum")
     .Attr("levels: int")
     .Attr("bucket_size: int")
     .Attr("bits: int")
-    .SetShapeFn([](InferenceContext* c) {
-      DimensionHandle n = c->UnknownDim();
-      const Tensor* t = c->input_tensor(2);
-      if (t != nullptr && t->dims() == 0 && t->dtype() == tensorflow::DT_INT64) {
-        const int64_t v = t->scalar<int64_t>()();
-        if (v >= 0) n = c->MakeDim(v);
-      }
-      c->set_output(0, c->Vector(n));
-      return absl::OkStatus();
-    })
+    .SetShapeFn([](InferenceContext* c) { return VectorOfScalarInputLength(c, 2); })
     .Doc(R"doc(
 Sum of N workers' TfgcQuantizeBucketed payloads in one pass: values =
 ((0 + decode(payload 0)) + decode(payload 1)) + ... in float32, in worker

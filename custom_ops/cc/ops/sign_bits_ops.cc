@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "custom_ops/cc/ops/shape_util.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/framework/tensor.h"
@@ -22,17 +23,6 @@ using tensorflow::shape_inference::InferenceContext;
 using tensorflow::shape_inference::ShapeHandle;
 
 inline int64_t NumWords(int64_t n) { return n / 32 + (n % 32 != 0 ? 1 : 0); }
-
-// Dimension given by a scalar int64 input, or unknown if it is not a constant
-// or is not a valid size (the kernel reports that case).
-DimensionHandle DimFromScalarInput(InferenceContext* c, int idx) {
-  const Tensor* t = c->input_tensor(idx);
-  if (t == nullptr || t->dims() != 0 || t->dtype() != tensorflow::DT_INT64) {
-    return c->UnknownDim();
-  }
-  const int64_t v = t->scalar<int64_t>()();
-  return v >= 0 ? c->MakeDim(v) : c->UnknownDim();
-}
 
 // Dimension 0 of a rank-1 input, or unknown.
 DimensionHandle VectorLength(InferenceContext* c, int idx) {

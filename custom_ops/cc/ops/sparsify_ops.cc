@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "custom_ops/cc/ops/shape_util.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/framework/tensor.h"
@@ -100,16 +101,7 @@ REGISTER_OP("TfgcScatterAddPayloads")
     .Input("num_elements: int64")
     .Output("dense: T")
     .Attr("T: {float, half, bfloat16}")
-    .SetShapeFn([](InferenceContext* c) {
-      DimensionHandle n = c->UnknownDim();
-      const Tensor* t = c->input_tensor(2);
-      if (t != nullptr && t->dims() == 0 && t->dtype() == tensorflow::DT_INT64) {
-        const int64_t v = t->scalar<int64_t>()();
-        if (v >= 0) n = c->MakeDim(v);
-      }
-      c->set_output(0, c->Vector(n));
-      return absl::OkStatus();
-    })
+    .SetShapeFn([](InferenceContext* c) { return VectorOfScalarInputLength(c, 2); })
     .Doc(R"doc(
 Decodes sparse payloads: dense[i] = sum of values[j] over indices[j] == i,
 added in order of j (in float32 for half types, rounded once), so duplicates
