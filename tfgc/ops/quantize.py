@@ -60,7 +60,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfgc.ops import _loader
-from tfgc.ops.sign_bits import _Checks, _float_dtype, _float_input, _int64_scalar, _invalid, _typed_tensor
+from tfgc.ops._validation import Checks, float_dtype, float_input, int64_scalar, invalid, typed_tensor
 
 MAX_LEVELS = 32767
 _VALID_BITS = (2, 4, 8, 16)
@@ -74,29 +74,26 @@ for _op_type in ("TfgcQuantizeBucketed", "TfgcDequantizeBucketed", "TfgcDequanti
         pass
 
 
-# ---------------------------------------------------------------------------
-# Validation helpers.
-
 def _check_attrs(levels, bucket_size, bits, norm=None):
     """Static configuration; a bad value raises InvalidArgumentError (as the kernels do)."""
     def _int(value, name):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            _invalid(f"{name} must be an int, got {value!r}")
+            invalid(f"{name} must be an int, got {value!r}")
         return int(value)
 
     levels = _int(levels, "levels")
     bucket_size = _int(bucket_size, "bucket_size")
     bits = _int(bits, "bits")
     if not 1 <= levels <= MAX_LEVELS:
-        _invalid(f"levels must be in [1, {MAX_LEVELS}], got {levels}")
+        invalid(f"levels must be in [1, {MAX_LEVELS}], got {levels}")
     if bucket_size < 1:
-        _invalid(f"bucket_size must be >= 1, got {bucket_size}")
+        invalid(f"bucket_size must be >= 1, got {bucket_size}")
     if bits not in _VALID_BITS:
-        _invalid(f"bits must be 2, 4, 8 or 16, got {bits}")
+        invalid(f"bits must be 2, 4, 8 or 16, got {bits}")
     if 2 * levels + 1 > (1 << bits):
-        _invalid(f"{bits}-bit fields cannot hold the {2 * levels + 1} codes of levels={levels}")
+        invalid(f"{bits}-bit fields cannot hold the {2 * levels + 1} codes of levels={levels}")
     if norm is not None and norm not in ("l2", "max"):
-        _invalid(f"norm must be 'l2' or 'max', got {norm!r}")
+        invalid(f"norm must be 'l2' or 'max', got {norm!r}")
     return levels, bucket_size, bits
 
 
@@ -105,11 +102,11 @@ def _seed_tensor(seed):
         t = tf.convert_to_tensor(seed) if tf.is_tensor(seed) or isinstance(seed, (np.ndarray, np.generic)) \
             else tf.convert_to_tensor(seed, dtype_hint=tf.int64)
     except (TypeError, ValueError, OverflowError) as exc:
-        _invalid(f"seed must be an int64 tensor of shape [2]: {exc}")
+        invalid(f"seed must be an int64 tensor of shape [2]: {exc}")
     if t.dtype not in (tf.int32, tf.int64):
-        _invalid(f"seed must be an integer tensor, got {t.dtype.name}")
+        invalid(f"seed must be an integer tensor, got {t.dtype.name}")
     if t.shape.rank is not None and t.shape != [2] and t.shape.is_fully_defined():
-        _invalid(f"seed must have shape [2], got {t.shape}")
+        invalid(f"seed must have shape [2], got {t.shape}")
     return tf.cast(t, tf.int64)
 
 
@@ -139,9 +136,9 @@ def _divide_by_levels(scales, levels):
 def quantize_bucketed_reference(x, seed, *, levels, bucket_size, bits, norm="l2"):
     """Reference for :func:`quantize_bucketed`."""
     levels, d, bits = _check_attrs(levels, bucket_size, bits, norm)
-    x = _float_input(x)
+    x = float_input(x)
     seed = _seed_tensor(seed)
-    checks = _Checks()
+    checks = Checks()
     checks.require_rank(seed, 1, "seed")
     checks.require(tf.equal(tf.size(seed), 2), "seed must have shape [2]")
     with tf.control_dependencies(checks.asserts):
@@ -189,11 +186,11 @@ def dequantize_bucketed_reference(scales, words, num_elements, *, levels, bucket
                                   dtype=tf.float32):
     """Reference for :func:`dequantize_bucketed`."""
     levels, d, bits = _check_attrs(levels, bucket_size, bits)
-    dtype = _float_dtype(dtype)
-    scales = _typed_tensor(scales, tf.float32, "scales")
-    words = _typed_tensor(words, tf.int32, "words")
-    n = _int64_scalar(num_elements, "num_elements")
-    checks = _Checks()
+    dtype = float_dtype(dtype)
+    scales = typed_tensor(scales, tf.float32, "scales")
+    words = typed_tensor(words, tf.int32, "words")
+    n = int64_scalar(num_elements, "num_elements")
+    checks = Checks()
     checks.require_rank(scales, 1, "scales")
     checks.require_rank(words, 1, "words")
     checks.require_rank(n, 0, "num_elements")
@@ -211,7 +208,7 @@ def dequantize_bucketed_reference(scales, words, num_elements, *, levels, bucket
             tf.bitwise.right_shift(tf.bitcast(words, tf.uint32)[:, None], shifts),
             tf.constant((1 << bits) - 1, tf.uint32))
         codes = tf.cast(tf.reshape(fields, [-1])[:n], tf.int32)
-        checks2 = _Checks()
+        checks2 = Checks()
         checks2.require(tf.reduce_all(codes <= 2 * levels), f"words holds a code above 2 * levels = {2 * levels}")
     with tf.control_dependencies(checks2.asserts):
         factor = _divide_by_levels(scales, levels)
@@ -225,10 +222,10 @@ def dequantize_bucketed_reference(scales, words, num_elements, *, levels, bucket
 def dequantize_bucketed_sum_reference(scales, words, num_elements, *, levels, bucket_size, bits):
     """Reference for :func:`dequantize_bucketed_sum`."""
     levels, d, bits = _check_attrs(levels, bucket_size, bits)
-    scales = _typed_tensor(scales, tf.float32, "scales")
-    words = _typed_tensor(words, tf.int32, "words")
-    n = _int64_scalar(num_elements, "num_elements")
-    checks = _Checks()
+    scales = typed_tensor(scales, tf.float32, "scales")
+    words = typed_tensor(words, tf.int32, "words")
+    n = int64_scalar(num_elements, "num_elements")
+    checks = Checks()
     checks.require_rank(scales, 2, "scales")
     checks.require_rank(words, 2, "words")
     checks.require_rank(n, 0, "num_elements")
@@ -236,7 +233,7 @@ def dequantize_bucketed_sum_reference(scales, words, num_elements, *, levels, bu
     with tf.control_dependencies(checks.asserts):
         n_safe = tf.maximum(n, 0)
         nb = _num_buckets(n_safe, d)
-        checks2 = _Checks()
+        checks2 = Checks()
         checks2.require(tf.equal(tf.shape(scales, out_type=tf.int64)[0], tf.shape(words, out_type=tf.int64)[0]),
                         "scales and words must have the same number of workers")
         checks2.require(tf.equal(tf.shape(scales, out_type=tf.int64)[1], nb),
@@ -251,7 +248,7 @@ def dequantize_bucketed_sum_reference(scales, words, num_elements, *, levels, bu
             tf.constant((1 << bits) - 1, tf.uint32))
         workers = tf.shape(words)[0]
         codes = tf.cast(tf.reshape(fields, tf.stack([workers, -1]))[:, :n], tf.int32)
-        checks3 = _Checks()
+        checks3 = Checks()
         checks3.require(tf.reduce_all(codes <= 2 * levels), f"words holds a code above 2 * levels = {2 * levels}")
     with tf.control_dependencies(checks3.asserts):
         factor = _divide_by_levels(scales, levels)
@@ -281,7 +278,7 @@ def quantize_bucketed(x, seed, *, levels, bucket_size, bits, norm="l2"):
       int32 ``[ceil(n * bits / 32)]``.
     """
     levels, d, bits = _check_attrs(levels, bucket_size, bits, norm)
-    x = _float_input(x)
+    x = float_input(x)
     seed = _seed_tensor(seed)
     lib = _loader.load_library()
     if lib is None:
@@ -299,10 +296,10 @@ def dequantize_bucketed(scales, words, num_elements, *, levels, bucket_size, bit
     ``ceil(n * bits / 32)`` entries, ``n >= 0`` and every used code ``<= 2s``.
     """
     levels, d, bits = _check_attrs(levels, bucket_size, bits)
-    dtype = _float_dtype(dtype)
-    scales = _typed_tensor(scales, tf.float32, "scales")
-    words = _typed_tensor(words, tf.int32, "words")
-    n = _int64_scalar(num_elements, "num_elements")
+    dtype = float_dtype(dtype)
+    scales = typed_tensor(scales, tf.float32, "scales")
+    words = typed_tensor(words, tf.int32, "words")
+    n = int64_scalar(num_elements, "num_elements")
     lib = _loader.load_library()
     if lib is None:
         return dequantize_bucketed_reference(scales, words, n, levels=levels, bucket_size=d, bits=bits,
@@ -320,9 +317,9 @@ def dequantize_bucketed_sum(scales, words, num_elements, *, levels, bucket_size,
     validation as :func:`dequantize_bucketed` applies to every row.
     """
     levels, d, bits = _check_attrs(levels, bucket_size, bits)
-    scales = _typed_tensor(scales, tf.float32, "scales")
-    words = _typed_tensor(words, tf.int32, "words")
-    n = _int64_scalar(num_elements, "num_elements")
+    scales = typed_tensor(scales, tf.float32, "scales")
+    words = typed_tensor(words, tf.int32, "words")
+    n = int64_scalar(num_elements, "num_elements")
     lib = _loader.load_library()
     if lib is None:
         return dequantize_bucketed_sum_reference(scales, words, n, levels=levels, bucket_size=d, bits=bits)

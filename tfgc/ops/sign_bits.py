@@ -39,8 +39,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfgc.ops import _loader
+from tfgc.ops._validation import Checks, float_dtype, float_input, int64_scalar, typed_tensor
 
-_FLOAT_DTYPES = (tf.float32, tf.float16, tf.bfloat16)
 _INT64_MAX = np.iinfo(np.int64).max
 
 # Weight of bit position b in a word, as int32 (bit 31 is INT32_MIN). The
@@ -61,87 +61,6 @@ for _op_type in ("TfgcPackSignBits", "TfgcUnpackSignBits", "TfgcOneBitQuantize",
         pass
 
 
-# ---------------------------------------------------------------------------
-# Validation helpers.
-
-def _invalid(message):
-    raise tf.errors.InvalidArgumentError(None, None, message)
-
-
-class _Checks:
-    """Run-time argument checks that fail with InvalidArgumentError.
-
-    A condition known now (always the case in eager mode) raises immediately;
-    one only known when a graph runs becomes a tf.debugging.Assert, which the
-    caller must put in front of the computation via ``self.asserts``.
-    """
-
-    def __init__(self):
-        self.asserts = []
-
-    def require(self, cond, message):
-        value = tf.get_static_value(cond) if tf.is_tensor(cond) else cond
-        if value is not None:
-            if not bool(np.all(value)):
-                _invalid(message)
-            return
-        self.asserts.append(tf.debugging.Assert(cond, [message]))
-
-    def require_rank(self, t, rank, name):
-        message = f"{name} must have rank {rank}"
-        if t.shape.rank is not None:
-            self.require(t.shape.rank == rank, f"{message}, got shape {t.shape}")
-        else:
-            self.require(tf.equal(tf.rank(t), rank), message)
-
-
-def _float_dtype(dtype, name="dtype"):
-    dtype = tf.as_dtype(dtype)
-    if dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"{name} must be one of float32, float16, bfloat16; got {dtype.name}")
-    return dtype
-
-
-def _float_input(x):
-    x = tf.convert_to_tensor(x)
-    _float_dtype(x.dtype, "x.dtype")
-    return x
-
-
-def _to_tensor(value, dtype_hint):
-    """convert_to_tensor that never casts typed inputs.
-
-    dtype_hint is only applied to Python scalars and lists; a NumPy array or
-    tensor keeps its own dtype (convert_to_tensor would otherwise silently cast
-    e.g. a float32 array to the int32 hint).
-    """
-    if tf.is_tensor(value) or isinstance(value, (np.ndarray, np.generic)):
-        return tf.convert_to_tensor(value)
-    return tf.convert_to_tensor(value, dtype_hint=dtype_hint)
-
-
-def _int64_scalar(value, name):
-    """Converts a size argument to an int64 tensor; any failure is InvalidArgument."""
-    try:
-        t = _to_tensor(value, tf.int64)
-    except (TypeError, ValueError, OverflowError) as exc:
-        _invalid(f"{name} must be an int64 scalar: {exc}")
-    if t.dtype not in (tf.int32, tf.int64):
-        _invalid(f"{name} must be an integer, got {t.dtype.name}")
-    return tf.cast(t, tf.int64)
-
-
-def _typed_tensor(value, dtype, name):
-    """A payload tensor that must already have ``dtype`` (no silent casts)."""
-    try:
-        t = _to_tensor(value, dtype)
-    except (TypeError, ValueError, OverflowError) as exc:
-        _invalid(f"{name} must be a {dtype.name} tensor: {exc}")
-    if t.dtype != dtype:
-        _invalid(f"{name} must be {dtype.name}, got {t.dtype.name}")
-    return t
-
-
 def _num_words(n):
     """ceil(n / 32) for an int64 tensor, without the overflow of n + 31."""
     return n // 32 + tf.cast(n % 32 > 0, tf.int64)
@@ -159,7 +78,7 @@ def _bits(words, n):
 
 def pack_sign_bits_reference(x):
     """Reference for :func:`pack_sign_bits`."""
-    x = _float_input(x)
+    x = float_input(x)
     flat = tf.reshape(x, [-1])
     n = tf.size(flat, out_type=tf.int64)
     nonneg = tf.greater_equal(flat, tf.zeros([], x.dtype))  # False for NaN
@@ -172,10 +91,10 @@ def pack_sign_bits_reference(x):
 
 def unpack_sign_bits_reference(words, num_elements, dtype=tf.float32):
     """Reference for :func:`unpack_sign_bits`."""
-    dtype = _float_dtype(dtype)
-    words = _typed_tensor(words, tf.int32, "words")
-    n = _int64_scalar(num_elements, "num_elements")
-    checks = _Checks()
+    dtype = float_dtype(dtype)
+    words = typed_tensor(words, tf.int32, "words")
+    n = int64_scalar(num_elements, "num_elements")
+    checks = Checks()
     checks.require_rank(words, 1, "words")
     checks.require_rank(n, 0, "num_elements")
     checks.require(n >= 0, "num_elements must be >= 0")
@@ -189,8 +108,8 @@ def unpack_sign_bits_reference(words, num_elements, dtype=tf.float32):
 
 def onebit_quantize_reference(x):
     """Reference for :func:`onebit_quantize`."""
-    x = _float_input(x)
-    checks = _Checks()
+    x = float_input(x)
+    checks = Checks()
     checks.require_rank(x, 2, "x")
     with tf.control_dependencies(checks.asserts):
         x64 = tf.cast(x, tf.float64)
@@ -214,12 +133,12 @@ def onebit_quantize_reference(x):
 
 def onebit_dequantize_reference(words, pos_mean, neg_mean, rows, dtype=tf.float32):
     """Reference for :func:`onebit_dequantize`."""
-    dtype = _float_dtype(dtype)
-    words = _typed_tensor(words, tf.int32, "words")
-    pos_mean = _typed_tensor(pos_mean, tf.float32, "pos_mean")
-    neg_mean = _typed_tensor(neg_mean, tf.float32, "neg_mean")
-    rows = _int64_scalar(rows, "rows")
-    checks = _Checks()
+    dtype = float_dtype(dtype)
+    words = typed_tensor(words, tf.int32, "words")
+    pos_mean = typed_tensor(pos_mean, tf.float32, "pos_mean")
+    neg_mean = typed_tensor(neg_mean, tf.float32, "neg_mean")
+    rows = int64_scalar(rows, "rows")
+    checks = Checks()
     checks.require_rank(words, 1, "words")
     checks.require_rank(pos_mean, 1, "pos_mean")
     checks.require_rank(neg_mean, 1, "neg_mean")
@@ -253,7 +172,7 @@ def pack_sign_bits(x):
       int32 ``[ceil(size(x) / 32)]``; bit ``i % 32`` of word ``i // 32`` is 1
       iff ``x_i >= 0`` (so -0.0 -> 1, NaN -> 0).
     """
-    x = _float_input(x)
+    x = float_input(x)
     lib = _loader.load_library()
     if lib is None:
         return pack_sign_bits_reference(x)
@@ -267,9 +186,9 @@ def unpack_sign_bits(words, num_elements, dtype=tf.float32):
     ``ceil(num_elements / 32)`` entries and ``num_elements`` a scalar >= 0;
     otherwise ``tf.errors.InvalidArgumentError`` is raised.
     """
-    dtype = _float_dtype(dtype)
-    words = _typed_tensor(words, tf.int32, "words")
-    n = _int64_scalar(num_elements, "num_elements")
+    dtype = float_dtype(dtype)
+    words = typed_tensor(words, tf.int32, "words")
+    n = int64_scalar(num_elements, "num_elements")
     lib = _loader.load_library()
     if lib is None:
         return unpack_sign_bits_reference(words, n, dtype)
@@ -286,7 +205,7 @@ def onebit_quantize(x):
       entries count as negative); and ``x - decoded`` in ``x.dtype``. See the
       module docstring for the NaN/Inf and rounding details.
     """
-    x = _float_input(x)
+    x = float_input(x)
     lib = _loader.load_library()
     if lib is None:
         return onebit_quantize_reference(x)
@@ -302,11 +221,11 @@ def onebit_dequantize(words, pos_mean, neg_mean, rows, dtype=tf.float32):
     exactly ``ceil(rows * cols / 32)`` entries, the means are 1-D float32 of
     equal length, ``rows >= 0`` and ``rows * cols`` fits in int64.
     """
-    dtype = _float_dtype(dtype)
-    words = _typed_tensor(words, tf.int32, "words")
-    pos_mean = _typed_tensor(pos_mean, tf.float32, "pos_mean")
-    neg_mean = _typed_tensor(neg_mean, tf.float32, "neg_mean")
-    rows = _int64_scalar(rows, "rows")
+    dtype = float_dtype(dtype)
+    words = typed_tensor(words, tf.int32, "words")
+    pos_mean = typed_tensor(pos_mean, tf.float32, "pos_mean")
+    neg_mean = typed_tensor(neg_mean, tf.float32, "neg_mean")
+    rows = int64_scalar(rows, "rows")
     lib = _loader.load_library()
     if lib is None:
         return onebit_dequantize_reference(words, pos_mean, neg_mean, rows, dtype)

@@ -43,13 +43,11 @@ Modes of :func:`sparsify_with_residual`:
 
 import collections
 
-import numpy as np
 import tensorflow as tf
 
 from tfgc.ops import _loader
-from tfgc.ops.sign_bits import _Checks, _invalid
+from tfgc.ops._validation import Checks, float32_scalar, float_tensor, int64_scalar, invalid, to_tensor
 
-_FLOAT_DTYPES = (tf.float32, tf.float16, tf.bfloat16)
 # int32 indices address at most 2^31 elements.
 MAX_ELEMENTS = 2**31
 _MIN_SAMPLE = 256
@@ -68,67 +66,19 @@ for _op_type in ("TfgcSparsifyWithResidual", "TfgcSparsifyByThreshold", "TfgcSca
         pass
 
 
-# ---------------------------------------------------------------------------
-# Validation helpers (same behaviour as tfgc.ops.sign_bits).
-
-def _to_tensor(value, dtype_hint):
-    """convert_to_tensor that never casts typed (NumPy / tensor) inputs."""
-    if tf.is_tensor(value) or isinstance(value, (np.ndarray, np.generic)):
-        return tf.convert_to_tensor(value)
-    return tf.convert_to_tensor(value, dtype_hint=dtype_hint)
-
-
-def _float_tensor(value, name, dtype=None):
-    try:
-        t = _to_tensor(value, dtype or tf.float32)
-    except (TypeError, ValueError) as exc:
-        _invalid(f"{name} must be a float tensor: {exc}")
-    if t.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"{name} must be float32, float16 or bfloat16; got {t.dtype.name}")
-    if dtype is not None and t.dtype != dtype:
-        _invalid(f"{name} must have dtype {dtype.name}, got {t.dtype.name}")
-    return t
-
-
-def _int64_scalar(value, name):
-    try:
-        t = _to_tensor(value, tf.int64)
-    except (TypeError, ValueError, OverflowError) as exc:
-        _invalid(f"{name} must be an int64 scalar: {exc}")
-    if t.dtype not in (tf.int32, tf.int64):
-        _invalid(f"{name} must be an integer, got {t.dtype.name}")
-    t = tf.cast(t, tf.int64)
-    if t.shape.rank is not None and t.shape.rank != 0:
-        _invalid(f"{name} must be a scalar, got shape {t.shape}")
-    return t
-
-
-def _float32_scalar(value, name):
-    try:
-        t = _to_tensor(value, tf.float32)
-    except (TypeError, ValueError) as exc:
-        _invalid(f"{name} must be a float32 scalar: {exc}")
-    if not t.dtype.is_floating:
-        _invalid(f"{name} must be a float, got {t.dtype.name}")
-    t = tf.cast(t, tf.float32)
-    if t.shape.rank is not None and t.shape.rank != 0:
-        _invalid(f"{name} must be a scalar, got shape {t.shape}")
-    return t
-
-
 def _selection_inputs(x, residual):
-    x = _float_tensor(x, "x")
-    residual = _float_tensor(residual, "residual", x.dtype)
+    x = float_tensor(x, "x")
+    residual = float_tensor(residual, "residual", x.dtype)
     if x.shape.is_fully_defined() and residual.shape.is_fully_defined():
         if x.shape != residual.shape:
-            _invalid(f"x and residual must have the same shape, got {x.shape} and {residual.shape}")
+            invalid(f"x and residual must have the same shape, got {x.shape} and {residual.shape}")
     return x, residual
 
 
 def _sample_ratio(sample_ratio):
     ratio = float(sample_ratio)
     if not 0.0 < ratio <= 1.0:
-        _invalid(f"sample_ratio must be in (0, 1], got {sample_ratio}")
+        invalid(f"sample_ratio must be in (0, 1], got {sample_ratio}")
     return ratio
 
 
@@ -215,10 +165,10 @@ def sparsify_with_residual_reference(x, residual, k, *, exact=False, sample_rati
                                      seed=0, with_mask=False):
     """Reference for :func:`sparsify_with_residual`."""
     x, residual = _selection_inputs(x, residual)
-    k = _int64_scalar(k, "k")
-    seed = _int64_scalar(seed, "seed")
+    k = int64_scalar(k, "k")
+    seed = int64_scalar(seed, "seed")
     ratio = _sample_ratio(sample_ratio)
-    checks = _Checks()
+    checks = Checks()
     checks.require(k >= 0, "k must be >= 0")
     v = _flat_v(x, residual, checks)
     keys = _rank_keys(v)
@@ -238,9 +188,9 @@ def sparsify_by_threshold_reference(x, residual, pos_threshold, neg_threshold, *
                                     with_mask=False):
     """Reference for :func:`sparsify_by_threshold`."""
     x, residual = _selection_inputs(x, residual)
-    pos = _float32_scalar(pos_threshold, "pos_threshold")
-    neg = _float32_scalar(neg_threshold, "neg_threshold")
-    checks = _Checks()
+    pos = float32_scalar(pos_threshold, "pos_threshold")
+    neg = float32_scalar(neg_threshold, "neg_threshold")
+    checks = Checks()
     checks.require(tf.logical_and(pos >= 0, neg <= 0),
                    "need pos_threshold >= 0 >= neg_threshold")
     v = _flat_v(x, residual, checks)
@@ -251,21 +201,21 @@ def sparsify_by_threshold_reference(x, residual, pos_threshold, neg_threshold, *
 
 
 def _payload_inputs(values, indices, num_elements):
-    values = _float_tensor(values, "values")
+    values = float_tensor(values, "values")
     try:
-        indices = _to_tensor(indices, tf.int32)
+        indices = to_tensor(indices, tf.int32)
     except (TypeError, ValueError, OverflowError) as exc:
-        _invalid(f"indices must be an int32 tensor: {exc}")
+        invalid(f"indices must be an int32 tensor: {exc}")
     if indices.dtype != tf.int32:
-        _invalid(f"indices must be int32, got {indices.dtype.name}")
-    n = _int64_scalar(num_elements, "num_elements")
+        invalid(f"indices must be int32, got {indices.dtype.name}")
+    n = int64_scalar(num_elements, "num_elements")
     return values, indices, n
 
 
 def scatter_add_payloads_reference(values, indices, num_elements):
     """Reference for :func:`scatter_add_payloads`."""
     values, indices, n = _payload_inputs(values, indices, num_elements)
-    checks = _Checks()
+    checks = Checks()
     checks.require_rank(values, 1, "values")
     checks.require_rank(indices, 1, "indices")
     checks.require(tf.equal(tf.size(values), tf.size(indices)),
@@ -312,8 +262,8 @@ def sparsify_with_residual(x, residual, k, *, exact=False, sample_ratio=0.01, se
         ``sample_ratio`` outside ``(0, 1]``, or more than 2**31 elements.
     """
     x, residual = _selection_inputs(x, residual)
-    k = _int64_scalar(k, "k")
-    seed = _int64_scalar(seed, "seed")
+    k = int64_scalar(k, "k")
+    seed = int64_scalar(seed, "seed")
     ratio = _sample_ratio(sample_ratio)
     lib = _loader.load_library()
     if lib is None:
@@ -334,8 +284,8 @@ def sparsify_by_threshold(x, residual, pos_threshold, neg_threshold, *, with_mas
     :func:`sparsify_with_residual`.
     """
     x, residual = _selection_inputs(x, residual)
-    pos = _float32_scalar(pos_threshold, "pos_threshold")
-    neg = _float32_scalar(neg_threshold, "neg_threshold")
+    pos = float32_scalar(pos_threshold, "pos_threshold")
+    neg = float32_scalar(neg_threshold, "neg_threshold")
     lib = _loader.load_library()
     if lib is None:
         return sparsify_by_threshold_reference(x, residual, pos, neg, with_mask=with_mask)

@@ -55,12 +55,10 @@ column's value. These ops keep the scalar form.
 
 import collections
 
-import numpy as np
 import tensorflow as tf
 
 from tfgc.ops import _loader
-from tfgc.ops.sign_bits import (_Checks, _float_dtype, _float_input, _int64_scalar, _invalid,
-                                _to_tensor, _typed_tensor)
+from tfgc.ops._validation import Checks, float32_scalar, float_dtype, float_input, int64_scalar, invalid, typed_tensor
 
 MAX_ELEMENTS = 2**30
 
@@ -74,41 +72,22 @@ for _op_type in ("TfgcThresholdEncode", "TfgcThresholdDecode"):
         pass
 
 
-def _float32_scalar(value, name):
-    """A threshold or value argument as a float32 tensor.
-
-    Python numbers and any float or integer tensor are accepted and converted:
-    these are parameters chosen by the caller, not payload bytes.
-    """
-    try:
-        if isinstance(value, float):
-            # Through NumPy: TensorFlow's eager cache of Python scalar
-            # constants treats -0.0 and 0.0 as the same key.
-            value = np.float32(value)
-        t = _to_tensor(value, tf.float32)
-    except (TypeError, ValueError, OverflowError) as exc:
-        _invalid(f"{name} must be a float32 scalar: {exc}")
-    if not (t.dtype.is_floating or t.dtype.is_integer):
-        _invalid(f"{name} must be a number, got {t.dtype.name}")
-    return tf.cast(t, tf.float32)
-
-
 def _encode_args(x, residual, pos_threshold, neg_threshold):
-    x = _float_input(x)
+    x = float_input(x)
     try:
         residual = tf.convert_to_tensor(residual)
     except (TypeError, ValueError) as exc:
-        _invalid(f"residual must be a tensor: {exc}")
+        invalid(f"residual must be a tensor: {exc}")
     if residual.dtype != x.dtype:
-        _invalid(f"residual must have x's dtype {x.dtype.name}, got {residual.dtype.name}")
-    return (x, residual, _float32_scalar(pos_threshold, "pos_threshold"),
-            _float32_scalar(neg_threshold, "neg_threshold"))
+        invalid(f"residual must have x's dtype {x.dtype.name}, got {residual.dtype.name}")
+    return (x, residual, float32_scalar(pos_threshold, "pos_threshold"),
+            float32_scalar(neg_threshold, "neg_threshold"))
 
 
 def _decode_args(words, pos_value, neg_value, num_elements, dtype):
-    return (_typed_tensor(words, tf.int32, "words"), _float32_scalar(pos_value, "pos_value"),
-            _float32_scalar(neg_value, "neg_value"), _int64_scalar(num_elements, "num_elements"),
-            _float_dtype(dtype))
+    return (typed_tensor(words, tf.int32, "words"), float32_scalar(pos_value, "pos_value"),
+            float32_scalar(neg_value, "neg_value"), int64_scalar(num_elements, "num_elements"),
+            float_dtype(dtype))
 
 
 # ---------------------------------------------------------------------------
@@ -118,7 +97,7 @@ def threshold_encode_reference(x, residual, pos_threshold, neg_threshold):
     """Reference for :func:`threshold_encode`."""
     x, residual, pos_threshold, neg_threshold = _encode_args(x, residual, pos_threshold,
                                                              neg_threshold)
-    checks = _Checks()
+    checks = Checks()
     if x.shape.is_fully_defined() and residual.shape.is_fully_defined():
         checks.require(x.shape == residual.shape,
                        f"x and residual must have the same shape, got {x.shape} and {residual.shape}")
@@ -154,7 +133,7 @@ def threshold_decode_reference(words, pos_value, neg_value, num_elements, dtype=
     """Reference for :func:`threshold_decode`."""
     words, pos_value, neg_value, n, dtype = _decode_args(words, pos_value, neg_value,
                                                          num_elements, dtype)
-    checks = _Checks()
+    checks = Checks()
     checks.require_rank(words, 1, "words")
     checks.require_rank(pos_value, 0, "pos_value")
     checks.require_rank(neg_value, 0, "neg_value")
