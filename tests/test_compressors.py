@@ -172,6 +172,24 @@ def test_randomk_indices_shared_across_workers_and_fresh_each_step():
     np.testing.assert_allclose(summed.numpy(), separate.numpy(), atol=1e-6)
 
 
+@pytest.mark.parametrize("ratio", [0.05, 0.5])  # the O(k) draw, and the O(n) ranking
+def test_randomk_picks_uniform_subsets_of_exactly_k(ratio):
+    n, steps = 200, 400
+    c = RandomK(ratio=ratio, seed=11)
+    k = int(round(ratio * n))
+    counts = np.zeros(n)
+    for step in range(steps):
+        idx = c._indices(tf.TensorShape([n]), ctx(step=step)).numpy()
+        assert len(idx) == k and len(set(idx.tolist())) == k
+        assert idx.min() >= 0 and idx.max() < n
+        counts[idx] += 1
+    # Every coordinate is kept with probability k / n: a chi-square test on the
+    # per-coordinate counts (n - 1 degrees of freedom; 300 is beyond p = 1e-4).
+    expected = steps * k / n
+    chi2 = float(np.sum((counts - expected) ** 2 / expected) * (1 - k / n) ** -1)
+    assert chi2 < 300, chi2
+
+
 # -- quantizers -------------------------------------------------------------------------
 
 

@@ -101,8 +101,26 @@ class RandomK(Compressor):
         k = _k_for(n, self.ratio, 0)
         if k == n:
             return tf.range(n, dtype=tf.int32)
-        keys = tf.random.stateless_uniform([n], seed=ctx.seed(self.seed, shared=True))
-        return tf.math.top_k(keys, k=k, sorted=False).indices
+        seed = ctx.seed(self.seed, shared=True)
+
+        def by_ranking():
+            # The k smallest of n uniform keys: a uniform k-subset, O(n).
+            keys = tf.random.stateless_uniform([n], seed=seed)
+            return tf.math.top_k(keys, k=k, sorted=False).indices
+
+        if 4 * k > n:
+            return by_ranking()
+        # Sparse regime: the first k distinct values of a stream of i.i.d.
+        # uniform indices are a uniform k-subset too (each new distinct value is
+        # uniform over the ones not yet drawn), and cost O(k) instead of O(n).
+        # m draws hold n (1 - (1 - 1/n)^m) distinct values on average, so m is
+        # chosen to make that k, plus a margin of 6 standard deviations (the
+        # count's variance is below k). Falling short is then a < 1e-9 event,
+        # handled by the O(n) ranking so that the result never changes shape.
+        m = int(math.ceil(-n * math.log1p(-k / n) + 6.0 * math.sqrt(k) + 16))
+        draws = tf.random.stateless_uniform([m], seed=seed, minval=0, maxval=n, dtype=tf.int32)
+        distinct, _ = tf.unique(draws)
+        return tf.cond(tf.size(distinct) >= k, lambda: distinct[:k], by_ranking)
 
     def compress(self, x, state, ctx):
         flat = tf.reshape(x, [-1])
