@@ -10,6 +10,9 @@ compares the results with NumPy oracles that restate the CPU ops' semantics:
   onebit_quantize / onebit_dequantize per-column class means (Seide et al.)
   threshold_encode / threshold_decode Strom 2015 / Dryden et al. 2016 words
   quantize_bucketed / dequantize_*    QSGD / TernGrad codes, Philox uniforms
+  sparsify_topk / sparsify_sampled    top-k of |x + residual| (exact radix
+                                      select; DGC mode's contract)
+  sparsify_by_threshold               v >= pos or v <= neg selection
   scatter_add_payloads                sparse (value, index) decode
 
 Prints PASS / FAIL per kernel and dtype; exits 1 if anything failed, 2 if no
@@ -123,10 +126,14 @@ def np_quantize_residual(x_raw, pos_mean, neg_mean, dt):
 
 
 def np_encode(x_raw, r_raw, pt, nt, dt):
+    # float32 arithmetic flushes subnormals, as TensorFlow's CPU threads do
+    # (see flush_subnormals).
     with np.errstate(invalid="ignore", over="ignore"):
-        v = to_f32(from_f32(to_f32(x_raw, dt) + to_f32(r_raw, dt), dt), dt)
+        total = flush_subnormals(to_f32(x_raw, dt)) + flush_subnormals(to_f32(r_raw, dt))
+        v = to_f32(from_f32(flush_subnormals(total), dt), dt)
         pos, neg = v >= pt, v <= nt
-        res = from_f32(np.where(pos, v - pt, np.where(neg, v - nt, v)).astype(np.float32), dt)
+        diff = np.where(pos, v - pt, np.where(neg, v - nt, v)).astype(np.float32)
+        res = from_f32(flush_subnormals(diff), dt)
     index = np.flatnonzero(pos | neg).astype(np.int64)
     return (index * 2 + pos[index]).astype(np.int32), res
 
@@ -235,6 +242,62 @@ def np_dequantize(scales, words, n, levels, d, bits):
         return (codes - levels).astype(np.float32) * so[np.arange(n) // d]
 
 
+# Sparsification (sparsify.h): v = x + residual in float32, rounded once to
+# the dtype; ranking key = |v|'s bit pattern + 1, 0 for NaN. The addition
+# flushes float32 subnormals (inputs and result) to signed zero, as the CPU op
+# does (TensorFlow's threads run with FTZ / DAZ) and the GPU kernel does
+# explicitly (add.ftz).
+KEY_ABS_MASK = {"float32": 0x7FFFFFFF, "float16": 0x7FFF, "bfloat16": 0x7FFF}
+KEY_POS_INF = {"float32": 0x7F800000, "float16": 0x7C00, "bfloat16": 0x7F80}
+
+
+def flush_subnormals(f):
+    f = np.array(f, np.float32)
+    bits = f.view(np.uint32)
+    subnormal = ((bits & np.uint32(0x7F800000)) == 0) & ((bits & np.uint32(0x7FFFFF)) != 0)
+    bits[subnormal] &= np.uint32(0x80000000)
+    return f
+
+
+def np_sparsify_v(x_raw, r_raw, dt):
+    with np.errstate(invalid="ignore", over="ignore"):
+        total = flush_subnormals(to_f32(x_raw, dt)) + flush_subnormals(to_f32(r_raw, dt))
+        return from_f32(flush_subnormals(total), dt)
+
+
+def np_keys(v_raw, dt):
+    bits = np.asarray(v_raw).view(np.uint32 if dt == "float32" else np.uint16).astype(np.int64)
+    a = bits & KEY_ABS_MASK[dt]
+    return np.where(a <= KEY_POS_INF[dt], a + 1, 0)
+
+
+def np_selection(v_raw, idx, with_mask):
+    """(values, indices, new_residual, mask) of selecting ascending idx from v."""
+    idx = np.asarray(idx, np.int64)
+    res = v_raw.copy()
+    res[idx] = 0  # +0.0 in every dtype
+    mask = np.zeros(v_raw.size if with_mask else 0, bool)
+    if with_mask:
+        mask[idx] = True
+    return v_raw[idx], idx.astype(np.int32), res, mask
+
+
+def np_topk(x_raw, r_raw, k, dt, with_mask):
+    v = np_sparsify_v(x_raw, r_raw, dt)
+    n = v.size
+    # Largest key first, ties to the lower index; then ascending indices.
+    order = np.lexsort((np.arange(n), -np_keys(v, dt)))
+    return np_selection(v, np.sort(order[:min(k, n)]), with_mask)
+
+
+def np_sparsify_by_threshold(x_raw, r_raw, pos, neg, dt, with_mask):
+    v = np_sparsify_v(x_raw, r_raw, dt)
+    vf = to_f32(v, dt)
+    with np.errstate(invalid="ignore"):
+        selected = (vf >= np.float32(pos)) | (vf <= np.float32(neg))  # NaN: neither
+    return np_selection(v, np.flatnonzero(selected), with_mask)
+
+
 # ---------------------------------------------------------------------------
 # Backends: the CUDA library through ctypes, or tfgc's TensorFlow CPU ops.
 
@@ -283,6 +346,15 @@ class CudaBackend:
                                                     ctypes.c_int, ctypes.c_int, vp, vp, ip, vp]
         L.tfgc_cuda_dequantize_bucketed_sum.argtypes = [f32p, i32p, i64, i64, i64, ctypes.c_int,
                                                         ctypes.c_int, f32p, vp, ip, vp]
+        f32 = ctypes.c_float
+        L.tfgc_cuda_sparsify_scratch_bytes.argtypes = [i64]
+        L.tfgc_cuda_sparsify_scratch_bytes.restype = i64
+        L.tfgc_cuda_sparsify_topk.argtypes = [ctypes.c_int, vp, vp, i64, i64, vp, vp, vp, i32p,
+                                              vp, vp]
+        L.tfgc_cuda_sparsify_by_threshold_count.argtypes = [
+            ctypes.c_int, vp, vp, i64, f32, f32, vp, vp, ctypes.POINTER(ctypes.c_int64), vp]
+        L.tfgc_cuda_sparsify_by_threshold_emit.argtypes = [ctypes.c_int, i64, f32, f32, vp, i64,
+                                                           vp, vp, i32p, vp, vp]
         L.tfgc_cuda_scatter_add_scratch_bytes.argtypes = [ctypes.c_int, i64]
         L.tfgc_cuda_scatter_add_scratch_bytes.restype = i64
         L.tfgc_cuda_scatter_add_validate.argtypes = [i32p, i64, i64, vp, ip, vp]
@@ -417,6 +489,40 @@ class CudaBackend:
             ctypes.byref(bad), None), "dequantize_bucketed_sum")
         return None if bad.value else self.get(out, [n], np.float32)
 
+    def _selection(self, vals, idx, res, mask, m, n, dt):
+        return (self.get(vals, [m], raw_dtype(dt)), self.get(idx, [m], np.int32),
+                self.get(res, [n], raw_dtype(dt)),
+                self.get(mask, [n], np.bool_) if mask else np.zeros(0, bool))
+
+    def sparsify_topk(self, x_raw, r_raw, k, dt, with_mask, exact=True, seed=0):
+        # The GPU always selects exactly: `exact` and `seed` have no launcher
+        # arguments (the sampled mode's contract holds for the exact result).
+        n, size = x_raw.size, np.dtype(raw_dtype(dt)).itemsize
+        m = min(k, n)
+        res, vals, idx = self.alloc(n * size), self.alloc(m * size), self.alloc(4 * m)
+        mask = self.alloc(n) if with_mask else None
+        scratch = self.alloc(max(8, self.lib.tfgc_cuda_sparsify_scratch_bytes(n)))
+        self.sync(self.lib.tfgc_cuda_sparsify_topk(DTYPE_CODE[dt], self.put(x_raw),
+                                                   self.put(r_raw), n, k, scratch, res, vals,
+                                                   idx, mask, None), "sparsify_topk")
+        return self._selection(vals, idx, res, mask, m, n, dt)
+
+    def sparsify_by_threshold(self, x_raw, r_raw, pos, neg, dt, with_mask):
+        n, size = x_raw.size, np.dtype(raw_dtype(dt)).itemsize
+        res = self.alloc(n * size)
+        mask = self.alloc(n) if with_mask else None
+        scratch = self.alloc(max(8, self.lib.tfgc_cuda_sparsify_scratch_bytes(n)))
+        count = ctypes.c_int64()
+        self.check(self.lib.tfgc_cuda_sparsify_by_threshold_count(
+            DTYPE_CODE[dt], self.put(x_raw), self.put(r_raw), n, pos, neg, res, scratch,
+            ctypes.byref(count), None), "sparsify_by_threshold_count")
+        m = count.value
+        vals, idx = self.alloc(m * size), self.alloc(4 * m)
+        self.sync(self.lib.tfgc_cuda_sparsify_by_threshold_emit(
+            DTYPE_CODE[dt], n, pos, neg, scratch, m, res, vals, idx, mask, None),
+            "sparsify_by_threshold_emit")
+        return self._selection(vals, idx, res, mask, m, n, dt)
+
     def scatter_add(self, values_raw, indices, n, dt):
         m = indices.size
         ind = self.put(indices) if m else self.alloc(8)
@@ -511,6 +617,19 @@ class TfBackend:
         except self.tf.errors.InvalidArgumentError:
             return None
 
+    def _selection(self, sel, dt):
+        return (self._out(sel.values, dt), sel.indices.numpy(), self._out(sel.new_residual, dt),
+                sel.mask.numpy())
+
+    def sparsify_topk(self, x_raw, r_raw, k, dt, with_mask, exact=True, seed=0):
+        return self._selection(self.sp.sparsify_with_residual(
+            self._in(x_raw, dt), self._in(r_raw, dt), k, exact=exact, seed=seed,
+            with_mask=with_mask), dt)
+
+    def sparsify_by_threshold(self, x_raw, r_raw, pos, neg, dt, with_mask):
+        return self._selection(self.sp.sparsify_by_threshold(
+            self._in(x_raw, dt), self._in(r_raw, dt), pos, neg, with_mask=with_mask), dt)
+
     def scatter_add(self, values_raw, indices, n, dt):
         try:
             return self._out(self.sp.scatter_add_payloads(self._in(values_raw, dt), indices, n), dt)
@@ -583,6 +702,9 @@ def check_encode(b, dt, rng):
         for pt, nt in [(1.0, -0.75), (0.1, -0.1), (100.0, -100.0), (1e-3, -1e-3)]:
             x = random_raw(n, dt, rng)
             r = random_raw(n, dt, rng, scale=0.3, specials=False)
+            if n >= 16:  # float32 subnormals (flushed) and half subnormals (kept)
+                x[8:12] = from_f32(np.float32([1e-40, -3e-39, 3e-6, -5e-7]), dt)
+                r[8:12] = 0
             words, res = b.encode(x, r, pt, nt, dt)
             ew, er = np_encode(x, r, round_to(pt, dt), round_to(nt, dt), dt)
             if not np.array_equal(words, ew):
@@ -734,10 +856,131 @@ def check_scatter_add(b, dt, rng):
     return None
 
 
+ONE_RAW = {"float32": 0x3F800000, "float16": 0x3C00, "bfloat16": 0x3F80}
+
+
+def sparsify_inputs(n, kind, dt, rng):
+    """(x, residual) raw arrays of one of the selection tests' distributions."""
+    zeros = from_f32(np.zeros(n, np.float32), dt)
+    if kind == "normal":  # specials included: NaN, +-Inf, +-0.0
+        return random_raw(n, dt, rng), random_raw(n, dt, rng, scale=0.3, specials=False)
+    if kind == "ties":  # few magnitudes, both signs, many +-0.0 (x + r keeps -0.0 only for -0 + -0)
+        x = rng.integers(-3, 4, n).astype(np.float32) * np.float32(0.5)
+        x[(x == 0) & (rng.random(n) < 0.5)] = -0.0
+        r = np.where(rng.random(n) < 0.3, np.float32(-0.0), np.float32(0.0)).astype(np.float32)
+        return from_f32(x, dt), from_f32(r, dt)
+    if kind == "zeros":  # one key everywhere: ties broken by index alone
+        return zeros, zeros
+    if kind == "nan":  # mostly NaN: k often exceeds the non-NaN count
+        x = (rng.standard_normal(n) * 10).astype(np.float32)
+        x[rng.random(n) < 0.6] = np.nan
+        x[rng.random(n) < 0.01] = np.inf
+        return from_f32(x, dt), zeros
+    if kind == "close":  # keys differing only in their lowest bits (the last radix digits)
+        bits = ONE_RAW[dt] + rng.integers(0, 64, n)
+        bits |= np.where(rng.random(n) < 0.5, 0x80000000 if dt == "float32" else 0x8000, 0)
+        if dt == "float32":
+            return bits.astype(np.uint32).view(np.float32), zeros
+        return bits.astype(np.uint16), zeros
+    if kind == "tiny":  # subnormals (float32, bfloat16) around zero thresholds
+        pool = np.float32([0.0, -0.0, 1e-45, -1e-45, 3e-45, 1e-40, -1e-40, 1e-38, -1e-38, np.nan,
+                           1.0, -np.inf])
+        return from_f32(pool[rng.integers(0, pool.size, n)], dt), zeros
+    raise ValueError(kind)
+
+
+def selection_differs(got, want, dt):
+    """None if two (values, indices, new_residual, mask) agree bit for bit."""
+    vals, idx, res, mask = got
+    evals, eidx, eres, emask = want
+    if not np.array_equal(idx, eidx):
+        return f"indices differ ({idx.size} vs {eidx.size} selected)"
+    if not same_values(vals, evals, dt):
+        return "values differ"
+    if not same_values(res, eres, dt):
+        return "new_residual differs"
+    if not np.array_equal(mask, emask):
+        return "mask differs"
+    return None
+
+
+def check_sparsify_topk(b, dt, rng):
+    case = 0
+    for n in [1, 2, 31, 33, 1000, 8191, 8192, 8193, 100003, 1000003]:
+        kinds = (["normal", "ties", "zeros", "nan", "close", "tiny"] if n < 10**6
+                 else ["normal", "ties"])
+        ks = [0, 1, 2, 7, n // 100, n // 3, n - 1, n, n + 3]
+        if n >= 10**6:
+            ks = [n // 100, n - 1]
+        for kind in kinds:
+            x, r = sparsify_inputs(n, kind, dt, rng)
+            for k in sorted(set(k for k in ks if k >= 0)):
+                with_mask = case % 2 == 0
+                case += 1
+                got = b.sparsify_topk(x, r, k, dt, with_mask)
+                msg = selection_differs(got, np_topk(x, r, k, dt, with_mask), dt)
+                if msg:
+                    return f"sparsify_topk n={n} k={k} {kind}: {msg}"
+                b.release()
+    return None
+
+
+def check_sparsify_sampled(b, dt, rng):
+    # DGC mode may keep any count in [ceil(0.8k), max(k, floor(1.3k))] as
+    # long as no unsent key beats a sent one (the GPU keeps exactly k).
+    case = 0
+    for n in [1000, 8193, 100003, 1000003]:
+        for kind in ["normal", "ties", "nan"]:
+            x, r = sparsify_inputs(n, kind, dt, rng)
+            v = np_sparsify_v(x, r, dt)
+            keys = np_keys(v, dt)
+            for k in [1, 7, n // 100, n // 3]:
+                with_mask = case % 2 == 0
+                case += 1
+                got = b.sparsify_topk(x, r, k, dt, with_mask, exact=False, seed=case)
+                idx = got[1].astype(np.int64)
+                lo, hi = max(1, int(np.ceil(0.8 * k))), max(k, int(np.floor(1.3 * k)))
+                where = f"sparsify_sampled n={n} k={k} {kind}"
+                if not lo <= idx.size <= hi:
+                    return f"{where}: {idx.size} selected, outside [{lo}, {hi}]"
+                if np.any(np.diff(idx) <= 0) or idx.min() < 0 or idx.max() >= n:
+                    return f"{where}: indices not ascending in [0, n)"
+                sel = np.zeros(n, bool)
+                sel[idx] = True
+                if sel.all() or keys[sel].min() < keys[~sel].max():
+                    return f"{where}: an unsent entry outranks a sent one"
+                msg = selection_differs(got, np_selection(v, idx, with_mask), dt)
+                if msg:
+                    return f"{where}: {msg}"
+                b.release()
+    return None
+
+
+def check_sparsify_by_threshold(b, dt, rng):
+    thresholds = [(1.0, -0.75), (0.1, -0.1), (0.0, -0.0), (0.0, -1.0), (np.inf, -np.inf),
+                  (0.5, -np.inf), (100.0, -100.0), (1e-45, -1e-45), (1e-40, -0.0)]
+    case = 0
+    for n in [1, 33, 1000, 8191, 8192, 8193, 100003, 1000003]:
+        for kind in ["normal", "tiny"] if n < 10**6 else ["normal"]:
+            x, r = sparsify_inputs(n, kind, dt, rng)
+            for pos, neg in thresholds if n < 10**6 else thresholds[:2]:
+                with_mask = case % 2 == 0
+                case += 1
+                got = b.sparsify_by_threshold(x, r, pos, neg, dt, with_mask)
+                want = np_sparsify_by_threshold(x, r, pos, neg, dt, with_mask)
+                msg = selection_differs(got, want, dt)
+                if msg:
+                    return f"sparsify_by_threshold n={n} ({pos}, {neg}) {kind}: {msg}"
+                b.release()
+    return None
+
+
 CHECKS = [("pack/unpack_sign_bits", check_pack_unpack), ("onebit_quantize", check_quantize),
           ("onebit_dequantize", check_dequantize), ("threshold_encode", check_encode),
           ("threshold_decode", check_decode), ("quantize_bucketed", check_quantize_bucketed),
           ("dequantize_bucketed", check_dequantize_bucketed),
+          ("sparsify_topk", check_sparsify_topk), ("sparsify_sampled", check_sparsify_sampled),
+          ("sparsify_by_threshold", check_sparsify_by_threshold),
           ("scatter_add_payloads", check_scatter_add)]
 
 

@@ -81,6 +81,22 @@ __device__ __forceinline__ int64_t GlobalThreads() {
 }  // namespace cuda
 }  // namespace tfgc
 
+// a + b and a - b in float32 with subnormals flushed to (signed) zero on
+// input and output. TensorFlow's CPU threads run with FTZ / DAZ set, so the
+// CPU ops flush (a float32 or bfloat16 subnormal in x gives 0 in x + r), and
+// TensorFlow's own GPU kernels are compiled with flush-to-zero; the explicit
+// .ftz instructions reproduce that whatever -ftz setting nvcc gets.
+__device__ __forceinline__ float AddFlushed(float a, float b) {
+  float sum;
+  asm("add.rn.ftz.f32 %0, %1, %2;" : "=f"(sum) : "f"(a), "f"(b));
+  return sum;
+}
+__device__ __forceinline__ float SubFlushed(float a, float b) {
+  float diff;
+  asm("sub.rn.ftz.f32 %0, %1, %2;" : "=f"(diff) : "f"(a), "f"(b));
+  return diff;
+}
+
 // Calls fn<D>(args...) for a runtime dtype code; unknown codes give
 // cudaErrorInvalidValue.
 #define TFGC_CUDA_DISPATCH_DTYPE(dtype, fn, ...)                         \

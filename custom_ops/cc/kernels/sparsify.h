@@ -17,8 +17,8 @@
 
 #include <cstdint>
 
-// Kept light (no op_kernel.h) so that a future nvcc-compiled
-// sparsify_kernels_gpu.cu.cc can include it.
+// Kept light (no op_kernel.h) so that the nvcc-compiled sparsify_gpu.cu.cc
+// can include it.
 #include "absl/status/status.h"
 #include "tensorflow/core/framework/numeric_types.h"
 

@@ -36,7 +36,6 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
-#include <queue>
 #include <type_traits>
 #include <vector>
 
@@ -202,26 +201,37 @@ std::vector<Shard<T>> MakeShards(OpKernelContext* ctx, int64_t n) {
   const int64_t count =
       std::max<int64_t>(1, std::min(n / kMinShardElems, 4 * threads));
   std::vector<Shard<T>> shards(count);
+  // Boundaries on multiples of 64 elements keep every chunk of the collect
+  // pass cache-line aligned (tensor buffers are 64-byte aligned).
+  auto boundary = [&](int64_t s) {
+    return s == count ? n : (n * s / count) & ~int64_t{63};
+  };
   for (int64_t s = 0; s < count; ++s) {
-    shards[s].begin = n * s / count;
-    shards[s].end = n * (s + 1) / count;
+    shards[s].begin = boundary(s);
+    shards[s].end = boundary(s + 1);
   }
   return shards;
 }
 
-// Runs fn(s) for every shard, one task per shard.
-template <typename T>
-void ForEachShard(OpKernelContext* ctx, std::vector<Shard<T>>& shards,
-                  const std::function<void(Shard<T>&)>& fn) {
-  const int64_t count = static_cast<int64_t>(shards.size());
+// Runs fn(s) for s in [0, count), one task each, on the intra-op pool.
+inline void ForEachShardIndex(OpKernelContext* ctx, int64_t count,
+                              const std::function<void(int64_t)>& fn) {
   if (count == 1) {
-    fn(shards[0]);
+    fn(0);
     return;
   }
   Workers(ctx)->ParallelFor(count, ThreadPool::SchedulingParams::Fixed(1),
                             [&](int64_t b, int64_t e) {
-                              for (int64_t s = b; s < e; ++s) fn(shards[s]);
+                              for (int64_t s = b; s < e; ++s) fn(s);
                             });
+}
+
+// Runs fn(shard) for every shard, one task per shard.
+template <typename T>
+void ForEachShard(OpKernelContext* ctx, std::vector<Shard<T>>& shards,
+                  const std::function<void(Shard<T>&)>& fn) {
+  ForEachShardIndex(ctx, static_cast<int64_t>(shards.size()),
+                    [&](int64_t s) { fn(shards[s]); });
 }
 
 template <typename T>
@@ -238,7 +248,10 @@ int64_t TotalSelected(const std::vector<Shard<T>>& shards) {
 //
 // Work goes chunk by chunk: a plain loop (which GCC vectorises) computes v
 // and one flag byte per element, then the flags are scanned eight at a time
-// and only the rare non-zero groups are looked at individually.
+// and only the set ones are looked at individually. With
+// kFromInputs the chunk of v is built in an L1 buffer, fixed up there, and
+// then streamed to v_out (StreamCopy): new_residual is written once and
+// never read for ownership, which is a quarter of this pass's traffic.
 template <typename T, bool kFromInputs, typename Pred>
 TFGC_SPARSIFY_ALWAYS_INLINE inline void CollectShardBody(
     const AliasedRawOf<T>* __restrict__ x,
@@ -247,36 +260,54 @@ TFGC_SPARSIFY_ALWAYS_INLINE inline void CollectShardBody(
                   Shard<T>& shard) {
   using Raw = RawOf<T>;
   alignas(64) uint8_t flags[kChunk + 8];
+  alignas(64) Raw vbuf[kFromInputs ? kChunk : 1];
   for (int64_t c = shard.begin; c < shard.end; c += kChunk) {
     const int64_t len = std::min(kChunk, shard.end - c);
-    AliasedRawOf<T>* __restrict__ vp = v_out + c;
+    AliasedRawOf<T>* __restrict__ vp = kFromInputs ? vbuf : v_out + c;
+    uint32_t count = 0;
     if (kFromInputs) {
       const AliasedRawOf<T>* __restrict__ xp = x + c;
       const AliasedRawOf<T>* __restrict__ rp = r + c;
       for (int64_t j = 0; j < len; ++j) {
         const Raw v = AddRaw<T>(xp[j], rp[j]);
+        const uint32_t flag = pred(v);
         vp[j] = v;
-        flags[j] = static_cast<uint8_t>(pred(v));
+        flags[j] = static_cast<uint8_t>(flag);
+        count += flag;
       }
     } else {
       for (int64_t j = 0; j < len; ++j) {
-        flags[j] = static_cast<uint8_t>(pred(vp[j]));
+        const uint32_t flag = pred(vp[j]);
+        flags[j] = static_cast<uint8_t>(flag);
+        count += flag;
       }
     }
-    std::memset(flags + len, 0, 8);
-    for (int64_t j = 0; j < len; j += 8) {
-      uint64_t group;
-      std::memcpy(&group, flags + j, 8);
-      if (group == 0) continue;
-      for (int64_t t = j; t < j + 8; ++t) {
-        if (flags[t]) {
-          shard.idx.push_back(static_cast<int32_t>(c + t));
-          shard.val.push_back(vp[t]);
+    if (count != 0) {
+      // Grow the lists once per chunk, then append through raw pointers:
+      // no capacity test per entry. Flags are 0 or 1, so in a group of
+      // eight the set ones are bits 8t; walking them with ctz costs one
+      // step per selected entry and no data-dependent branch per flag.
+      std::memset(flags + len, 0, 8);
+      const size_t base = shard.idx.size();
+      shard.idx.resize(base + count);
+      shard.val.resize(base + count);
+      int32_t* ip = shard.idx.data() + base;
+      Raw* vq = shard.val.data() + base;
+      for (int64_t j = 0; j < len; j += 8) {
+        uint64_t group;
+        std::memcpy(&group, flags + j, 8);
+        while (group != 0) {
+          const int64_t t = j + (__builtin_ctzll(group) >> 3);
+          group &= group - 1;
+          *ip++ = static_cast<int32_t>(c + t);
+          *vq++ = vp[t];
           vp[t] = 0;
         }
       }
     }
+    if (kFromInputs) cpu::StreamCopy(v_out + c, vbuf, len * sizeof(Raw));
   }
+  if (kFromInputs) cpu::StreamFence();
 }
 
 // The same pass compiled twice: for the baseline ISA, and on x86-64 also for
@@ -328,45 +359,96 @@ void RestoreAll(OpKernelContext* ctx, std::vector<Shard<T>>& shards,
   });
 }
 
-// Keeps exactly k of the `total` (> k) collected entries: the largest keys,
-// ties going to the lower index. The others are restored into v_out.
-template <typename T>
-void KeepTopK(std::vector<Shard<T>>& shards, int64_t total, int64_t k,
-              AliasedRawOf<T>* v_out) {
-  std::vector<uint32_t> keys;
-  keys.reserve(total);
-  for (const auto& s : shards) {
-    for (const auto v : s.val) keys.push_back(KeyOf<T>(v));
+// The q-th largest of keys (1 <= q <= keys.size()): a radix select in two
+// 16-bit digits, i.e. two counting passes over the keys and two walks over a
+// 65536-bin histogram. Unlike nth_element it neither moves nor copies the
+// keys, and its cost does not grow with q: about 1 ns per key where a heap
+// or a partitioning pass took 4-10.
+uint32_t KthLargest(const std::vector<uint32_t>& keys, int64_t q) {
+  constexpr uint32_t kBins = 1u << 16;
+  std::vector<uint32_t> hist(kBins, 0);
+  for (const uint32_t key : keys) ++hist[key >> 16];
+  // Walk down from the largest digit until the bins above hold q keys.
+  auto walk = [&](int64_t& rank) {
+    uint32_t d = kBins - 1;
+    for (; d > 0 && hist[d] < rank; --d) rank -= hist[d];
+    return d;
+  };
+  int64_t rank = q;
+  const uint32_t high = walk(rank);
+  std::fill(hist.begin(), hist.end(), 0u);
+  for (const uint32_t key : keys) {
+    if ((key >> 16) == high) ++hist[key & (kBins - 1)];
   }
-  auto nth = keys.begin() + (total - k);
-  std::nth_element(keys.begin(), nth, keys.end());
-  const uint32_t kth = *nth;
-  // Everything after nth is >= kth; count the strictly greater ones.
-  int64_t greater = 0;
-  for (auto it = nth; it != keys.end(); ++it) greater += (*it > kth);
-  int64_t ties = k - greater;
-  // Shards are in index order, so a sequential filter hands the ties to the
-  // lowest indices.
-  for (auto& s : shards) {
+  const uint32_t low = walk(rank);
+  return (high << 16) | low;
+}
+
+// Keeps exactly k of the `total` (> k) collected entries: the largest keys,
+// ties going to the lower index. The others are restored into v_out. Every
+// step but the radix select runs one task per shard: restoring the dropped
+// entries writes to lines of v_out that are no longer cached, so it pays to
+// have both cores' misses in flight. Ties are handed out by shard in index
+// order, which gives them to the lowest indices as the ranking requires.
+template <typename T>
+void KeepTopK(OpKernelContext* ctx, std::vector<Shard<T>>& shards,
+              int64_t total, int64_t k, AliasedRawOf<T>* v_out) {
+  const int64_t count = static_cast<int64_t>(shards.size());
+  std::vector<int64_t> offset(count + 1, 0);
+  for (int64_t s = 0; s < count; ++s) {
+    offset[s + 1] = offset[s] + static_cast<int64_t>(shards[s].idx.size());
+  }
+  std::vector<uint32_t> keys(total);
+  ForEachShardIndex(ctx, count, [&](int64_t s) {
+    uint32_t* out = keys.data() + offset[s];
+    for (const auto v : shards[s].val) *out++ = KeyOf<T>(v);
+  });
+  const uint32_t kth = KthLargest(keys, k);
+  std::vector<int64_t> greater(count, 0), equal(count, 0);
+  ForEachShardIndex(ctx, count, [&](int64_t s) {
+    int64_t g = 0, e = 0;
+    for (int64_t j = offset[s]; j < offset[s + 1]; ++j) {
+      g += keys[j] > kth;
+      e += keys[j] == kth;
+    }
+    greater[s] = g;
+    equal[s] = e;
+  });
+  int64_t ties = k;
+  for (int64_t s = 0; s < count; ++s) ties -= greater[s];
+  std::vector<int64_t> quota(count, 0);
+  for (int64_t s = 0; s < count; ++s) {
+    quota[s] = std::min(equal[s], ties);
+    ties -= quota[s];
+  }
+  ForEachShardIndex(ctx, count, [&](int64_t s) {
+    Shard<T>& sh = shards[s];
+    const uint32_t* key = keys.data() + offset[s];
+    int64_t quota_left = quota[s];
     size_t out = 0;
-    for (size_t j = 0; j < s.idx.size(); ++j) {
-      const uint32_t key = KeyOf<T>(s.val[j]);
-      bool keep = key > kth;
-      if (!keep && key == kth && ties > 0) {
+    constexpr size_t kAhead = 16;
+    for (size_t j = 0; j < sh.idx.size(); ++j) {
+      // Dropped entries go back to lines of v_out that left the cache long
+      // ago; prefetching them keeps many of those misses in flight.
+      if (j + kAhead < sh.idx.size() && key[j + kAhead] <= kth) {
+        __builtin_prefetch(v_out + sh.idx[j + kAhead], 1);
+      }
+      bool keep = key[j] > kth;
+      if (!keep && key[j] == kth && quota_left > 0) {
         keep = true;
-        --ties;
+        --quota_left;
       }
       if (keep) {
-        s.idx[out] = s.idx[j];
-        s.val[out] = s.val[j];
+        sh.idx[out] = sh.idx[j];
+        sh.val[out] = sh.val[j];
         ++out;
       } else {
-        v_out[s.idx[j]] = s.val[j];
+        v_out[sh.idx[j]] = sh.val[j];
       }
     }
-    s.idx.resize(out);
-    s.val.resize(out);
-  }
+    sh.idx.resize(out);
+    sh.val.resize(out);
+  });
 }
 
 // Allocates values / indices / mask and fills them from the shards.
@@ -446,13 +528,25 @@ std::vector<uint32_t> SampleKeys(OpKernelContext* ctx,
   const int64_t runs = (s + kSampleRun - 1) / kSampleRun;
   std::vector<uint32_t> keys(runs * kSampleRun);
   const uint64_t salt = Mix64(seed);
+  auto run_start = [&](int64_t j) {
+    const int64_t lo = j * n / runs;
+    const int64_t span = (j + 1) * n / runs - lo - kSampleRun + 1;
+    return lo + static_cast<int64_t>(Mix64(salt ^ static_cast<uint64_t>(j)) %
+                                     static_cast<uint64_t>(span));
+  };
+  // Every run is a cache miss in x and in r; prefetching a few runs ahead
+  // keeps several of them in flight instead of waiting for each in turn.
+  constexpr int64_t kAhead = 8;
   ParallelFor(ctx, runs, 300, [&](int64_t b, int64_t e) {
     for (int64_t j = b; j < e; ++j) {
-      const int64_t lo = j * n / runs;
-      const int64_t span = (j + 1) * n / runs - lo - kSampleRun + 1;
-      const int64_t start =
-          lo + static_cast<int64_t>(Mix64(salt ^ static_cast<uint64_t>(j)) %
-                                    static_cast<uint64_t>(span));
+      if (j + kAhead < e) {
+        const int64_t p = run_start(j + kAhead);
+        __builtin_prefetch(x + p);
+        __builtin_prefetch(r + p);
+        __builtin_prefetch(x + p + kSampleRun - 1);
+        __builtin_prefetch(r + p + kSampleRun - 1);
+      }
+      const int64_t start = run_start(j);
       for (int64_t t = 0; t < kSampleRun; ++t) {
         keys[j * kSampleRun + t] =
             KeyOf<T>(AddRaw<T>(x[start + t], r[start + t]));
@@ -510,28 +604,6 @@ int64_t CollectTies(std::vector<Shard<T>>& shards, AliasedRawOf<T>* v_out,
     sh.val.swap(val);
   }
   return found;
-}
-
-// The q-th largest of keys (1 <= q <= keys.size()). For the usual small q a
-// min-heap of the q largest seen so far does one compare per key and, on
-// data in no particular order, only about q * ln(size / q) heap updates,
-// several times cheaper than nth_element's partitioning passes.
-uint32_t KthLargest(std::vector<uint32_t>& keys, int64_t q) {
-  const int64_t size = static_cast<int64_t>(keys.size());
-  if (q * 8 > size) {
-    auto nth = keys.begin() + (size - q);
-    std::nth_element(keys.begin(), nth, keys.end());
-    return *nth;
-  }
-  std::priority_queue<uint32_t, std::vector<uint32_t>, std::greater<uint32_t>>
-      heap(keys.begin(), keys.begin() + q);
-  for (int64_t i = q; i < size; ++i) {
-    if (keys[i] > heap.top()) {
-      heap.pop();
-      heap.push(keys[i]);
-    }
-  }
-  return heap.top();
 }
 
 // A key below `key`: |threshold| scaled by factor, or 0 (select everything)
@@ -656,7 +728,7 @@ struct SparsifyTopKFunctor<CPUDevice, T> {
       collect_again(thr);
       total = TotalSelected(shards);
     }
-    if (total > hi) KeepTopK<T>(shards, total, k, v_out);
+    if (total > hi) KeepTopK<T>(ctx, shards, total, k, v_out);
     return WriteSelection(ctx, shards, n, opt.with_mask);
   }
 };
@@ -919,14 +991,27 @@ TFGC_REGISTER_SPARSIFY_CPU(Eigen::bfloat16);
 #undef TFGC_REGISTER_SPARSIFY_CPU
 
 #if GOOGLE_CUDA
-// GPU kernel for the payload decode only (sparsify_gpu.cu.cc); the selection
-// ops stay CPU-only until there is a GPU radix-select. num_elements is read
-// on the host while validating, so it stays in host memory. Unlike the CPU
-// kernel, the GPU one sums repeated indices in a nondeterministic order
-// (float atomics).
+// GPU kernels (sparsify_gpu.cu.cc). The scalar inputs (k, seed, the
+// thresholds, num_elements) are read on the host by Compute, so they stay in
+// host memory. Differences from the CPU kernels: the GPU top-k always makes
+// the exact selection, also in DGC (non-exact) mode, where that is one of
+// the allowed results (the seed and sample_ratio go unused); and the decode
+// sums repeated indices in a nondeterministic order (float atomics).
 using GPUDevice = Eigen::GpuDevice;
 
 #define TFGC_REGISTER_SPARSIFY_GPU(T)                                 \
+  REGISTER_KERNEL_BUILDER(Name("TfgcSparsifyWithResidual")            \
+                              .Device(tensorflow::DEVICE_GPU)         \
+                              .TypeConstraint<T>("T")                 \
+                              .HostMemory("k")                        \
+                              .HostMemory("seed"),                    \
+                          SparsifyWithResidualOp<GPUDevice, T>);      \
+  REGISTER_KERNEL_BUILDER(Name("TfgcSparsifyByThreshold")             \
+                              .Device(tensorflow::DEVICE_GPU)         \
+                              .TypeConstraint<T>("T")                 \
+                              .HostMemory("pos_threshold")            \
+                              .HostMemory("neg_threshold"),           \
+                          SparsifyByThresholdOp<GPUDevice, T>);       \
   REGISTER_KERNEL_BUILDER(Name("TfgcScatterAddPayloads")              \
                               .Device(tensorflow::DEVICE_GPU)         \
                               .TypeConstraint<T>("T")                 \

@@ -97,12 +97,14 @@ __global__ void EncodeMasksKernel(const typename Codec<D>::Raw* __restrict__ x,
     const int64_t i = w * 32 + lane;
     bool p = false, q = false;
     if (i < n) {
-      // x + residual rounded to T, as TensorFlow's add does for half types.
+      // x + residual rounded to T, as TensorFlow's add does for half types,
+      // and subnormals flushed as on the CPU (gpu_common.cuh).
       const float v = Codec<D>::ToFloat(Codec<D>::FromFloat(
-          Codec<D>::ToFloat(x[i]) + Codec<D>::ToFloat(r[i])));
+          AddFlushed(Codec<D>::ToFloat(x[i]), Codec<D>::ToFloat(r[i]))));
       p = v >= pos_thr;  // NaN: neither
       q = v <= neg_thr;
-      new_res[i] = Codec<D>::FromFloat(v - (p ? pos_thr : (q ? neg_thr : 0.0f)));
+      new_res[i] = Codec<D>::FromFloat(
+          SubFlushed(v, p ? pos_thr : (q ? neg_thr : 0.0f)));
     }
     const unsigned sent = __ballot_sync(0xffffffffu, p || q);
     const unsigned pos = __ballot_sync(0xffffffffu, p);

@@ -94,13 +94,18 @@ int64_t EncodeWords(const T* x, const T* residual, int64_t n, float pos_thr,
   const uint32_t neg_bits_f = FloatToBits(neg_thr);
   int64_t count = 0;
   const int64_t full = n / 32;
-  for (int64_t w = wb; w < we; ++w) {
-    const int64_t base = w * 32;
-    uint32_t sent = 0, pos = 0;
-    if (w < full) {
+  // The new residual of kStreamWords words is built in an L1 buffer and then
+  // streamed out (cpu::StreamCopy), so that it is not read for ownership.
+  constexpr int64_t kStreamWords = 64;
+  alignas(64) T buf[kStreamWords * 32];
+  for (int64_t gw = wb; gw < std::min(we, full); gw += kStreamWords) {
+    const int64_t gend = std::min({we, full, gw + kStreamWords});
+    for (int64_t w = gw; w < gend; ++w) {
+      const int64_t base = w * 32;
       const T* __restrict__ xp = x + base;
       const T* __restrict__ rp = residual + base;
-      T* __restrict__ op = new_residual + base;
+      T* __restrict__ op = buf + (w - gw) * 32;
+      uint32_t sent = 0, pos = 0;
       for (int b = 0; b < 32; ++b) {
         const float v = SumAsFloat<T>(xp[b], rp[b]);
         const uint32_t p = 0u - static_cast<uint32_t>(v >= pos_thr);
@@ -110,19 +115,28 @@ int64_t EncodeWords(const T* x, const T* residual, int64_t n, float pos_thr,
         sent |= (p | q) & kBit[b];
         pos |= p & kBit[b];
       }
-    } else {
-      for (int64_t i = base; i < n; ++i) {
-        const float v = SumAsFloat<T>(x[i], residual[i]);
-        const bool p = v >= pos_thr;
-        const bool q = v <= neg_thr;
-        const float sub = p ? pos_thr : (q ? neg_thr : 0.0f);
-        new_residual[i] = FromF<T>(v - sub);
-        if (p || q) sent |= kBit[i - base];
-        if (p) pos |= kBit[i - base];
-      }
+      sent_bits[w] = sent;
+      pos_bits[w] = pos;
+      count += __builtin_popcount(sent);
     }
-    sent_bits[w] = sent;
-    pos_bits[w] = pos;
+    cpu::StreamCopy(new_residual + gw * 32, buf, (gend - gw) * 32 * sizeof(T));
+  }
+  cpu::StreamFence();
+  if (we > full && full >= wb) {
+    // The last, partial word.
+    const int64_t base = full * 32;
+    uint32_t sent = 0, pos = 0;
+    for (int64_t i = base; i < n; ++i) {
+      const float v = SumAsFloat<T>(x[i], residual[i]);
+      const bool p = v >= pos_thr;
+      const bool q = v <= neg_thr;
+      const float sub = p ? pos_thr : (q ? neg_thr : 0.0f);
+      new_residual[i] = FromF<T>(v - sub);
+      if (p || q) sent |= kBit[i - base];
+      if (p) pos |= kBit[i - base];
+    }
+    sent_bits[full] = sent;
+    pos_bits[full] = pos;
     count += __builtin_popcount(sent);
   }
   return count;
