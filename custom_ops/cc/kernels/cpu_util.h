@@ -16,9 +16,9 @@
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <emmintrin.h>
-#define TFGC_CPU_HAS_STREAM_STORES 1
+#define TFGC_CPU_X86 1
 #else
-#define TFGC_CPU_HAS_STREAM_STORES 0
+#define TFGC_CPU_X86 0
 #endif
 
 namespace tfgc {
@@ -66,6 +66,36 @@ inline uint32_t FloatToBits(float f) {
   return u;
 }
 
+// Run-time ISA checks for the kernels' hot loops, which are compiled for the
+// baseline ISA and, on x86-64, also for AVX2 (and AVX-512VL) through target
+// attributes: the library must load on every host that runs the TensorFlow
+// wheel, so no -march flag. Always false elsewhere.
+inline bool HasAvx2() {
+#if TFGC_CPU_X86
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") != 0;
+  }();
+  return has;
+#else
+  return false;
+#endif
+}
+
+inline bool HasAvx512Vl() {
+#if TFGC_CPU_X86
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") != 0 &&
+           __builtin_cpu_supports("avx512f") != 0 &&
+           __builtin_cpu_supports("avx512vl") != 0;
+  }();
+  return has;
+#else
+  return false;
+#endif
+}
+
 // Copies `bytes` from src (hot in cache) to dst (a large output that is not
 // read again soon) with non-temporal stores where dst is 16-byte aligned.
 // A plain store first reads the destination line into the cache ("read for
@@ -74,7 +104,7 @@ inline uint32_t FloatToBits(float f) {
 // The stores are weakly ordered: call StreamFence() before another thread
 // may read dst (the end of a thread-pool task is such a point).
 inline void StreamCopy(void* dst, const void* src, size_t bytes) {
-#if TFGC_CPU_HAS_STREAM_STORES
+#if TFGC_CPU_X86
   auto* d = static_cast<char*>(dst);
   const auto* s = static_cast<const char*>(src);
   const size_t head = std::min(
@@ -92,7 +122,7 @@ inline void StreamCopy(void* dst, const void* src, size_t bytes) {
 }
 
 inline void StreamFence() {
-#if TFGC_CPU_HAS_STREAM_STORES
+#if TFGC_CPU_X86
   _mm_sfence();
 #endif
 }

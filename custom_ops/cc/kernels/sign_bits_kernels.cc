@@ -25,6 +25,16 @@
 #include "tensorflow/core/util/overflow.h"
 #include "tsl/platform/threadpool.h"
 
+// The 1-bit quantizer's sign / residual pass has an AVX2 variant for float32,
+// picked at run time (no -march flag: the library must load on any x86-64
+// host).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define TFGC_SB_X86_DISPATCH 1
+#include <immintrin.h>
+#else
+#define TFGC_SB_X86_DISPATCH 0
+#endif
+
 namespace tfgc {
 
 using CPUDevice = Eigen::ThreadPoolDevice;
@@ -42,6 +52,7 @@ namespace {
 using ThreadPool = tsl::thread::ThreadPool;
 // Shared helpers (cpu_util.h).
 using cpu::BitsToFloat;
+using cpu::HasAvx2;
 using cpu::CeilDiv;
 using cpu::FloatToBits;
 using cpu::kBit;
@@ -151,11 +162,105 @@ void UnpackWords(const int32_t* words, int64_t n, AliasedRawOf<T>* out,
 // rows. Values are masked rather than selected: a masked-out value is +0.0,
 // and nothing is multiplied by 0/1, so an infinity cannot turn into NaN in
 // the other class.
+#if TFGC_SB_X86_DISPATCH
+
+// All-ones lanes where NonNegativeMaskF32 is all-ones: bit patterns 0 ..
+// +inf as signed integers, or -0.0.
+__attribute__((target("avx2"))) inline __m256i NonNegativeMaskAvx2(__m256i v) {
+  const __m256i outside =
+      _mm256_or_si256(_mm256_cmpgt_epi32(v, _mm256_set1_epi32(0x7f800000)),
+                      _mm256_cmpgt_epi32(_mm256_setzero_si256(), v));
+  const __m256i neg_zero = _mm256_set1_epi32(static_cast<int>(0x80000000u));
+  return _mm256_andnot_si256(
+      _mm256_andnot_si256(_mm256_cmpeq_epi32(v, neg_zero), outside),
+      _mm256_set1_epi32(-1));
+}
+
+// AccumulateRows for float32 with 8-lane AVX2 vectors over the columns: the
+// same additions in the same order (four rows, paired as in the portable
+// loop), so the sums are bit-identical. Returns the first column it did not
+// handle (width rounded down to a multiple of 8) for the portable loop.
+__attribute__((target("avx2"))) int64_t AccumulateRowsF32Avx2(
+    const float* x, int64_t num_rows, int64_t stride, int64_t width,
+    float* __restrict__ ps, float* __restrict__ ns,
+    int32_t* __restrict__ pc) {
+  const int64_t w8 = width & ~int64_t{7};
+  int64_t r = 0;
+  for (; r + 4 <= num_rows; r += 4) {
+    const float* x0 = x + r * stride;
+    const float* x1 = x0 + stride;
+    const float* x2 = x1 + stride;
+    const float* x3 = x2 + stride;
+    // The rows are short segments of long rows, which the hardware
+    // prefetcher picks up late; fetch the next four rows' segments while
+    // these are summed. Prefetches past the matrix never fault.
+    const float* next = x3 + stride;
+    for (int64_t j = 0; j < w8; j += 8) {
+      if ((j & 15) == 0) {
+        _mm_prefetch(reinterpret_cast<const char*>(next + j), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(next + stride + j), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(next + 2 * stride + j), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(next + 3 * stride + j), _MM_HINT_T0);
+      }
+      const __m256 f0 = _mm256_loadu_ps(x0 + j), f1 = _mm256_loadu_ps(x1 + j);
+      const __m256 f2 = _mm256_loadu_ps(x2 + j), f3 = _mm256_loadu_ps(x3 + j);
+      const __m256 m0 = _mm256_castsi256_ps(NonNegativeMaskAvx2(_mm256_castps_si256(f0)));
+      const __m256 m1 = _mm256_castsi256_ps(NonNegativeMaskAvx2(_mm256_castps_si256(f1)));
+      const __m256 m2 = _mm256_castsi256_ps(NonNegativeMaskAvx2(_mm256_castps_si256(f2)));
+      const __m256 m3 = _mm256_castsi256_ps(NonNegativeMaskAvx2(_mm256_castps_si256(f3)));
+      const __m256 pos = _mm256_add_ps(
+          _mm256_add_ps(_mm256_and_ps(f0, m0), _mm256_and_ps(f1, m1)),
+          _mm256_add_ps(_mm256_and_ps(f2, m2), _mm256_and_ps(f3, m3)));
+      const __m256 neg = _mm256_add_ps(
+          _mm256_add_ps(_mm256_andnot_ps(m0, f0), _mm256_andnot_ps(m1, f1)),
+          _mm256_add_ps(_mm256_andnot_ps(m2, f2), _mm256_andnot_ps(m3, f3)));
+      _mm256_storeu_ps(ps + j, _mm256_add_ps(_mm256_loadu_ps(ps + j), pos));
+      _mm256_storeu_ps(ns + j, _mm256_add_ps(_mm256_loadu_ps(ns + j), neg));
+      const __m256i cnt = _mm256_add_epi32(
+          _mm256_add_epi32(_mm256_castps_si256(m0), _mm256_castps_si256(m1)),
+          _mm256_add_epi32(_mm256_castps_si256(m2), _mm256_castps_si256(m3)));
+      __m256i* pcv = reinterpret_cast<__m256i*>(pc + j);
+      _mm256_storeu_si256(pcv, _mm256_sub_epi32(_mm256_loadu_si256(pcv), cnt));
+    }
+  }
+  for (; r < num_rows; ++r) {
+    const float* x0 = x + r * stride;
+    for (int64_t j = 0; j < w8; j += 8) {
+      const __m256 f = _mm256_loadu_ps(x0 + j);
+      const __m256 m = _mm256_castsi256_ps(NonNegativeMaskAvx2(_mm256_castps_si256(f)));
+      _mm256_storeu_ps(ps + j, _mm256_add_ps(_mm256_loadu_ps(ps + j), _mm256_and_ps(f, m)));
+      _mm256_storeu_ps(ns + j, _mm256_add_ps(_mm256_loadu_ps(ns + j), _mm256_andnot_ps(m, f)));
+      __m256i* pcv = reinterpret_cast<__m256i*>(pc + j);
+      _mm256_storeu_si256(pcv, _mm256_sub_epi32(_mm256_loadu_si256(pcv),
+                                                _mm256_castps_si256(m)));
+    }
+  }
+  return w8;
+}
+#endif  // TFGC_SB_X86_DISPATCH
+
 template <typename T>
 void AccumulateRows(const AliasedRawOf<T>* x, int64_t num_rows, int64_t stride,
                     int64_t width, float* __restrict__ ps,
                     float* __restrict__ ns, int32_t* __restrict__ pc) {
   using Codec = FloatCodec<T>;
+#if TFGC_SB_X86_DISPATCH
+  if constexpr (std::is_same<T, float>::value) {
+    if (HasAvx2()) {
+      // The AVX2 loop takes whole groups of 8 columns; the rest (< 8) falls
+      // through to the portable loops below.
+      const int64_t done = AccumulateRowsF32Avx2(
+          reinterpret_cast<const float*>(x), num_rows, stride, width, ps, ns,
+          pc);
+      x += done;
+      ps += done;
+      ns += done;
+      pc += done;
+      width -= done;
+      if (width == 0) return;
+    }
+  }
+#endif
   int64_t r = 0;
   for (; r + 4 <= num_rows; r += 4) {
     const AliasedRawOf<T>* __restrict__ x0 = x + r * stride;
@@ -444,6 +549,59 @@ void FillWrapped(OpKernelContext* ctx, const float* src, int64_t cols, Out* ext,
   for (int64_t l = cols; l < cols + 31; ++l) ext[l] = ext[l % cols];
 }
 
+// Residual tensors at least this large are written with non-temporal stores:
+// the op never reads them back, and streaming stores skip the read for
+// ownership of every cache line, a third of the memory traffic of this pass.
+constexpr int64_t kStreamingResidualBytes = int64_t{4} << 20;
+
+#if TFGC_SB_X86_DISPATCH
+// Sign words [wb, we) (all full) and their residual elements for float32,
+// with 8-lane compares, movemask for the bits and blends for the means:
+// the same values as the portable loop in OneBitQuantizeFunctor. j0 is the
+// column of element wb * 32; pos_ext / neg_ext are the wrapped mean bits.
+// With `stream`, residual must be 32-byte aligned.
+__attribute__((target("avx2"))) void SignsAndResidualF32Avx2(
+    const float* x, int64_t cols, const uint32_t* pos_ext,
+    const uint32_t* neg_ext, int64_t wb, int64_t we, int64_t j0,
+    int32_t* words, float* residual, bool stream) {
+  const int64_t step = 32 % cols;
+  const __m256i pos_inf = _mm256_set1_epi32(0x7f800000);
+  const __m256i neg_zero = _mm256_set1_epi32(static_cast<int>(0x80000000u));
+  const __m256i zero = _mm256_setzero_si256();
+  for (int64_t w = wb; w < we; ++w) {
+    const float* xp = x + w * 32;
+    float* rp = residual + w * 32;
+    const float* pm = reinterpret_cast<const float*>(pos_ext + j0);
+    const float* nm = reinterpret_cast<const float*>(neg_ext + j0);
+    uint32_t word = 0;
+    for (int k = 0; k < 4; ++k) {
+      const __m256 v = _mm256_loadu_ps(xp + 8 * k);
+      const __m256i vi = _mm256_castps_si256(v);
+      // value >= 0, as NonNegativeMask: bit patterns 0 .. +inf as signed
+      // integers, or -0.0. NaNs and negatives fail.
+      const __m256i outside = _mm256_or_si256(_mm256_cmpgt_epi32(vi, pos_inf),
+                                              _mm256_cmpgt_epi32(zero, vi));
+      const __m256 m = _mm256_castsi256_ps(_mm256_andnot_si256(
+          _mm256_andnot_si256(_mm256_cmpeq_epi32(vi, neg_zero), outside),
+          _mm256_set1_epi32(-1)));
+      word |= static_cast<uint32_t>(_mm256_movemask_ps(m)) << (8 * k);
+      const __m256 mean = _mm256_blendv_ps(_mm256_loadu_ps(nm + 8 * k),
+                                           _mm256_loadu_ps(pm + 8 * k), m);
+      const __m256 r = _mm256_sub_ps(v, mean);
+      if (stream) {
+        _mm256_stream_ps(rp + 8 * k, r);
+      } else {
+        _mm256_storeu_ps(rp + 8 * k, r);
+      }
+    }
+    words[w] = static_cast<int32_t>(word);
+    j0 += step;
+    if (j0 >= cols) j0 -= cols;
+  }
+  if (stream) _mm_sfence();
+}
+#endif  // TFGC_SB_X86_DISPATCH
+
 }  // namespace
 
 // ---------------------------------------------------------------------------
@@ -531,12 +689,29 @@ struct OneBitQuantizeFunctor<CPUDevice, T> {
 
     const int64_t full = n / 32;
     const int64_t step = 32 % cols;
+#if TFGC_SB_X86_DISPATCH
+    const bool use_avx2 = std::is_same<T, float>::value && HasAvx2();
+    const bool stream =
+        n * static_cast<int64_t>(sizeof(T)) >= kStreamingResidualBytes &&
+        reinterpret_cast<uintptr_t>(residual_out) % 32 == 0;
+#endif
     ParallelFor(
         ctx, NumSignWords(n), /*cost_per_unit=*/32 * 6,
         [&](int64_t wb, int64_t we) {
           int64_t j0 = (wb * 32) % cols;
           const int64_t end = std::min(we, full);
-          for (int64_t w = wb; w < end; ++w) {
+          int64_t w = wb;
+#if TFGC_SB_X86_DISPATCH
+          if constexpr (std::is_same<T, float>::value) {
+            if (use_avx2 && w < end) {
+              SignsAndResidualF32Avx2(x_in, cols, pos_ext, neg_ext, w, end, j0,
+                                      words, residual_out, stream);
+              j0 = (end * 32) % cols;
+              w = end;
+            }
+          }
+#endif
+          for (; w < end; ++w) {
             const AliasedRawOf<T>* __restrict__ xp = x + w * 32;
             AliasedRawOf<T>* __restrict__ rp = residual + w * 32;
             const uint32_t* __restrict__ pm = pos_ext + j0;

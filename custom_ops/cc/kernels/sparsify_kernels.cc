@@ -79,6 +79,7 @@ namespace {
 using ThreadPool = tsl::thread::ThreadPool;
 // Shared helpers (cpu_util.h).
 using cpu::BitsToFloat;
+using cpu::HasAvx2;
 using cpu::FloatCodec;
 using cpu::FloatToBits;
 using cpu::ParallelFor;
@@ -329,10 +330,6 @@ __attribute__((target("avx2"))) void CollectShardAvx2(
   CollectShardBody<T, kFromInputs>(x, r, v_out, pred, shard);
 }
 
-bool HasAvx2() {
-  static const bool has = __builtin_cpu_supports("avx2");
-  return has;
-}
 #endif
 
 template <typename T, bool kFromInputs, typename Pred>
