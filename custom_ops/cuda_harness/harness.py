@@ -489,19 +489,34 @@ class CudaBackend:
             ctypes.byref(bad), None), "dequantize_bucketed_sum")
         return None if bad.value else self.get(out, [n], np.float32)
 
+    def _poisoned(self, nbytes):
+        # Outputs and scratch of the selection / decode launchers start as
+        # 0x5A bytes (finite values in every dtype, an out-of-range index,
+        # an invalid bool), not as whatever cudaMalloc hands back: fresh or
+        # recycled memory is often zero or an earlier case's result, which
+        # would hide an element the kernels forget to write and a scratch
+        # word they read before initialising it.
+        return self.put(np.full(max(1, int(nbytes)), 0x5A, np.uint8))
+
     def _selection(self, vals, idx, res, mask, m, n, dt):
+        mask_out = np.zeros(0, bool)
+        if mask:
+            raw_mask = self.get(mask, [n], np.uint8)
+            if np.any(raw_mask > 1):  # still poisoned: never written
+                raise CudaError(f"{np.count_nonzero(raw_mask > 1)} mask entries not written")
+            mask_out = raw_mask.astype(bool)
         return (self.get(vals, [m], raw_dtype(dt)), self.get(idx, [m], np.int32),
-                self.get(res, [n], raw_dtype(dt)),
-                self.get(mask, [n], np.bool_) if mask else np.zeros(0, bool))
+                self.get(res, [n], raw_dtype(dt)), mask_out)
 
     def sparsify_topk(self, x_raw, r_raw, k, dt, with_mask, exact=True, seed=0):
         # The GPU always selects exactly: `exact` and `seed` have no launcher
         # arguments (the sampled mode's contract holds for the exact result).
         n, size = x_raw.size, np.dtype(raw_dtype(dt)).itemsize
         m = min(k, n)
-        res, vals, idx = self.alloc(n * size), self.alloc(m * size), self.alloc(4 * m)
-        mask = self.alloc(n) if with_mask else None
-        scratch = self.alloc(max(8, self.lib.tfgc_cuda_sparsify_scratch_bytes(n)))
+        res, vals, idx = (self._poisoned(n * size), self._poisoned(m * size),
+                          self._poisoned(4 * m))
+        mask = self._poisoned(n) if with_mask else None
+        scratch = self._poisoned(max(8, self.lib.tfgc_cuda_sparsify_scratch_bytes(n)))
         self.sync(self.lib.tfgc_cuda_sparsify_topk(DTYPE_CODE[dt], self.put(x_raw),
                                                    self.put(r_raw), n, k, scratch, res, vals,
                                                    idx, mask, None), "sparsify_topk")
@@ -509,15 +524,17 @@ class CudaBackend:
 
     def sparsify_by_threshold(self, x_raw, r_raw, pos, neg, dt, with_mask):
         n, size = x_raw.size, np.dtype(raw_dtype(dt)).itemsize
-        res = self.alloc(n * size)
-        mask = self.alloc(n) if with_mask else None
-        scratch = self.alloc(max(8, self.lib.tfgc_cuda_sparsify_scratch_bytes(n)))
-        count = ctypes.c_int64()
+        res = self._poisoned(n * size)
+        mask = self._poisoned(n) if with_mask else None
+        scratch = self._poisoned(max(8, self.lib.tfgc_cuda_sparsify_scratch_bytes(n)))
+        count = ctypes.c_int64(-1)
         self.check(self.lib.tfgc_cuda_sparsify_by_threshold_count(
             DTYPE_CODE[dt], self.put(x_raw), self.put(r_raw), n, pos, neg, res, scratch,
             ctypes.byref(count), None), "sparsify_by_threshold_count")
         m = count.value
-        vals, idx = self.alloc(m * size), self.alloc(4 * m)
+        if not 0 <= m <= n:
+            raise CudaError(f"sparsify_by_threshold_count returned {m} for n = {n}")
+        vals, idx = self._poisoned(m * size), self._poisoned(4 * m)
         self.sync(self.lib.tfgc_cuda_sparsify_by_threshold_emit(
             DTYPE_CODE[dt], n, pos, neg, scratch, m, res, vals, idx, mask, None),
             "sparsify_by_threshold_emit")
@@ -528,13 +545,13 @@ class CudaBackend:
         ind = self.put(indices) if m else self.alloc(8)
         vals = self.put(values_raw) if m else self.alloc(8)
         bad = ctypes.c_int()
-        self.check(self.lib.tfgc_cuda_scatter_add_validate(ind, m, n, self.alloc(4),
+        self.check(self.lib.tfgc_cuda_scatter_add_validate(ind, m, n, self._poisoned(4),
                                                            ctypes.byref(bad), None),
                    "scatter_add_validate")
         if bad.value:
             return None
-        scratch = self.alloc(max(8, self.lib.tfgc_cuda_scatter_add_scratch_bytes(DTYPE_CODE[dt], n)))
-        out = self.alloc(n * np.dtype(raw_dtype(dt)).itemsize)
+        scratch = self._poisoned(max(8, self.lib.tfgc_cuda_scatter_add_scratch_bytes(DTYPE_CODE[dt], n)))
+        out = self._poisoned(n * np.dtype(raw_dtype(dt)).itemsize)
         self.sync(self.lib.tfgc_cuda_scatter_add(DTYPE_CODE[dt], vals, ind, m, n, scratch, out,
                                                  None), "scatter_add")
         return self.get(out, [n], raw_dtype(dt))
@@ -904,14 +921,20 @@ def selection_differs(got, want, dt):
     return None
 
 
+MANY_TILES = 257 * 8192 + 4099
+
+
 def check_sparsify_topk(b, dt, rng):
     case = 0
-    for n in [1, 2, 31, 33, 1000, 8191, 8192, 8193, 100003, 1000003]:
+    # MANY_TILES: more compaction tiles (8192 elements) than the scan block
+    # has threads, so that tiles, their tie ranks and slots are spread over
+    # several per thread; ties ("zeros") then cross those thread boundaries.
+    for n in [1, 2, 31, 33, 1000, 8191, 8192, 8193, 100003, 1000003, MANY_TILES]:
         kinds = (["normal", "ties", "zeros", "nan", "close", "tiny"] if n < 10**6
-                 else ["normal", "ties"])
+                 else ["normal", "ties"] if n < MANY_TILES else ["zeros", "ties"])
         ks = [0, 1, 2, 7, n // 100, n // 3, n - 1, n, n + 3]
         if n >= 10**6:
-            ks = [n // 100, n - 1]
+            ks = [n // 100, n - 1] if n < MANY_TILES else [5, n // 3, n - 1]
         for kind in kinds:
             x, r = sparsify_inputs(n, kind, dt, rng)
             for k in sorted(set(k for k in ks if k >= 0)):
@@ -960,7 +983,7 @@ def check_sparsify_by_threshold(b, dt, rng):
     thresholds = [(1.0, -0.75), (0.1, -0.1), (0.0, -0.0), (0.0, -1.0), (np.inf, -np.inf),
                   (0.5, -np.inf), (100.0, -100.0), (1e-45, -1e-45), (1e-40, -0.0)]
     case = 0
-    for n in [1, 33, 1000, 8191, 8192, 8193, 100003, 1000003]:
+    for n in [1, 33, 1000, 8191, 8192, 8193, 100003, 1000003, MANY_TILES]:
         for kind in ["normal", "tiny"] if n < 10**6 else ["normal"]:
             x, r = sparsify_inputs(n, kind, dt, rng)
             for pos, neg in thresholds if n < 10**6 else thresholds[:2]:

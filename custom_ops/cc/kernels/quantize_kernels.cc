@@ -987,6 +987,43 @@ TFGC_Q_DEFINE_VARIANTS(RangeStat, RangeStatImplB, double,
                        (const T* x, int64_t len, bool max_norm),
                        (x, len, max_norm))
 
+// Bucket scales for buckets too large to quantise while they are in cache:
+// partial statistics (stat(ptr, len): max |x| or sum of squares, as double)
+// over fixed chunks of kStatChunk elements, so that the result does not
+// depend on the thread count, combined per bucket in chunk order.
+template <typename T, typename Stat>
+absl::Status HugeBucketScales(OpKernelContext* ctx, const T* x, int64_t n,
+                              int64_t d, bool max_norm, int64_t stat_cost,
+                              float* scales, const Stat& stat) {
+  const int64_t nb = NumBuckets(n, d);
+  const int64_t per_bucket = CeilDiv(std::min(d, n), kStatChunk);
+  Tensor partial_t;
+  TF_RETURN_IF_ERROR(ctx->allocate_temp(tensorflow::DT_DOUBLE,
+                                        TensorShape({nb * per_bucket}),
+                                        &partial_t));
+  double* partial = partial_t.flat<double>().data();
+  ParallelFor(ctx, nb * per_bucket, kStatChunk * stat_cost,
+              [&](int64_t tb, int64_t te) {
+                for (int64_t t = tb; t < te; ++t) {
+                  const int64_t b = t / per_bucket;
+                  const int64_t c = t % per_bucket;
+                  const int64_t len_b = std::min(d, n - b * d);
+                  const int64_t off = c * kStatChunk;
+                  const int64_t len = std::min(kStatChunk, len_b - off);
+                  partial[t] = len > 0 ? stat(x + b * d + off, len) : 0.0;
+                }
+              });
+  for (int64_t b = 0; b < nb; ++b) {
+    double acc = 0.0;
+    for (int64_t c = 0; c < per_bucket; ++c) {
+      const double v = partial[b * per_bucket + c];
+      acc = max_norm ? std::max(acc, v) : acc + v;
+    }
+    scales[b] = ScaleFromStat(acc, max_norm);
+  }
+  return absl::OkStatus();
+}
+
 #if TFGC_Q_MULTIVERSION
 // Code words at least this large are written with non-temporal stores: they
 // are not read back by this op, and at this size they would only evict the
@@ -1007,7 +1044,6 @@ absl::Status QuantizeFloatAvx2(OpKernelContext* ctx, const float* x, int64_t n,
   const int64_t d = p.bucket_size;
   const int s = p.levels;
   const bool max_norm = p.max_norm;
-  const int64_t nb = NumBuckets(n, d);
   // Rough cycles per element: about half of the generic block loop's.
   constexpr int64_t kQuantCost = 12;
   constexpr int64_t kStatCost = 2;
@@ -1037,41 +1073,14 @@ absl::Status QuantizeFloatAvx2(OpKernelContext* ctx, const float* x, int64_t n,
   }
   // Huge buckets: partial statistics over fixed chunks, as in
   // QuantizeWithBits, then one quantization pass.
-  const int64_t per_bucket = CeilDiv(std::min(d, n), kStatChunk);
-  Tensor partial_t;
-  TF_RETURN_IF_ERROR(ctx->allocate_temp(tensorflow::DT_DOUBLE,
-                                        TensorShape({nb * per_bucket}),
-                                        &partial_t));
-  double* partial = partial_t.flat<double>().data();
-  ParallelFor(ctx, nb * per_bucket, kStatChunk * kStatCost,
-              [&](int64_t tb, int64_t te) {
-                for (int64_t t = tb; t < te; ++t) {
-                  const int64_t b = t / per_bucket;
-                  const int64_t c = t % per_bucket;
-                  const int64_t len_b = std::min(d, n - b * d);
-                  const int64_t off = c * kStatChunk;
-                  const int64_t len = std::min(kStatChunk, len_b - off);
-                  const float* xc = x + b * d + off;
-                  double v = 0.0;
-                  if (len > 0) {
-                    if (max_norm) {
-                      v = MaxAbsBitsAvx2(xc, len);
-                    } else {
-                      double unused;
-                      SumSquaresAvx2x2(xc, len, xc, 0, &v, &unused);
-                    }
-                  }
-                  partial[t] = v;
-                }
-              });
-  for (int64_t b = 0; b < nb; ++b) {
-    double acc = 0.0;
-    for (int64_t c = 0; c < per_bucket; ++c) {
-      const double v = partial[b * per_bucket + c];
-      acc = max_norm ? std::max(acc, v) : acc + v;
-    }
-    scales[b] = ScaleFromStat(acc, max_norm);
-  }
+  TF_RETURN_IF_ERROR(HugeBucketScales(
+      ctx, x, n, d, max_norm, kStatCost, scales,
+      [&](const float* xc, int64_t len) {
+        if (max_norm) return MaxAbsBitsAvx2(xc, len);
+        double v = 0.0, unused;
+        SumSquaresAvx2x2(xc, len, xc, 0, &v, &unused);
+        return v;
+      }));
   ParallelFor(ctx, CeilDiv(n, kBlock), kBlock * kQuantCost,
               [&](int64_t bb, int64_t be) {
                 quantize_range(x, n, bb * kBlock, std::min(n, be * kBlock),
@@ -1090,7 +1099,6 @@ absl::Status QuantizeWithBits(OpKernelContext* ctx, const T* x, int64_t n,
   const int64_t d = p.bucket_size;
   const int s = p.levels;
   const bool max_norm = p.max_norm;
-  const int64_t nb = NumBuckets(n, d);
   // Rough cycles per element: ~25 for the Philox share and the arithmetic.
   constexpr int64_t kQuantCost = 25;
   constexpr int64_t kStatCost = 2;
@@ -1135,35 +1143,13 @@ absl::Status QuantizeWithBits(OpKernelContext* ctx, const T* x, int64_t n,
     return absl::OkStatus();
   }
 
-  // Huge buckets: partial statistics over fixed chunks (so the result does
-  // not depend on the thread count), combined per bucket in chunk order.
-  const int64_t per_bucket = CeilDiv(std::min(d, n), kStatChunk);
-  Tensor partial_t;
-  TF_RETURN_IF_ERROR(ctx->allocate_temp(tensorflow::DT_DOUBLE,
-                                        TensorShape({nb * per_bucket}),
-                                        &partial_t));
-  double* partial = partial_t.flat<double>().data();
-  ParallelFor(ctx, nb * per_bucket, kStatChunk * kStatCost,
-              [&](int64_t tb, int64_t te) {
-                for (int64_t t = tb; t < te; ++t) {
-                  const int64_t b = t / per_bucket;
-                  const int64_t c = t % per_bucket;
-                  const int64_t len_b = std::min(d, n - b * d);
-                  const int64_t off = c * kStatChunk;
-                  const int64_t len = std::min(kStatChunk, len_b - off);
-                  partial[t] = len > 0 ? RangeStat<T, 0>(x + b * d + off,
-                                                             len, max_norm)
-                                       : 0.0;
-                }
-              });
-  for (int64_t b = 0; b < nb; ++b) {
-    double acc = 0.0;
-    for (int64_t c = 0; c < per_bucket; ++c) {
-      const double v = partial[b * per_bucket + c];
-      acc = max_norm ? std::max(acc, v) : acc + v;
-    }
-    scales[b] = ScaleFromStat(acc, max_norm);
-  }
+  // Huge buckets: partial statistics over fixed chunks, then one
+  // quantization pass.
+  TF_RETURN_IF_ERROR(HugeBucketScales(
+      ctx, x, n, d, max_norm, kStatCost, scales,
+      [&](const T* xc, int64_t len) {
+        return RangeStat<T, 0>(xc, len, max_norm);
+      }));
   ParallelFor(ctx, CeilDiv(n, kBlock), kBlock * kQuantCost,
               [&](int64_t bb, int64_t be) {
                 QuantizeRange<T, kBits>(x, n, bb * kBlock,
