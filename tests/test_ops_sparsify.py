@@ -242,6 +242,22 @@ def test_sampled_count_window_and_threshold(mode, dtype, dist):
             assert_threshold_property(v, idx)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_large_samples_and_candidate_sets(mode, dtype):
+    # Samples and candidate sets of more than 65536 keys take the kernel's
+    # radix-select path instead of partitioning.
+    n, k = 300007, 60000
+    x, r = random_inputs(n, dtype, seed=5)
+    v = np_v(x, r)
+    exact = sp.sparsify_with_residual(x, r, k, exact=True, sample_ratio=0.5)
+    check_selection(x, r, exact, np_topk_indices(v, k))
+    sampled = sp.sparsify_with_residual(x, r, k, sample_ratio=0.5)
+    _, idx = check_selection(x, r, sampled)
+    lo, hi = count_bounds(k, n)
+    assert lo <= idx.size <= hi
+    assert_threshold_property(v, idx)
+
+
 def test_sampled_deterministic_given_seed(mode):
     x, r = random_inputs(100003, tf.float32, seed=5, dist="heavy")
     a = sp.sparsify_with_residual(x, r, 500, seed=42)

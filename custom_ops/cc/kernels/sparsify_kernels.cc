@@ -88,6 +88,9 @@ using cpu::Workers;
 
 // Elements per chunk of the collect pass: its flag bytes stay in L1.
 constexpr int64_t kChunk = 2048;
+// new_residual is streamed past the cache from this size on; below it, it
+// likely still sits in the last-level cache when the next op reads it.
+constexpr int64_t kStreamMinBytes = int64_t{16} << 20;
 // Shards smaller than this are not worth a task of their own.
 constexpr int64_t kMinShardElems = int64_t{1} << 16;
 // Sample size floor: below it the sampled quantile is too noisy to be useful.
@@ -192,6 +195,8 @@ template <typename T>
 struct Shard {
   int64_t begin = 0;
   int64_t end = 0;
+  // Whether the collect pass streams v past the cache (see CollectShardBody).
+  bool stream_out = false;
   std::vector<int32_t> idx;
   std::vector<RawOf<T>> val;
 };
@@ -207,9 +212,12 @@ std::vector<Shard<T>> MakeShards(OpKernelContext* ctx, int64_t n) {
   auto boundary = [&](int64_t s) {
     return s == count ? n : (n * s / count) & ~int64_t{63};
   };
+  const bool stream_out =
+      n * static_cast<int64_t>(sizeof(RawOf<T>)) >= kStreamMinBytes;
   for (int64_t s = 0; s < count; ++s) {
     shards[s].begin = boundary(s);
     shards[s].end = boundary(s + 1);
+    shards[s].stream_out = stream_out;
   }
   return shards;
 }
@@ -251,8 +259,9 @@ int64_t TotalSelected(const std::vector<Shard<T>>& shards) {
 // and one flag byte per element, then the flags are scanned eight at a time
 // and only the set ones are looked at individually. With
 // kFromInputs the chunk of v is built in an L1 buffer, fixed up there, and
-// then streamed to v_out (StreamCopy): new_residual is written once and
-// never read for ownership, which is a quarter of this pass's traffic.
+// then copied to v_out, for large tensors with streaming stores
+// (StreamCopy): new_residual is then written once and never read for
+// ownership, which is a quarter of this pass's traffic.
 template <typename T, bool kFromInputs, typename Pred>
 TFGC_SPARSIFY_ALWAYS_INLINE inline void CollectShardBody(
     const AliasedRawOf<T>* __restrict__ x,
@@ -306,9 +315,15 @@ TFGC_SPARSIFY_ALWAYS_INLINE inline void CollectShardBody(
         }
       }
     }
-    if (kFromInputs) cpu::StreamCopy(v_out + c, vbuf, len * sizeof(Raw));
+    if (kFromInputs) {
+      if (shard.stream_out) {
+        cpu::StreamCopy(v_out + c, vbuf, len * sizeof(Raw));
+      } else {
+        std::memcpy(v_out + c, vbuf, len * sizeof(Raw));
+      }
+    }
   }
-  if (kFromInputs) cpu::StreamFence();
+  if (kFromInputs && shard.stream_out) cpu::StreamFence();
 }
 
 // The same pass compiled twice: for the baseline ISA, and on x86-64 also for
@@ -360,9 +375,17 @@ void RestoreAll(OpKernelContext* ctx, std::vector<Shard<T>>& shards,
 // 16-bit digits, i.e. two counting passes over the keys and two walks over a
 // 65536-bin histogram. Unlike nth_element it neither moves nor copies the
 // keys, and its cost does not grow with q: about 1 ns per key where a heap
-// or a partitioning pass took 4-10.
+// or a partitioning pass took 4-10. Small sets are partitioned instead.
 uint32_t KthLargest(const std::vector<uint32_t>& keys, int64_t q) {
   constexpr uint32_t kBins = 1u << 16;
+  if (keys.size() < kBins) {
+    // Fewer keys than bins: clearing and walking the histograms would cost
+    // more than partitioning a copy.
+    std::vector<uint32_t> copy(keys);
+    auto nth = copy.begin() + (copy.size() - q);
+    std::nth_element(copy.begin(), nth, copy.end());
+    return *nth;
+  }
   std::vector<uint32_t> hist(kBins, 0);
   for (const uint32_t key : keys) ++hist[key >> 16];
   // Walk down from the largest digit until the bins above hold q keys.
