@@ -183,6 +183,12 @@ def test_randomk_picks_uniform_subsets_of_exactly_k(ratio):
         assert len(idx) == k and len(set(idx.tolist())) == k
         assert idx.min() >= 0 and idx.max() < n
         counts[idx] += 1
+    # In a graph the payload keeps its static size (the byte counters need it).
+    graph_idx = tf.function(lambda: c._indices(tf.TensorShape([n]), ctx(step=0)))()
+    assert graph_idx.shape == [k]
+    payload = tf.function(lambda x: c.compress(x, {}, ctx(step=0))[0][0]).get_concrete_function(
+        tf.TensorSpec([n], tf.float32)).structured_outputs
+    assert payload.shape == [k]
     # Every coordinate is kept with probability k / n: a chi-square test on the
     # per-coordinate counts (n - 1 degrees of freedom; 300 is beyond p = 1e-4).
     expected = steps * k / n

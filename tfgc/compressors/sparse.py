@@ -120,7 +120,10 @@ class RandomK(Compressor):
         m = int(math.ceil(-n * math.log1p(-k / n) + 6.0 * math.sqrt(k) + 16))
         draws = tf.random.stateless_uniform([m], seed=seed, minval=0, maxval=n, dtype=tf.int32)
         distinct, _ = tf.unique(draws)
-        return tf.cond(tf.size(distinct) >= k, lambda: distinct[:k], by_ranking)
+        indices = tf.cond(tf.size(distinct) >= k, lambda: distinct[:k], by_ranking)
+        # Both branches hold k entries; the static shape says so for the
+        # payload's wire size and for graph-mode consumers.
+        return tf.ensure_shape(indices, [k])
 
     def compress(self, x, state, ctx):
         flat = tf.reshape(x, [-1])
