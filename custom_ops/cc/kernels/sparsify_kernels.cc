@@ -9,7 +9,9 @@
 //     vectorisable loop, recording one flag byte per element, and
 //   * only for the rare groups of flags that are set, goes back to the
 //     elements (still in L1) to append (index, v) to the shard's candidate
-//     list and zero new_residual there.
+//     list and zero new_residual there;
+//   * on large tensors, writes new_residual with streaming stores, which
+//     skip the read-for-ownership of every output line.
 // The threshold comes from a small sample of v taken before that pass (Lin
 // et al. 2018, "Deep Gradient Compression"), so the common case reads x and
 // residual once and writes new_residual once. The rare corrections (too many
@@ -17,10 +19,11 @@
 // the threshold and collect again from new_residual) only cost extra passes
 // when the sample was misleading. Exact mode is the same machinery with a
 // conservative sample rank, so that the candidates almost surely contain the
-// true top k, followed by an exact selection among them. When the sample
-// shows massive ties at the threshold (e.g. mostly-zero embedding gradients),
-// only the entries strictly above it are collected and the ties are taken in
-// index order by a scan that stops as soon as it has enough.
+// true top k, followed by an exact selection among them. Both the sample's
+// quantile and that selection are radix selects on the integer keys. When
+// the sample shows massive ties at the threshold (e.g. mostly-zero embedding
+// gradients), only the entries strictly above it are collected and the ties
+// are taken in index order by a scan that stops as soon as it has enough.
 //
 // Worst cases: a sample that misleads badly costs up to 10 extra read passes
 // (sampled mode's 0.8x lowerings) and then a pass collecting every entry for
@@ -203,9 +206,12 @@ struct Shard {
 
 template <typename T>
 std::vector<Shard<T>> MakeShards(OpKernelContext* ctx, int64_t n) {
+  // Many more shards than threads: on a shared (virtualised) host a core can
+  // stall for a millisecond or more, and small shards let the other threads
+  // take over its share instead of waiting for one long task.
   const int64_t threads = std::max(Workers(ctx)->NumThreads(), 1);
   const int64_t count =
-      std::max<int64_t>(1, std::min(n / kMinShardElems, 4 * threads));
+      std::max<int64_t>(1, std::min(n / kMinShardElems, 16 * threads));
   std::vector<Shard<T>> shards(count);
   // Boundaries on multiples of 64 elements keep every chunk of the collect
   // pass cache-line aligned (tensor buffers are 64-byte aligned).
