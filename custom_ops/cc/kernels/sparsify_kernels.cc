@@ -532,8 +532,8 @@ inline uint64_t Mix64(uint64_t z) {
 // kSampleRun consecutive elements at a random offset. Stratification keeps
 // the sample spread over the whole tensor (the layers of a flattened gradient
 // often differ in scale); the random offset avoids aliasing with row lengths,
-// which a fixed stride would hit; and runs of a cache line or two cost one
-// memory access instead of sixteen, which matters because a 1% sample of
+// which a fixed stride would hit; and runs of one (aligned) cache line cost
+// one memory access instead of sixteen, which matters because a 1% sample of
 // scattered single elements would touch a sixth of every cache line of x and
 // residual. When the sample would cover most of v anyway, v is read whole.
 constexpr int64_t kSampleRun = 16;
@@ -554,11 +554,18 @@ std::vector<uint32_t> SampleKeys(OpKernelContext* ctx,
   const int64_t runs = (s + kSampleRun - 1) / kSampleRun;
   std::vector<uint32_t> keys(runs * kSampleRun);
   const uint64_t salt = Mix64(seed);
+  // Runs start on multiples of kSampleRun, so each lies in one cache line of
+  // x and one of r (buffers are 64-byte aligned). Stratum j is [lo, hi) with
+  // hi - lo > 4 kSampleRun, which leaves at least three aligned starts.
   auto run_start = [&](int64_t j) {
     const int64_t lo = j * n / runs;
-    const int64_t span = (j + 1) * n / runs - lo - kSampleRun + 1;
-    return lo + static_cast<int64_t>(Mix64(salt ^ static_cast<uint64_t>(j)) %
-                                     static_cast<uint64_t>(span));
+    const int64_t hi = (j + 1) * n / runs;
+    const int64_t first = (lo + kSampleRun - 1) / kSampleRun * kSampleRun;
+    const int64_t slots = (hi - kSampleRun - first) / kSampleRun + 1;
+    return first +
+           kSampleRun * static_cast<int64_t>(
+                            Mix64(salt ^ static_cast<uint64_t>(j)) %
+                            static_cast<uint64_t>(slots));
   };
   // Every run is a cache miss in x and in r; prefetching a few runs ahead
   // keeps several of them in flight instead of waiting for each in turn.
@@ -569,8 +576,6 @@ std::vector<uint32_t> SampleKeys(OpKernelContext* ctx,
         const int64_t p = run_start(j + kAhead);
         __builtin_prefetch(x + p);
         __builtin_prefetch(r + p);
-        __builtin_prefetch(x + p + kSampleRun - 1);
-        __builtin_prefetch(r + p + kSampleRun - 1);
       }
       const int64_t start = run_start(j);
       for (int64_t t = 0; t < kSampleRun; ++t) {
