@@ -78,8 +78,38 @@ __device__ __forceinline__ int64_t GlobalThreads() {
   return static_cast<int64_t>(gridDim.x) * blockDim.x;
 }
 
-}  // namespace cuda
-}  // namespace tfgc
+// Block-wide exclusive prefix sum of one value per thread, for blocks of
+// kThreads threads; returns this thread's prefix and sets *total. Every
+// thread of the block must call it. The trailing barrier lets a kernel call
+// it again straight away (the shared warp totals are reused).
+template <typename V>
+__device__ V BlockExclusiveScan(V value, V* total) {
+  constexpr int kWarpsPerBlock = kThreads / 32;
+  __shared__ V warp_sums[kWarpsPerBlock];
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  V inclusive = value;
+  for (int d = 1; d < 32; d <<= 1) {
+    const V y = __shfl_up_sync(0xffffffffu, inclusive, d);
+    if (lane >= d) inclusive += y;
+  }
+  if (lane == 31) warp_sums[warp] = inclusive;
+  __syncthreads();
+  if (warp == 0) {
+    V s = lane < kWarpsPerBlock ? warp_sums[lane] : V(0);
+    for (int d = 1; d < 32; d <<= 1) {
+      const V y = __shfl_up_sync(0xffffffffu, s, d);
+      if (lane >= d) s += y;
+    }
+    if (lane < kWarpsPerBlock) warp_sums[lane] = s;  // inclusive warp totals
+  }
+  __syncthreads();
+  const V warp_prefix = warp > 0 ? warp_sums[warp - 1] : V(0);
+  *total = warp_sums[kWarpsPerBlock - 1];
+  const V result = warp_prefix + inclusive - value;
+  __syncthreads();
+  return result;
+}
 
 // a + b and a - b in float32 with subnormals flushed to (signed) zero on
 // input and output. TensorFlow's CPU threads run with FTZ / DAZ set, so the
@@ -110,5 +140,8 @@ __device__ __forceinline__ float SubFlushed(float a, float b) {
     default:                                                           \
       return cudaErrorInvalidValue;                                    \
   }
+
+}  // namespace cuda
+}  // namespace tfgc
 
 #endif  // TFGC_CUSTOM_OPS_CC_KERNELS_GPU_COMMON_CUH_

@@ -213,38 +213,6 @@ struct Classifier {
   }
 };
 
-// Block-wide exclusive prefix sum of one value per thread (blockDim.x ==
-// kThreads); returns this thread's prefix and sets *total. (The same
-// building block as threshold_gpu.cu.cc's; each translation unit keeps its
-// kernels' helpers private.)
-template <typename V>
-__device__ V BlockExclusiveScan(V value, V* total) {
-  __shared__ V warp_sums[kWarps];
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  V inclusive = value;
-  for (int d = 1; d < 32; d <<= 1) {
-    const V y = __shfl_up_sync(kFullWarp, inclusive, d);
-    if (lane >= d) inclusive += y;
-  }
-  if (lane == 31) warp_sums[warp] = inclusive;
-  __syncthreads();
-  if (warp == 0) {
-    V s = lane < kWarps ? warp_sums[lane] : V(0);
-    for (int d = 1; d < 32; d <<= 1) {
-      const V y = __shfl_up_sync(kFullWarp, s, d);
-      if (lane >= d) s += y;
-    }
-    if (lane < kWarps) warp_sums[lane] = s;  // inclusive warp totals
-  }
-  __syncthreads();
-  const V warp_prefix = warp > 0 ? warp_sums[warp - 1] : V(0);
-  *total = warp_sums[kWarps - 1];
-  const V result = warp_prefix + inclusive - value;
-  __syncthreads();  // warp_sums may be reused by the next call
-  return result;
-}
-
 // k == 0: only new_residual = v.
 template <int D>
 __global__ void ComputeVKernel(const typename Codec<D>::Raw* __restrict__ x,

@@ -52,36 +52,6 @@ EncodeLayout PlanEncode(int64_t n) {
   return l;
 }
 
-// Block-wide exclusive prefix sum of one value per thread (blockDim.x ==
-// kThreads); returns this thread's prefix and sets *total.
-template <typename V>
-__device__ V BlockExclusiveScan(V value, V* total) {
-  __shared__ V warp_sums[kThreads / 32];
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  V inclusive = value;
-  for (int d = 1; d < 32; d <<= 1) {
-    const V y = __shfl_up_sync(0xffffffffu, inclusive, d);
-    if (lane >= d) inclusive += y;
-  }
-  if (lane == 31) warp_sums[warp] = inclusive;
-  __syncthreads();
-  if (warp == 0) {
-    V s = lane < kThreads / 32 ? warp_sums[lane] : V(0);
-    for (int d = 1; d < 32; d <<= 1) {
-      const V y = __shfl_up_sync(0xffffffffu, s, d);
-      if (lane >= d) s += y;
-    }
-    if (lane < kThreads / 32) warp_sums[lane] = s;  // inclusive warp totals
-  }
-  __syncthreads();
-  const V warp_prefix = warp > 0 ? warp_sums[warp - 1] : V(0);
-  *total = warp_sums[kThreads / 32 - 1];
-  const V result = warp_prefix + inclusive - value;
-  __syncthreads();  // warp_sums may be reused by the next call
-  return result;
-}
-
 template <int D>
 __global__ void EncodeMasksKernel(const typename Codec<D>::Raw* __restrict__ x,
                                   const typename Codec<D>::Raw* __restrict__ r,
