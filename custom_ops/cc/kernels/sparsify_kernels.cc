@@ -550,13 +550,14 @@ std::vector<uint32_t> SampleKeys(OpKernelContext* ctx,
     });
     return keys;
   }
-  // Here n > 4 s, so every stratum holds more than 4 kSampleRun elements.
+  // Here n > 4 s and s >= kMinSample = 256, so with runs = ceil(s / 16)
+  // every stratum holds at least 60 elements.
   const int64_t runs = (s + kSampleRun - 1) / kSampleRun;
   std::vector<uint32_t> keys(runs * kSampleRun);
   const uint64_t salt = Mix64(seed);
   // Runs start on multiples of kSampleRun, so each lies in one cache line of
   // x and one of r (buffers are 64-byte aligned). Stratum j is [lo, hi) with
-  // hi - lo > 4 kSampleRun, which leaves at least three aligned starts.
+  // hi - lo >= 60, which leaves at least two aligned starts inside it.
   auto run_start = [&](int64_t j) {
     const int64_t lo = j * n / runs;
     const int64_t hi = (j + 1) * n / runs;
