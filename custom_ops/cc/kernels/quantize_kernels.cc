@@ -59,7 +59,9 @@ namespace {
 
 using ThreadPool = tsl::thread::ThreadPool;
 // Shared helpers (cpu_util.h).
+using cpu::BitsToFloat;
 using cpu::CeilDiv;
+using cpu::FloatToBits;
 using cpu::HasAvx2;
 using cpu::HasAvx512Vl;
 using cpu::ParallelFor;
@@ -104,17 +106,6 @@ constexpr int kIsaPortable = 0;
 constexpr int kIsaSse2 = 1;
 constexpr int kIsaAvx2 = 2;
 constexpr int kIsaBase = TFGC_Q_MULTIVERSION ? kIsaSse2 : kIsaPortable;
-
-TFGC_Q_INLINE float BitsToFloat(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-TFGC_Q_INLINE uint32_t FloatToBits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  return u;
-}
 
 // The input block as float32. Half types go through Eigen's exact
 // conversions; float is copied so that the main loop always reads a full,
@@ -245,27 +236,25 @@ TFGC_Q_INLINE void Philox16Sse2(uint64_t group, const PhiloxStream& st,
   }
 }
 
-// AVX2: two vectors of 8 counters.
-TFGC_Q_TARGET_AVX2 TFGC_Q_INLINE void MulHiLoAvx2(__m256i a, __m256i m,
-                                                  __m256i* hi, __m256i* lo) {
-  const __m256i even = _mm256_mul_epu32(a, m);
-  const __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), m);
-  *hi = _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
-  *lo = _mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
-}
-
-// Not force-inlined: the callers are compiled for the baseline ISA too (only
-// their AVX2 instantiations call this), and one call per 64 elements is cheap.
-TFGC_Q_TARGET_AVX2 void Philox16Avx2(uint64_t group, const PhiloxStream& st,
-                                     uint32_t* out) {
-  const PhiloxStart start(group);
-  __m256i c0[2], c1[2], c2[2], c3[2];
-  for (int v = 0; v < 2; ++v) {
-    c0[v] = _mm256_load_si256(reinterpret_cast<const __m256i*>(start.lo) + v);
-    c1[v] = _mm256_load_si256(reinterpret_cast<const __m256i*>(start.hi) + v);
-    c2[v] = _mm256_set1_epi32(static_cast<int>(st.counter_hi[0]));
-    c3[v] = _mm256_set1_epi32(static_cast<int>(st.counter_hi[1]));
-  }
+// AVX2: Philox-4x32-10 for the 16 counters g .. g + 15 (g a multiple of 16,
+// so the low words do not carry into the high word) as two interleaved
+// 8-counter streams (one alone is latency-bound: each round is a multiply ->
+// shift -> xor chain), with the low product halves from mullo instead of
+// shift + blend: a[m] lane j = output m of counter g + j, b[m] the same for
+// g + 8 + j.
+TFGC_Q_TARGET_AVX2 TFGC_Q_INLINE void Philox16x2Avx2(uint64_t g,
+                                                     const PhiloxStream& st,
+                                                     __m256i* a, __m256i* b) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i glo = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(g)));
+  __m256i a0 = _mm256_add_epi32(glo, lane);
+  __m256i b0 = _mm256_add_epi32(a0, _mm256_set1_epi32(8));
+  __m256i a1 = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(g >> 32)));
+  __m256i b1 = a1;
+  __m256i a2 = _mm256_set1_epi32(static_cast<int>(st.counter_hi[0]));
+  __m256i b2 = a2;
+  __m256i a3 = _mm256_set1_epi32(static_cast<int>(st.counter_hi[1]));
+  __m256i b3 = a3;
   const __m256i ma = _mm256_set1_epi32(static_cast<int>(kPhiloxM4x32A));
   const __m256i mb = _mm256_set1_epi32(static_cast<int>(kPhiloxM4x32B));
   uint32_t k0 = st.key[0], k1 = st.key[1];
@@ -273,25 +262,55 @@ TFGC_Q_TARGET_AVX2 void Philox16Avx2(uint64_t group, const PhiloxStream& st,
   for (int r = 0; r < 10; ++r) {
     const __m256i vk0 = _mm256_set1_epi32(static_cast<int>(k0));
     const __m256i vk1 = _mm256_set1_epi32(static_cast<int>(k1));
-    for (int v = 0; v < 2; ++v) {
-      __m256i hi0, lo0, hi1, lo1;
-      MulHiLoAvx2(c0[v], ma, &hi0, &lo0);
-      MulHiLoAvx2(c2[v], mb, &hi1, &lo1);
-      c0[v] = _mm256_xor_si256(_mm256_xor_si256(hi1, c1[v]), vk0);
-      c2[v] = _mm256_xor_si256(_mm256_xor_si256(hi0, c3[v]), vk1);
-      c1[v] = lo1;
-      c3[v] = lo0;
-    }
+    // High halves: even lanes from a 64-bit shift of the even products, odd
+    // lanes already in place in the odd products.
+    const __m256i ae0 = _mm256_mul_epu32(a0, ma);
+    const __m256i ao0 = _mm256_mul_epu32(_mm256_srli_epi64(a0, 32), ma);
+    const __m256i ae2 = _mm256_mul_epu32(a2, mb);
+    const __m256i ao2 = _mm256_mul_epu32(_mm256_srli_epi64(a2, 32), mb);
+    const __m256i be0 = _mm256_mul_epu32(b0, ma);
+    const __m256i bo0 = _mm256_mul_epu32(_mm256_srli_epi64(b0, 32), ma);
+    const __m256i be2 = _mm256_mul_epu32(b2, mb);
+    const __m256i bo2 = _mm256_mul_epu32(_mm256_srli_epi64(b2, 32), mb);
+    const __m256i ahi0 = _mm256_blend_epi32(_mm256_srli_epi64(ae0, 32), ao0, 0xAA);
+    const __m256i ahi2 = _mm256_blend_epi32(_mm256_srli_epi64(ae2, 32), ao2, 0xAA);
+    const __m256i bhi0 = _mm256_blend_epi32(_mm256_srli_epi64(be0, 32), bo0, 0xAA);
+    const __m256i bhi2 = _mm256_blend_epi32(_mm256_srli_epi64(be2, 32), bo2, 0xAA);
+    const __m256i alo0 = _mm256_mullo_epi32(a0, ma);
+    const __m256i alo2 = _mm256_mullo_epi32(a2, mb);
+    const __m256i blo0 = _mm256_mullo_epi32(b0, ma);
+    const __m256i blo2 = _mm256_mullo_epi32(b2, mb);
+    a0 = _mm256_xor_si256(_mm256_xor_si256(ahi2, a1), vk0);
+    a2 = _mm256_xor_si256(_mm256_xor_si256(ahi0, a3), vk1);
+    a1 = alo2;
+    a3 = alo0;
+    b0 = _mm256_xor_si256(_mm256_xor_si256(bhi2, b1), vk0);
+    b2 = _mm256_xor_si256(_mm256_xor_si256(bhi0, b3), vk1);
+    b1 = blo2;
+    b3 = blo0;
     k0 += kPhiloxW32A;
     k1 += kPhiloxW32B;
   }
+  a[0] = a0; a[1] = a1; a[2] = a2; a[3] = a3;
+  b[0] = b0; b[1] = b1; b[2] = b2; b[3] = b3;
+}
+
+// Philox16 for the generic block loop: the register generator above, with
+// its outputs transposed to counter-major order in `out`. Not force-inlined:
+// the callers are compiled for the baseline ISA too (only their AVX2
+// instantiations call this), and one call per 64 elements is cheap. Block
+// loops start on multiples of kBlock, so `group` is a multiple of 16.
+TFGC_Q_TARGET_AVX2 void Philox16Avx2(uint64_t group, const PhiloxStream& st,
+                                     uint32_t* out) {
+  __m256i c[2][4];
+  Philox16x2Avx2(group, st, c[0], c[1]);
   for (int v = 0; v < 2; ++v) {
     // 4x4 transposes within each 128-bit half: half h of o_m holds
     // counter 8v + 4h + m; the permutes put counters in order.
-    const __m256i t0 = _mm256_unpacklo_epi32(c0[v], c1[v]);
-    const __m256i t1 = _mm256_unpackhi_epi32(c0[v], c1[v]);
-    const __m256i t2 = _mm256_unpacklo_epi32(c2[v], c3[v]);
-    const __m256i t3 = _mm256_unpackhi_epi32(c2[v], c3[v]);
+    const __m256i t0 = _mm256_unpacklo_epi32(c[v][0], c[v][1]);
+    const __m256i t1 = _mm256_unpackhi_epi32(c[v][0], c[v][1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(c[v][2], c[v][3]);
+    const __m256i t3 = _mm256_unpackhi_epi32(c[v][2], c[v][3]);
     const __m256i o0 = _mm256_unpacklo_epi64(t0, t2);
     const __m256i o1 = _mm256_unpackhi_epi64(t0, t2);
     const __m256i o2 = _mm256_unpacklo_epi64(t1, t3);
@@ -538,70 +557,12 @@ inline float ScaleFromStat(double stat, bool max_norm) {
 #if TFGC_Q_MULTIVERSION
 // ---------------------------------------------------------------------------
 // Fused AVX2 quantizer for float32 input, the common case. Compared with the
-// generic block loop above it keeps everything in registers: two interleaved
-// 8-counter Philox streams (one alone is latency-bound: each round is a
-// multiply -> shift -> xor chain), the low product halves from mullo instead
-// of shift + blend, the input transposed into the generator's output order
-// (lane j of vector m = element 4j + m) so no random numbers go through
-// memory, and codes packed with a few shifts instead of a scalar loop.
+// generic block loop above it keeps everything in registers: the input is
+// transposed into Philox16x2Avx2's output order (lane j of vector m = element
+// 4j + m) so no random numbers go through memory, and codes are packed with
+// a few shifts instead of a scalar loop.
 // Results are bit-identical to QuantizeRangeImpl: the same float operations,
 // and the same Philox outputs paired with the same elements.
-
-// Philox-4x32-10 for the 16 counters g .. g + 15 (g a multiple of 16, so the
-// low words do not carry into the high word): a[m] lane j = output m of
-// counter g + j, b[m] the same for g + 8 + j.
-TFGC_Q_TARGET_AVX2 TFGC_Q_INLINE void Philox16x2Avx2(uint64_t g,
-                                                     const PhiloxStream& st,
-                                                     __m256i* a, __m256i* b) {
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256i glo = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(g)));
-  __m256i a0 = _mm256_add_epi32(glo, lane);
-  __m256i b0 = _mm256_add_epi32(a0, _mm256_set1_epi32(8));
-  __m256i a1 = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(g >> 32)));
-  __m256i b1 = a1;
-  __m256i a2 = _mm256_set1_epi32(static_cast<int>(st.counter_hi[0]));
-  __m256i b2 = a2;
-  __m256i a3 = _mm256_set1_epi32(static_cast<int>(st.counter_hi[1]));
-  __m256i b3 = a3;
-  const __m256i ma = _mm256_set1_epi32(static_cast<int>(kPhiloxM4x32A));
-  const __m256i mb = _mm256_set1_epi32(static_cast<int>(kPhiloxM4x32B));
-  uint32_t k0 = st.key[0], k1 = st.key[1];
-#pragma GCC unroll 10
-  for (int r = 0; r < 10; ++r) {
-    const __m256i vk0 = _mm256_set1_epi32(static_cast<int>(k0));
-    const __m256i vk1 = _mm256_set1_epi32(static_cast<int>(k1));
-    // High halves: even lanes from a 64-bit shift of the even products, odd
-    // lanes already in place in the odd products.
-    const __m256i ae0 = _mm256_mul_epu32(a0, ma);
-    const __m256i ao0 = _mm256_mul_epu32(_mm256_srli_epi64(a0, 32), ma);
-    const __m256i ae2 = _mm256_mul_epu32(a2, mb);
-    const __m256i ao2 = _mm256_mul_epu32(_mm256_srli_epi64(a2, 32), mb);
-    const __m256i be0 = _mm256_mul_epu32(b0, ma);
-    const __m256i bo0 = _mm256_mul_epu32(_mm256_srli_epi64(b0, 32), ma);
-    const __m256i be2 = _mm256_mul_epu32(b2, mb);
-    const __m256i bo2 = _mm256_mul_epu32(_mm256_srli_epi64(b2, 32), mb);
-    const __m256i ahi0 = _mm256_blend_epi32(_mm256_srli_epi64(ae0, 32), ao0, 0xAA);
-    const __m256i ahi2 = _mm256_blend_epi32(_mm256_srli_epi64(ae2, 32), ao2, 0xAA);
-    const __m256i bhi0 = _mm256_blend_epi32(_mm256_srli_epi64(be0, 32), bo0, 0xAA);
-    const __m256i bhi2 = _mm256_blend_epi32(_mm256_srli_epi64(be2, 32), bo2, 0xAA);
-    const __m256i alo0 = _mm256_mullo_epi32(a0, ma);
-    const __m256i alo2 = _mm256_mullo_epi32(a2, mb);
-    const __m256i blo0 = _mm256_mullo_epi32(b0, ma);
-    const __m256i blo2 = _mm256_mullo_epi32(b2, mb);
-    a0 = _mm256_xor_si256(_mm256_xor_si256(ahi2, a1), vk0);
-    a2 = _mm256_xor_si256(_mm256_xor_si256(ahi0, a3), vk1);
-    a1 = alo2;
-    a3 = alo0;
-    b0 = _mm256_xor_si256(_mm256_xor_si256(bhi2, b1), vk0);
-    b2 = _mm256_xor_si256(_mm256_xor_si256(bhi0, b3), vk1);
-    b1 = blo2;
-    b3 = blo0;
-    k0 += kPhiloxW32A;
-    k1 += kPhiloxW32B;
-  }
-  a[0] = a0; a[1] = a1; a[2] = a2; a[3] = a3;
-  b[0] = b0; b[1] = b1; b[2] = b2; b[3] = b3;
-}
 
 // The same generator with two AVX-512VL instructions on 256-bit vectors: a
 // masked dword shuffle moves each product's high (or low) half into place in
