@@ -43,6 +43,7 @@
 #include <vector>
 
 #include "custom_ops/cc/kernels/cpu_util.h"
+#include "custom_ops/cc/kernels/sign_bits.h"
 #include "custom_ops/cc/kernels/sparsify.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
@@ -52,10 +53,8 @@
 #include "tsl/platform/threadpool.h"
 
 #if defined(__GNUC__) || defined(__clang__)
-#define TFGC_SPARSIFY_MAY_ALIAS __attribute__((__may_alias__))
 #define TFGC_SPARSIFY_ALWAYS_INLINE __attribute__((always_inline))
 #else
-#define TFGC_SPARSIFY_MAY_ALIAS
 #define TFGC_SPARSIFY_ALWAYS_INLINE
 #endif
 
@@ -107,33 +106,9 @@ constexpr int kSampledMaxLowerings = 10;
 constexpr float kExactLowerFactor = 0.5f;
 constexpr int kExactMaxLowerings = 4;
 
-typedef uint16_t TFGC_SPARSIFY_MAY_ALIAS AliasedU16;
-typedef uint32_t TFGC_SPARSIFY_MAY_ALIAS AliasedU32;
-
+// Raw bit patterns and their aliasing-safe pointer types (sign_bits.h).
 template <typename T>
-struct RawTraits;
-
-template <>
-struct RawTraits<float> {
-  using Raw = uint32_t;
-  using AliasedRaw = AliasedU32;
-  static constexpr uint32_t kAbsMask = 0x7fffffffu;
-  static constexpr uint32_t kPosInf = 0x7f800000u;
-};
-template <>
-struct RawTraits<Eigen::half> {
-  using Raw = uint16_t;
-  using AliasedRaw = AliasedU16;
-  static constexpr uint32_t kAbsMask = 0x7fffu;
-  static constexpr uint32_t kPosInf = 0x7c00u;
-};
-template <>
-struct RawTraits<Eigen::bfloat16> {
-  using Raw = uint16_t;
-  using AliasedRaw = AliasedU16;
-  static constexpr uint32_t kAbsMask = 0x7fffu;
-  static constexpr uint32_t kPosInf = 0x7f80u;
-};
+using RawTraits = SignBitsTraits<T>;
 
 template <typename T>
 using RawOf = typename RawTraits<T>::Raw;
@@ -154,7 +129,7 @@ inline RawOf<T> AddRaw(RawOf<T> a, RawOf<T> b) {
 // so keys compare exactly like |v| while NaN sorts below +-0.0.
 template <typename T>
 inline uint32_t KeyOf(RawOf<T> r) {
-  const uint32_t a = r & RawTraits<T>::kAbsMask;
+  const uint32_t a = r & (RawTraits<T>::kSignMask - 1u);
   return (a + 1u) & (0u - static_cast<uint32_t>(a <= RawTraits<T>::kPosInf));
 }
 
