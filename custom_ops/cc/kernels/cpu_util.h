@@ -11,6 +11,9 @@
 #include <functional>
 
 #include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/tensor.h"
+#include "tensorflow/core/framework/tensor_shape.h"
+#include "tensorflow/core/platform/errors.h"
 #include "tsl/platform/threadpool.h"
 #include "unsupported/Eigen/CXX11/Tensor"
 
@@ -53,6 +56,19 @@ inline void ParallelFor(OpKernelContext* ctx, int64_t total, int64_t cost_per_un
       total,
       ThreadPool::SchedulingParams::Adaptive(std::max<int64_t>(cost_per_unit, 1)),
       fn);
+}
+
+// The value of a scalar op input; InvalidArgument naming the input unless it
+// is a scalar. Every op's argument checks read their scalars through this.
+template <typename V>
+absl::Status ScalarValue(const tensorflow::Tensor& t, const char* name,
+                         V* value) {
+  if (!tensorflow::TensorShapeUtils::IsScalar(t.shape())) {
+    return tensorflow::errors::InvalidArgument(
+        name, " must be a scalar, got shape ", t.shape().DebugString());
+  }
+  *value = t.scalar<V>()();
+  return absl::OkStatus();
 }
 
 inline float BitsToFloat(uint32_t u) {

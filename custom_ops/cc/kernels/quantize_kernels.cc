@@ -65,6 +65,7 @@ using cpu::FloatToBits;
 using cpu::HasAvx2;
 using cpu::HasAvx512Vl;
 using cpu::ParallelFor;
+using cpu::ScalarValue;
 using cpu::Workers;
 
 // Elements per block: 16 Philox counters, and a whole number of words for
@@ -1353,11 +1354,8 @@ class DequantizeBucketedOp : public OpKernel {
     OP_REQUIRES(ctx, TensorShapeUtils::IsVector(words.shape()),
                 errors::InvalidArgument("words must be 1-D, got shape ",
                                         words.shape().DebugString()));
-    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(num_elements.shape()),
-                errors::InvalidArgument("num_elements must be a scalar, got "
-                                        "shape ",
-                                        num_elements.shape().DebugString()));
-    const int64_t n = num_elements.scalar<int64_t>()();
+    int64_t n = 0;
+    OP_REQUIRES_OK(ctx, ScalarValue(num_elements, "num_elements", &n));
     OP_REQUIRES(ctx, n >= 0,
                 errors::InvalidArgument("num_elements must be >= 0, got ", n));
     const int64_t nb = NumBuckets(n, params_.bucket_size);
@@ -1407,11 +1405,8 @@ class DequantizeBucketedSumOp : public OpKernel {
                     "scales and words must have the same number of workers, "
                     "got ",
                     scales.dim_size(0), " and ", words.dim_size(0)));
-    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(num_elements.shape()),
-                errors::InvalidArgument("num_elements must be a scalar, got "
-                                        "shape ",
-                                        num_elements.shape().DebugString()));
-    const int64_t n = num_elements.scalar<int64_t>()();
+    int64_t n = 0;
+    OP_REQUIRES_OK(ctx, ScalarValue(num_elements, "num_elements", &n));
     OP_REQUIRES(ctx, n >= 0,
                 errors::InvalidArgument("num_elements must be >= 0, got ", n));
     const int64_t nb = NumBuckets(n, params_.bucket_size);

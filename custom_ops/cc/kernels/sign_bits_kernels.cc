@@ -57,6 +57,7 @@ using cpu::CeilDiv;
 using cpu::FloatToBits;
 using cpu::kBit;
 using cpu::ParallelFor;
+using cpu::ScalarValue;
 using cpu::Workers;
 using cpu::FloatCodec;
 using cpu::Select;
@@ -871,11 +872,8 @@ class UnpackSignBitsOp : public OpKernel {
     OP_REQUIRES(ctx, TensorShapeUtils::IsVector(words.shape()),
                 errors::InvalidArgument("words must be 1-D, got shape ",
                                         words.shape().DebugString()));
-    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(num_elements.shape()),
-                errors::InvalidArgument("num_elements must be a scalar, got "
-                                        "shape ",
-                                        num_elements.shape().DebugString()));
-    const int64_t n = num_elements.scalar<int64_t>()();
+    int64_t n = 0;
+    OP_REQUIRES_OK(ctx, ScalarValue(num_elements, "num_elements", &n));
     OP_REQUIRES(ctx, n >= 0,
                 errors::InvalidArgument("num_elements must be >= 0, got ", n));
     OP_REQUIRES(ctx, words.dim_size(0) == NumSignWords(n),
@@ -945,10 +943,8 @@ class OneBitDequantizeOp : public OpKernel {
                 errors::InvalidArgument(
                     "pos_mean and neg_mean must have the same length, got ",
                     pos_mean.dim_size(0), " and ", neg_mean.dim_size(0)));
-    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(rows_t.shape()),
-                errors::InvalidArgument("rows must be a scalar, got shape ",
-                                        rows_t.shape().DebugString()));
-    const int64_t rows = rows_t.scalar<int64_t>()();
+    int64_t rows = 0;
+    OP_REQUIRES_OK(ctx, ScalarValue(rows_t, "rows", &rows));
     const int64_t cols = pos_mean.dim_size(0);
     OP_REQUIRES(ctx, rows >= 0,
                 errors::InvalidArgument("rows must be >= 0, got ", rows));

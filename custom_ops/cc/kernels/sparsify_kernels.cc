@@ -82,6 +82,7 @@ using ThreadPool = tsl::thread::ThreadPool;
 // Shared helpers (cpu_util.h).
 using cpu::BitsToFloat;
 using cpu::HasAvx2;
+using cpu::ScalarValue;
 using cpu::FloatCodec;
 using cpu::FloatToBits;
 using cpu::ParallelFor;
@@ -833,14 +834,6 @@ absl::Status ValidateSelectionInputs(const Tensor& x, const Tensor& residual,
   return absl::OkStatus();
 }
 
-absl::Status ScalarInput(const Tensor& t, const char* name) {
-  if (!TensorShapeUtils::IsScalar(t.shape())) {
-    return errors::InvalidArgument(name, " must be a scalar, got shape ",
-                                   t.shape().DebugString());
-  }
-  return absl::OkStatus();
-}
-
 absl::Status EmptySelection(OpKernelContext* ctx) {
   Tensor* unused = nullptr;
   TF_RETURN_IF_ERROR(
@@ -871,13 +864,13 @@ class SparsifyWithResidualOp : public OpKernel {
     const Tensor& seed_t = ctx->input(3);
     int64_t n = 0;
     OP_REQUIRES_OK(ctx, ValidateSelectionInputs(x, residual, &n));
-    OP_REQUIRES_OK(ctx, ScalarInput(k_t, "k"));
-    OP_REQUIRES_OK(ctx, ScalarInput(seed_t, "seed"));
     SparsifyTopKOptions opt;
-    opt.k = k_t.scalar<int64_t>()();
+    int64_t seed = 0;
+    OP_REQUIRES_OK(ctx, ScalarValue(k_t, "k", &opt.k));
+    OP_REQUIRES_OK(ctx, ScalarValue(seed_t, "seed", &seed));
     OP_REQUIRES(ctx, opt.k >= 0,
                 errors::InvalidArgument("k must be >= 0, got ", opt.k));
-    opt.seed = static_cast<uint64_t>(seed_t.scalar<int64_t>()());
+    opt.seed = static_cast<uint64_t>(seed);
     opt.exact = exact_;
     opt.sample_ratio = sample_ratio_;
     opt.with_mask = with_mask_;
@@ -913,10 +906,9 @@ class SparsifyByThresholdOp : public OpKernel {
     const Tensor& neg_t = ctx->input(3);
     int64_t n = 0;
     OP_REQUIRES_OK(ctx, ValidateSelectionInputs(x, residual, &n));
-    OP_REQUIRES_OK(ctx, ScalarInput(pos_t, "pos_threshold"));
-    OP_REQUIRES_OK(ctx, ScalarInput(neg_t, "neg_threshold"));
-    const float pos = pos_t.scalar<float>()();
-    const float neg = neg_t.scalar<float>()();
+    float pos = 0.0f, neg = 0.0f;
+    OP_REQUIRES_OK(ctx, ScalarValue(pos_t, "pos_threshold", &pos));
+    OP_REQUIRES_OK(ctx, ScalarValue(neg_t, "neg_threshold", &neg));
     // Written so that NaN thresholds fail too.
     OP_REQUIRES(ctx, pos >= 0.0f && neg <= 0.0f,
                 errors::InvalidArgument(
@@ -958,8 +950,8 @@ class ScatterAddPayloadsOp : public OpKernel {
                 errors::InvalidArgument("values and indices must have the same "
                                         "length, got ", values.dim_size(0),
                                         " and ", indices.dim_size(0)));
-    OP_REQUIRES_OK(ctx, ScalarInput(n_t, "num_elements"));
-    const int64_t n = n_t.scalar<int64_t>()();
+    int64_t n = 0;
+    OP_REQUIRES_OK(ctx, ScalarValue(n_t, "num_elements", &n));
     OP_REQUIRES(ctx, n >= 0 && n <= kMaxSparsifyElements,
                 errors::InvalidArgument("num_elements must be in [0, ",
                                         kMaxSparsifyElements, "], got ", n));

@@ -49,6 +49,7 @@ using cpu::CeilDiv;
 using cpu::FloatToBits;
 using cpu::kBit;
 using cpu::ParallelFor;
+using cpu::ScalarValue;
 using cpu::Workers;
 
 // Encode block: 1024 mask words = 32768 elements. Large enough that the
@@ -302,22 +303,6 @@ struct ThresholdDecodeFunctor<CPUDevice, T> {
 // ---------------------------------------------------------------------------
 // OpKernels: validate, allocate, dispatch to the device functor.
 
-namespace {
-
-// Reads a float32 scalar input, InvalidArgument unless it is a scalar.
-absl::Status ScalarFloatInput(OpKernelContext* ctx, int idx, const char* name,
-                              float* value) {
-  const Tensor& t = ctx->input(idx);
-  if (!TensorShapeUtils::IsScalar(t.shape())) {
-    return errors::InvalidArgument(name, " must be a scalar, got shape ",
-                                   t.shape().DebugString());
-  }
-  *value = t.scalar<float>()();
-  return absl::OkStatus();
-}
-
-}  // namespace
-
 template <typename Device, typename T>
 class ThresholdEncodeOp : public OpKernel {
  public:
@@ -332,8 +317,10 @@ class ThresholdEncodeOp : public OpKernel {
                     x.shape().DebugString(), " and ",
                     residual.shape().DebugString()));
     float pos_thr = 0.0f, neg_thr = 0.0f;
-    OP_REQUIRES_OK(ctx, ScalarFloatInput(ctx, 2, "pos_threshold", &pos_thr));
-    OP_REQUIRES_OK(ctx, ScalarFloatInput(ctx, 3, "neg_threshold", &neg_thr));
+    OP_REQUIRES_OK(ctx,
+                   ScalarValue(ctx->input(2), "pos_threshold", &pos_thr));
+    OP_REQUIRES_OK(ctx,
+                   ScalarValue(ctx->input(3), "neg_threshold", &neg_thr));
     // The thresholds act as rounded to T: that is the value a receiver
     // decoding in T adds back, so the residual must be taken against it.
     // Requiring them finite and non-zero after rounding rules out thresholds
@@ -384,14 +371,13 @@ class ThresholdDecodeOp : public OpKernel {
                 errors::InvalidArgument("words must be 1-D, got shape ",
                                         words.shape().DebugString()));
     float pos_value = 0.0f, neg_value = 0.0f;
-    OP_REQUIRES_OK(ctx, ScalarFloatInput(ctx, 1, "pos_value", &pos_value));
-    OP_REQUIRES_OK(ctx, ScalarFloatInput(ctx, 2, "neg_value", &neg_value));
+    OP_REQUIRES_OK(ctx,
+                   ScalarValue(ctx->input(1), "pos_value", &pos_value));
+    OP_REQUIRES_OK(ctx,
+                   ScalarValue(ctx->input(2), "neg_value", &neg_value));
     const Tensor& num_elements = ctx->input(3);
-    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(num_elements.shape()),
-                errors::InvalidArgument("num_elements must be a scalar, got "
-                                        "shape ",
-                                        num_elements.shape().DebugString()));
-    const int64_t n = num_elements.scalar<int64_t>()();
+    int64_t n = 0;
+    OP_REQUIRES_OK(ctx, ScalarValue(num_elements, "num_elements", &n));
     OP_REQUIRES(ctx, n >= 0 && n <= kMaxThresholdElements,
                 errors::InvalidArgument(
                     "num_elements must be in [0, 2^30], got ", n));
