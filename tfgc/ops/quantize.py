@@ -182,6 +182,17 @@ def _pack_codes(codes, n, bits):
     return tf.bitcast(packed, tf.int32)
 
 
+def _unpack_codes(words, n, bits):
+    """Inverse of :func:`_pack_codes` along the last axis: int32 codes ``[..., n]``."""
+    per_word = 32 // bits
+    shifts = tf.constant([bits * j for j in range(per_word)], dtype=tf.uint32)
+    fields = tf.bitwise.bitwise_and(
+        tf.bitwise.right_shift(tf.bitcast(words, tf.uint32)[..., None], shifts),
+        tf.constant((1 << bits) - 1, tf.uint32))
+    flat = tf.reshape(fields, tf.concat([tf.shape(words)[:-1], [-1]], axis=0))
+    return tf.cast(flat[..., :n], tf.int32)
+
+
 def dequantize_bucketed_reference(scales, words, num_elements, *, levels, bucket_size, bits,
                                   dtype=tf.float32):
     """Reference for :func:`dequantize_bucketed`."""
@@ -202,12 +213,7 @@ def dequantize_bucketed_reference(scales, words, num_elements, *, levels, bucket
     checks.require(tf.equal(tf.size(words, out_type=tf.int64), _num_code_words(n_safe, bits)),
                    "words must have exactly ceil(num_elements * bits / 32) entries")
     with tf.control_dependencies(checks.asserts):
-        per_word = 32 // bits
-        shifts = tf.constant([bits * j for j in range(per_word)], dtype=tf.uint32)
-        fields = tf.bitwise.bitwise_and(
-            tf.bitwise.right_shift(tf.bitcast(words, tf.uint32)[:, None], shifts),
-            tf.constant((1 << bits) - 1, tf.uint32))
-        codes = tf.cast(tf.reshape(fields, [-1])[:n], tf.int32)
+        codes = _unpack_codes(words, n, bits)
         checks2 = Checks()
         checks2.require(tf.reduce_all(codes <= 2 * levels), f"words holds a code above 2 * levels = {2 * levels}")
     with tf.control_dependencies(checks2.asserts):
@@ -241,13 +247,7 @@ def dequantize_bucketed_sum_reference(scales, words, num_elements, *, levels, bu
         checks2.require(tf.equal(tf.shape(words, out_type=tf.int64)[1], _num_code_words(n_safe, bits)),
                         "words must have ceil(num_elements * bits / 32) columns")
     with tf.control_dependencies(checks2.asserts):
-        per_word = 32 // bits
-        shifts = tf.constant([bits * j for j in range(per_word)], dtype=tf.uint32)
-        fields = tf.bitwise.bitwise_and(
-            tf.bitwise.right_shift(tf.bitcast(words, tf.uint32)[:, :, None], shifts),
-            tf.constant((1 << bits) - 1, tf.uint32))
-        workers = tf.shape(words)[0]
-        codes = tf.cast(tf.reshape(fields, tf.stack([workers, -1]))[:, :n], tf.int32)
+        codes = _unpack_codes(words, n, bits)
         checks3 = Checks()
         checks3.require(tf.reduce_all(codes <= 2 * levels), f"words holds a code above 2 * levels = {2 * levels}")
     with tf.control_dependencies(checks3.asserts):
