@@ -232,6 +232,17 @@ int64_t TotalSelected(const std::vector<Shard<T>>& shards) {
   return total;
 }
 
+// Where each shard's selection starts in the concatenation of all of them;
+// the last entry is the total.
+template <typename T>
+std::vector<int64_t> ShardOffsets(const std::vector<Shard<T>>& shards) {
+  std::vector<int64_t> offsets(shards.size() + 1, 0);
+  for (size_t s = 0; s < shards.size(); ++s) {
+    offsets[s + 1] = offsets[s] + static_cast<int64_t>(shards[s].idx.size());
+  }
+  return offsets;
+}
+
 // The collect pass over one shard (see the file comment). With kFromInputs,
 // v = x + residual is computed and stored to v_out; otherwise v_out already
 // holds v and is only modified where entries are selected. Selected entries
@@ -393,14 +404,11 @@ uint32_t KthLargest(const std::vector<uint32_t>& keys, int64_t q) {
 // have both cores' misses in flight. Ties are handed out by shard in index
 // order, which gives them to the lowest indices as the ranking requires.
 template <typename T>
-void KeepTopK(OpKernelContext* ctx, std::vector<Shard<T>>& shards,
-              int64_t total, int64_t k, AliasedRawOf<T>* v_out) {
+void KeepTopK(OpKernelContext* ctx, std::vector<Shard<T>>& shards, int64_t k,
+              AliasedRawOf<T>* v_out) {
   const int64_t count = static_cast<int64_t>(shards.size());
-  std::vector<int64_t> offset(count + 1, 0);
-  for (int64_t s = 0; s < count; ++s) {
-    offset[s + 1] = offset[s] + static_cast<int64_t>(shards[s].idx.size());
-  }
-  std::vector<uint32_t> keys(total);
+  const std::vector<int64_t> offset = ShardOffsets(shards);
+  std::vector<uint32_t> keys(offset.back());
   ForEachShardIndex(ctx, count, [&](int64_t s) {
     uint32_t* out = keys.data() + offset[s];
     for (const auto v : shards[s].val) *out++ = KeyOf<T>(v);
@@ -457,7 +465,8 @@ void KeepTopK(OpKernelContext* ctx, std::vector<Shard<T>>& shards,
 template <typename T>
 absl::Status WriteSelection(OpKernelContext* ctx, std::vector<Shard<T>>& shards,
                             int64_t n, bool with_mask) {
-  const int64_t total = TotalSelected(shards);
+  const std::vector<int64_t> offsets = ShardOffsets(shards);
+  const int64_t total = offsets.back();
   Tensor *values = nullptr, *indices = nullptr, *mask = nullptr;
   TF_RETURN_IF_ERROR(
       ctx->allocate_output(kSparsifyValues, TensorShape({total}), &values));
@@ -473,24 +482,16 @@ absl::Status WriteSelection(OpKernelContext* ctx, std::vector<Shard<T>>& shards,
       std::memset(mp + b, 0, e - b);
     });
   }
-  std::vector<int64_t> offsets(shards.size() + 1, 0);
-  for (size_t s = 0; s < shards.size(); ++s) {
-    offsets[s + 1] = offsets[s] + static_cast<int64_t>(shards[s].idx.size());
-  }
-  Workers(ctx)->ParallelFor(
-      static_cast<int64_t>(shards.size()), ThreadPool::SchedulingParams::Fixed(1),
-      [&](int64_t b, int64_t e) {
-        for (int64_t s = b; s < e; ++s) {
-          const auto& sh = shards[s];
-          const size_t cnt = sh.idx.size();
-          if (cnt == 0) continue;
-          std::memcpy(ip + offsets[s], sh.idx.data(), cnt * sizeof(int32_t));
-          std::memcpy(vp + offsets[s], sh.val.data(), cnt * sizeof(RawOf<T>));
-          if (mp != nullptr) {
-            for (const int32_t i : sh.idx) mp[i] = true;
-          }
-        }
-      });
+  ForEachShardIndex(ctx, static_cast<int64_t>(shards.size()), [&](int64_t s) {
+    const Shard<T>& sh = shards[s];
+    const size_t cnt = sh.idx.size();
+    if (cnt == 0) return;
+    std::memcpy(ip + offsets[s], sh.idx.data(), cnt * sizeof(int32_t));
+    std::memcpy(vp + offsets[s], sh.val.data(), cnt * sizeof(RawOf<T>));
+    if (mp != nullptr) {
+      for (const int32_t i : sh.idx) mp[i] = true;
+    }
+  });
   return absl::OkStatus();
 }
 
@@ -736,7 +737,7 @@ struct SparsifyTopKFunctor<CPUDevice, T> {
       collect_again(thr);
       total = TotalSelected(shards);
     }
-    if (total > hi) KeepTopK<T>(ctx, shards, total, k, v_out);
+    if (total > hi) KeepTopK<T>(ctx, shards, k, v_out);
     return WriteSelection(ctx, shards, n, opt.with_mask);
   }
 };
