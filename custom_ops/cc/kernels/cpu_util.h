@@ -112,11 +112,17 @@ inline bool HasAvx512Vl() {
 #endif
 }
 
+// Outputs at least this large are written with non-temporal ("streaming")
+// stores, by StreamCopy or by a kernel's own vector loop. A plain store first
+// reads the destination line into the cache ("read for ownership"), so
+// writing an output costs two transfers per byte where a streaming store
+// costs one: a quarter of the traffic of an x + r -> residual pass. Smaller
+// outputs are likely still in the last-level cache when the next op reads
+// them, and plain stores keep them there.
+constexpr int64_t kStreamMinBytes = int64_t{4} << 20;
+
 // Copies `bytes` from src (hot in cache) to dst (a large output that is not
 // read again soon) with non-temporal stores where dst is 16-byte aligned.
-// A plain store first reads the destination line into the cache ("read for
-// ownership"), so writing an output costs two transfers per byte; streaming
-// stores cost one, which is a third of the traffic of an x + r -> v pass.
 // The stores are weakly ordered: call StreamFence() before another thread
 // may read dst (the end of a thread-pool task is such a point).
 inline void StreamCopy(void* dst, const void* src, size_t bytes) {

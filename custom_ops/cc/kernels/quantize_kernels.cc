@@ -987,11 +987,6 @@ absl::Status HugeBucketScales(OpKernelContext* ctx, const T* x, int64_t n,
 }
 
 #if TFGC_Q_MULTIVERSION
-// Code words at least this large are written with non-temporal stores: they
-// are not read back by this op, and at this size they would only evict the
-// input from cache, while a streaming store also skips the read for
-// ownership of every line it fills.
-constexpr int64_t kStreamingStoreBytes = int64_t{4} << 20;
 // Elements whose statistics are taken just before they are quantized, so
 // that the second read comes from L1 / L2.
 constexpr int64_t kFusedGroupElems = int64_t{1} << 11;
@@ -1013,7 +1008,7 @@ absl::Status QuantizeFloatAvx2(OpKernelContext* ctx, const float* x, int64_t n,
                                   ? QuantizeFloatRangeAvx2<kBits, true>
                                   : QuantizeFloatRangeAvx2<kBits, false>;
   const bool nt =
-      NumCodeWords(n, kBits) * 4 >= kStreamingStoreBytes &&
+      NumCodeWords(n, kBits) * 4 >= cpu::kStreamMinBytes &&
       reinterpret_cast<uintptr_t>(words) % 32 == 0;
   if (d <= kFusedMaxElems / unit) {
     const int64_t span = unit * d;

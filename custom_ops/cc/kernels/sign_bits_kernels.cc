@@ -550,11 +550,6 @@ void FillWrapped(OpKernelContext* ctx, const float* src, int64_t cols, Out* ext,
   for (int64_t l = cols; l < cols + 31; ++l) ext[l] = ext[l % cols];
 }
 
-// Residual tensors at least this large are written with non-temporal stores:
-// the op never reads them back, and streaming stores skip the read for
-// ownership of every cache line, a third of the memory traffic of this pass.
-constexpr int64_t kStreamingResidualBytes = int64_t{4} << 20;
-
 #if TFGC_SB_X86_DISPATCH
 // Sign words [wb, we) (all full) and their residual elements for float32,
 // with 8-lane compares, movemask for the bits and blends for the means:
@@ -693,7 +688,7 @@ struct OneBitQuantizeFunctor<CPUDevice, T> {
 #if TFGC_SB_X86_DISPATCH
     const bool use_avx2 = std::is_same<T, float>::value && HasAvx2();
     const bool stream =
-        n * static_cast<int64_t>(sizeof(T)) >= kStreamingResidualBytes &&
+        n * static_cast<int64_t>(sizeof(T)) >= cpu::kStreamMinBytes &&
         reinterpret_cast<uintptr_t>(residual_out) % 32 == 0;
 #endif
     ParallelFor(

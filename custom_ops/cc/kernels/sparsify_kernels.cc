@@ -91,9 +91,6 @@ using cpu::Workers;
 
 // Elements per chunk of the collect pass: its flag bytes stay in L1.
 constexpr int64_t kChunk = 2048;
-// new_residual is streamed past the cache from this size on; below it, it
-// likely still sits in the last-level cache when the next op reads it.
-constexpr int64_t kStreamMinBytes = int64_t{16} << 20;
 // Shards smaller than this are not worth a task of their own.
 constexpr int64_t kMinShardElems = int64_t{1} << 16;
 // Sample size floor: below it the sampled quantile is too noisy to be useful.
@@ -195,7 +192,7 @@ std::vector<Shard<T>> MakeShards(OpKernelContext* ctx, int64_t n) {
     return s == count ? n : (n * s / count) & ~int64_t{63};
   };
   const bool stream_out =
-      n * static_cast<int64_t>(sizeof(RawOf<T>)) >= kStreamMinBytes;
+      n * static_cast<int64_t>(sizeof(RawOf<T>)) >= cpu::kStreamMinBytes;
   for (int64_t s = 0; s < count; ++s) {
     shards[s].begin = boundary(s);
     shards[s].end = boundary(s + 1);

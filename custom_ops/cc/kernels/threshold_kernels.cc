@@ -86,17 +86,18 @@ inline float SumAsFloat<float>(float a, float b) {
 // new residual written, masks returned through sent/pos. Returns the number
 // of elements sent. The loop is branch-free: thresholds are picked with bit
 // selects, and the "nothing sent" case subtracts +0.0, which leaves every
-// value (-0.0, NaN, Inf included) unchanged.
+// value (-0.0, NaN, Inf included) unchanged. With `stream`, the new residual
+// is written with streaming stores (cpu::kStreamMinBytes).
 template <typename T>
 int64_t EncodeWords(const T* x, const T* residual, int64_t n, float pos_thr,
                     float neg_thr, T* new_residual, uint32_t* sent_bits,
-                    uint32_t* pos_bits, int64_t wb, int64_t we) {
+                    uint32_t* pos_bits, int64_t wb, int64_t we, bool stream) {
   const uint32_t pos_bits_f = FloatToBits(pos_thr);
   const uint32_t neg_bits_f = FloatToBits(neg_thr);
   int64_t count = 0;
   const int64_t full = n / 32;
   // The new residual of kStreamWords words is built in an L1 buffer and then
-  // streamed out (cpu::StreamCopy), so that it is not read for ownership.
+  // copied out, streamed past the cache for large tensors.
   constexpr int64_t kStreamWords = 64;
   alignas(64) T buf[kStreamWords * 32];
   for (int64_t gw = wb; gw < std::min(we, full); gw += kStreamWords) {
@@ -120,9 +121,14 @@ int64_t EncodeWords(const T* x, const T* residual, int64_t n, float pos_thr,
       pos_bits[w] = pos;
       count += __builtin_popcount(sent);
     }
-    cpu::StreamCopy(new_residual + gw * 32, buf, (gend - gw) * 32 * sizeof(T));
+    const size_t bytes = (gend - gw) * 32 * sizeof(T);
+    if (stream) {
+      cpu::StreamCopy(new_residual + gw * 32, buf, bytes);
+    } else {
+      std::memcpy(new_residual + gw * 32, buf, bytes);
+    }
   }
-  cpu::StreamFence();
+  if (stream) cpu::StreamFence();
   if (we > full && full >= wb) {
     // The last, partial word.
     const int64_t base = full * 32;
@@ -176,6 +182,8 @@ struct ThresholdEncodeFunctor<CPUDevice, T> {
     uint32_t* const pos_bits = sent_bits + num_words;
     std::vector<int64_t> offsets(num_blocks + 1, 0);
 
+    const bool stream =
+        n * static_cast<int64_t>(sizeof(T)) >= cpu::kStreamMinBytes;
     ParallelFor(ctx, num_blocks, kEncodeBlockWords * 32 * 6,
                 [&](int64_t bb, int64_t be) {
                   for (int64_t b = bb; b < be; ++b) {
@@ -184,7 +192,7 @@ struct ThresholdEncodeFunctor<CPUDevice, T> {
                     offsets[b + 1] =
                         EncodeWords<T>(x, residual, n, pos_threshold,
                                        neg_threshold, new_residual, sent_bits,
-                                       pos_bits, wb, we);
+                                       pos_bits, wb, we, stream);
                   }
                 });
     for (int64_t b = 0; b < num_blocks; ++b) offsets[b + 1] += offsets[b];
