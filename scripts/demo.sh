@@ -25,9 +25,10 @@ echo "== stock MultiWorkerMirroredStrategy, same model and data =="
 import json, sys
 runs = [json.load(open(p)) for p in sys.argv[1:]]
 print()
-print(f"{'run':<28} {'test acc':>8} {'sent/step':>12} {'dense/step':>12} {'ratio':>7} {'step ms':>8}")
+print("bytes per worker and step; 'sent' is what crosses a worker's link")
+print(f"{'run':<28} {'test acc':>8} {'payload':>10} {'sent':>10} {'wire ratio':>10} {'step ms':>8}")
 for r in runs:
     name = "stock MWMS" if r["baseline"] else r["compressor"]
-    print(f"{name:<28} {r['test_accuracy']:>8.4f} {r['sent_bytes_per_step']:>12,} "
-          f"{r['dense_bytes_per_step']:>12,} {r['ratio']:>6.1f}x {r['step_time_ms']:>8.2f}")
+    print(f"{name:<28} {r['test_accuracy']:>8.4f} {r['payload_bytes_per_step']:>10,} "
+          f"{r['sent_bytes_per_step']:>10,} {r['wire_ratio']:>9.1f}x {r['step_time_ms']:>8.2f}")
 PY

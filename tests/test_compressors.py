@@ -13,6 +13,7 @@ import tensorflow as tf
 import tfgc
 from tfgc.compressors import (BF16, FP16, QSGD, CompressContext, ErrorFeedback, Identity, OneBit,
                               RandomK, ScaledSign, SignSGD, TernGrad, TopK)
+from tfgc.ops import packing
 
 pytestmark = pytest.mark.usefixtures("mode")
 
@@ -69,6 +70,26 @@ def test_registry_builds_what_the_string_says():
     assert isinstance(tfgc.get_compressor("bf16"), BF16)
     inst = TopK(ratio=0.5)
     assert tfgc.get_compressor(inst) is inst
+
+
+def test_instances_get_error_feedback_like_their_names():
+    """compressor=OneBit() and compressor="onebit" build the same thing."""
+    get = tfgc.compressors.get
+    assert get(OneBit()) == get("onebit") == ErrorFeedback(OneBit())
+    assert get(ScaledSign()) == get("efsignsgd") == ErrorFeedback(ScaledSign())
+    inner = OneBit()
+    assert get(inner).inner is inner
+    # An explicit opt-out still returns the bare quantizer.
+    assert get(inner, wrap_error_feedback=False) is inner
+    # Already wrapped, or not in need of feedback: returned unchanged.
+    wrapped = ErrorFeedback(OneBit())
+    assert isinstance(wrapped.inner, OneBit)  # not ErrorFeedback(ErrorFeedback(...))
+    assert get(wrapped) is wrapped
+    assert get(ErrorFeedback(inner)).inner is inner
+    for plain in (TopK(ratio=0.1), SignSGD(), QSGD(levels=7), Identity(), FP16()):
+        assert get(plain) is plain
+    with pytest.raises(ValueError, match="already wrapped"):
+        ErrorFeedback(ErrorFeedback(OneBit()))
 
 
 @pytest.mark.parametrize("build, argument", [
@@ -226,6 +247,69 @@ def test_signsgd_majority_vote():
     np.testing.assert_array_equal(out.numpy(), expected)
 
 
+def signsgd_vote(grads):
+    """The reference: sign(sum_m sign(g_m)) with sign(0) = 0."""
+    return np.sign(np.sum([np.sign(g) for g in grads], axis=0))
+
+
+def test_signsgd_zero_gradient_decodes_to_zero():
+    c = SignSGD()
+    x = tf.constant([0.0, 2.0, -0.0, -3.0, 0.0, 1e-3, -1e-30, 0.0] * 5)  # 40: two words
+    payload, _, decoded = roundtrip(c, x)
+    expected = np.sign(x.numpy())
+    np.testing.assert_array_equal(decoded.numpy(), expected)
+    assert not np.signbit(decoded.numpy()[expected == 0]).any()  # +0, also for -0.0
+    # One worker's vote is its own sign, zeros included.
+    out = c.aggregate([payload], x.shape, tf.float32, ctx(num_workers=1))
+    np.testing.assert_array_equal(out.numpy(), expected)
+    # An all-zero gradient sends no vote at all.
+    z = tf.zeros([7, 5])
+    _, _, dz = roundtrip(c, z)
+    np.testing.assert_array_equal(dz.numpy(), np.zeros([7, 5]))
+
+
+def test_signsgd_coordinate_zero_on_every_worker_gets_zero():
+    """Dead units (e.g. weights of an always-0 input pixel) must not drift."""
+    c = SignSGD()
+    rng = np.random.default_rng(3)
+    xs = [rng.normal(size=(20, 6)).astype(np.float32) for _ in range(3)]
+    for x in xs:
+        x[4, :] = 0.0   # a dead input row: 0 on every worker
+        x[:, 2] = -0.0  # a dead column, as negative zeros
+    payloads = [c.compress(tf.constant(x), {}, ctx(rank=r, num_workers=3))[0]
+                for r, x in enumerate(xs)]
+    out = c.aggregate(payloads, tf.TensorShape([20, 6]), tf.float32, ctx(num_workers=3)).numpy()
+    assert not out[4, :].any() and not out[:, 2].any()
+    np.testing.assert_array_equal(out, signsgd_vote(xs))
+    assert np.all(np.abs(np.delete(np.delete(out, 4, axis=0), 2, axis=1)) == 1)  # odd votes
+
+
+def test_signsgd_majority_vote_with_zero_votes():
+    c = SignSGD()
+    xs = [tf.constant([1.0, 1.0, 1.0, 1.0, -2.0, 0.0, 3.0, -1.0]),
+          tf.constant([0.0, -1.0, 1.0, -0.0, -1.0, 0.0, -5.0, -1.0]),
+          tf.constant([0.0, 0.0, -1.0, -1.0, 4.0, 0.0, 0.0, 0.0])]
+    payloads = [c.compress(x, {}, ctx(rank=r, num_workers=3))[0] for r, x in enumerate(xs)]
+    for dtype in (tf.float32, tf.float16, tf.bfloat16):
+        out = c.aggregate(payloads, xs[0].shape, dtype, ctx(num_workers=3))
+        assert out.dtype == dtype
+        np.testing.assert_array_equal(tf.cast(out, tf.float32).numpy(),
+                                      [1, 0, 1, 0, -1, 0, 0, -1])
+    np.testing.assert_array_equal(
+        c.aggregate(payloads, xs[0].shape, tf.float32, ctx(num_workers=3)).numpy(),
+        signsgd_vote([x.numpy() for x in xs]))
+
+
+@pytest.mark.parametrize("n", [1, 31, 32, 33, 1000])
+def test_signsgd_wire_size_is_two_bits_per_element(n):
+    """Two bit-vectors of ceil(n / 32) int32 words: 8 * ceil(n / 32) bytes per tensor."""
+    x = tf.random.stateless_normal([n], seed=[9, n])
+    payload, _, _ = roundtrip(SignSGD(), x)
+    assert [(t.dtype, t.shape.as_list()) for t in payload] == [(tf.int32, [math.ceil(n / 32)])] * 2
+    assert sum(4 * packing.num_words(int(t.shape.num_elements()), t.dtype)
+               for t in payload) == 8 * math.ceil(n / 32)
+
+
 def test_scaled_sign_preserves_l1_norm():
     x = tf.random.stateless_normal([333], seed=[4, 5])
     _, _, decoded = roundtrip(ScaledSign(), x)
@@ -298,6 +382,43 @@ def test_every_compressor_handles_half_precision_and_odd_sizes(spec, dtype):
     assert np.all(np.isfinite(tf.cast(decoded, tf.float32).numpy()))
     agg = c.aggregate([payload, payload], x.shape, dtype, ctx())
     assert agg.shape == x.shape and agg.dtype == dtype
+
+
+def ring_sum(compressor, per_worker, num_workers):
+    """Simulates the summable path: each worker's payload, added in the wire dtype, decoded."""
+    x = tf.constant([per_worker, -per_worker, 1.0])
+    payloads = [compressor.compress(x, {}, ctx(rank=r, num_workers=num_workers))[0][0]
+                for r in range(num_workers)]
+    total = payloads[0]
+    for p in payloads[1:]:
+        total = total + p  # one hop: the partial sum is rounded to the wire dtype
+    assert total.dtype == compressor.wire_dtype
+    return compressor.decompress((total,), x.shape, tf.float32, ctx(num_workers=num_workers))
+
+
+def test_fp16_allreduce_sum_overflows_past_65504_and_bf16_does_not():
+    """fp16 accumulates in fp16: the sum over workers, not each value, must fit."""
+    np.testing.assert_array_equal(ring_sum(FP16(), 30000.0, 2).numpy(), [60000, -60000, 2])
+    over = ring_sum(FP16(), 40000.0, 2).numpy()
+    assert over[0] == np.inf and over[1] == -np.inf and over[2] == 2
+    # Each 40000 fits in fp16 on its own; only the sum overflows.
+    _, _, alone = roundtrip(FP16(), tf.constant([40000.0]))
+    assert alone.numpy()[0] == 40000
+    # bf16 has float32's exponent range: the same sum stays finite (8-bit mantissa).
+    bf = ring_sum(BF16(), 40000.0, 2).numpy()
+    assert np.all(np.isfinite(bf))
+    np.testing.assert_allclose(bf, [80000, -80000, 2], rtol=1 / 128)
+    # The small end: fp16 loses magnitudes below 2**-24 (about 6e-8).
+    _, _, tiny = roundtrip(FP16(), tf.constant([1e-8, 2.0 ** -24, 1e-8]))
+    np.testing.assert_array_equal(tiny.numpy(), [0, 2.0 ** -24, 0])
+
+
+def test_casts_declare_that_they_pass_non_finite_values():
+    for c in (Identity(), FP16(), BF16()):
+        assert getattr(c, "passes_non_finite", None) is True
+        _, _, decoded = roundtrip(c, tf.constant([np.inf, -np.inf, np.nan, 1.0]))
+        d = decoded.numpy()
+        assert d[0] == np.inf and d[1] == -np.inf and np.isnan(d[2]) and d[3] == 1
 
 
 def test_policy_keeps_small_and_vector_gradients_dense():

@@ -259,3 +259,262 @@ def test_unstartable_command_is_reported():
 def test_pick_free_ports_distinct():
     ports = tl.pick_free_ports(8)
     assert len(set(ports)) == 8 and all(0 < p < 65536 for p in ports)
+
+
+# --- restarts ------------------------------------------------------------------
+
+# Restart-aware preamble: every start appends its TFGC_RESTART_COUNT and its
+# TF_CONFIG cluster to starts{i}, one JSON line per start, and records its pid
+# in pid{i}_{count}.  _wait_for_peer(k) blocks until worker k has recorded the
+# current start, so a failing worker never takes down a peer that has not yet
+# written its record.
+_RESTART_PREAMBLE = """
+    import json, os, signal, sys, time
+    i = int(os.environ["TFGC_WORKER_INDEX"])
+    count = int(os.environ["TFGC_RESTART_COUNT"])
+    out = sys.argv[1]
+    cluster = json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"]
+    with open(os.path.join(out, f"starts{i}"), "a") as f:
+        f.write(json.dumps({"count": count, "cluster": cluster}) + "\\n")
+    with open(os.path.join(out, f"pid{i}_{count}"), "w") as f:
+        f.write(str(os.getpid()))
+
+    def _wait_for_peer(k):
+        deadline = time.time() + 20
+        path = os.path.join(out, f"starts{k}")
+        while time.time() < deadline:
+            if os.path.exists(path):
+                with open(path) as f:
+                    if any(json.loads(l)["count"] == count for l in f if l.strip()):
+                        return
+            time.sleep(0.02)
+"""
+
+
+def _starts(tmp_path: Path, i: int) -> list[dict]:
+    path = tmp_path / f"starts{i}"
+    if not path.exists():
+        return []
+    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+
+
+def _all_pids(tmp_path: Path) -> list[int]:
+    return [int(p.read_text()) for p in tmp_path.glob("pid*_*")]
+
+
+def test_restart_after_failure_succeeds(tmp_path):
+    # First start: worker 1 exits 1 while worker 0 hangs (a peer stuck in a
+    # collective).  Second start: everyone exits 0.
+    script = _write(tmp_path, "flaky.py", _RESTART_PREAMBLE + """
+    if count == 0:
+        if i == 1:
+            _wait_for_peer(0)
+            print("failing on first start", flush=True)
+            sys.exit(1)
+        time.sleep(600)
+    print(f"start {count} ok")
+    """)
+    buf, log = io.StringIO(), io.StringIO()
+    start = time.monotonic()
+    result = tl.launch([sys.executable, script, str(tmp_path)], 2, grace=1,
+                       timeout=60, output=buf, restarts=1, log=log)
+    assert time.monotonic() - start < 30
+    assert result.ok, result.message
+    assert result.returncode == 0 and result.failed_worker is None
+    assert result.restarts == 1
+    assert result.worker_returncodes == [0, 0]
+    assert "after 1 restart" in result.message
+    # Every worker ran twice, with TFGC_RESTART_COUNT 0 and then 1.
+    for i in range(2):
+        assert [s["count"] for s in _starts(tmp_path, i)] == [0, 1], i
+    # The second start is a fresh cluster: new ports, and the result describes it.
+    first, second = _starts(tmp_path, 0)
+    assert first["cluster"] != second["cluster"]
+    assert second["cluster"] == result.addresses == _starts(tmp_path, 1)[1]["cluster"]
+    assert all("start 1 ok" in o for o in result.outputs)
+    assert "[w0] start 1 ok" in buf.getvalue() and "[w1] start 1 ok" in buf.getvalue()
+    # The failure is reported, then one clear restart line.
+    notes = log.getvalue()
+    assert "worker 1 exited with code 1" in notes
+    assert "[w1] failing on first start" in notes
+    assert ("tfgc-launch: worker 1 exited with code 1; "
+            "restarting the cluster (restart 1 of 1)") in notes.splitlines()
+    assert _wait_gone(_all_pids(tmp_path)) == []
+
+
+def test_restarts_exhausted_fails_naming_worker(tmp_path):
+    script = _write(tmp_path, "always_fail.py", _RESTART_PREAMBLE + """
+    if i == 1:
+        _wait_for_peer(0)
+        print(f"giving up on start {count}", flush=True)
+        sys.exit(2)
+    time.sleep(600)
+    """)
+    log = io.StringIO()
+    result = tl.launch([sys.executable, script, str(tmp_path)], 2, grace=1,
+                       timeout=60, output=io.StringIO(), restarts=2, log=log)
+    assert not result.ok
+    assert result.returncode == 2
+    assert result.failed_worker == 1
+    assert result.restarts == 2
+    assert "worker 1 exited with code 2" in result.message
+    assert "[w1] giving up on start 2" in result.message  # the last start's tail
+    assert "no restarts left (2 of 2 used)" in result.message
+    # Started 3 times in all (first start + 2 restarts), every worker each time.
+    for i in range(2):
+        assert [s["count"] for s in _starts(tmp_path, i)] == [0, 1, 2], i
+    restart_lines = [l for l in log.getvalue().splitlines() if "restarting the cluster" in l]
+    assert restart_lines == [
+        "tfgc-launch: worker 1 exited with code 2; restarting the cluster (restart 1 of 2)",
+        "tfgc-launch: worker 1 exited with code 2; restarting the cluster (restart 2 of 2)",
+    ]
+    assert _wait_gone(_all_pids(tmp_path)) == []
+
+
+@pytest.mark.parametrize("restart_args", [[], ["--restarts", "0"]])
+def test_no_restarts_by_default_cli(tmp_path, capsys, restart_args):
+    # Would succeed on a second start; without restarts it must fail as before.
+    script = _write(tmp_path, "once.py", _RESTART_PREAMBLE + """
+    if count == 0 and i == 1:
+        _wait_for_peer(0)
+        sys.exit(5)
+    """)
+    rc = tl.main(["--workers", "2", "--grace", "1", "--timeout", "60", *restart_args,
+                  "--", sys.executable, script, str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 5
+    assert "worker 1 exited with code 5" in err
+    assert "restart" not in err
+    assert [s["count"] for s in _starts(tmp_path, 1)] == [0]
+    assert [s["count"] for s in _starts(tmp_path, 0)] == [0]
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"restarts": 0}])
+def test_no_restarts_by_default_api(tmp_path, kwargs):
+    script = _write(tmp_path, "once.py", _RESTART_PREAMBLE + """
+    if count == 0 and i == 1:
+        _wait_for_peer(0)
+        sys.exit(5)
+    """)
+    log = io.StringIO()
+    result = tl.launch([sys.executable, script, str(tmp_path)], 2, grace=1, timeout=60,
+                       output=io.StringIO(), log=log, **kwargs)
+    assert result.returncode == 5 and result.failed_worker == 1
+    assert result.restarts == 0
+    assert result.message.startswith("tfgc-launch: worker 1 exited with code 5 (127.0.0.1:")
+    assert "restart" not in result.message and log.getvalue() == ""
+    for i in range(2):
+        assert [s["count"] for s in _starts(tmp_path, i)] == [0], i
+
+
+def test_restarts_cli_succeeds(tmp_path, capsys):
+    script = _write(tmp_path, "once.py", _RESTART_PREAMBLE + """
+    if count == 0 and i == 1:
+        _wait_for_peer(0)
+        sys.exit(5)
+    print(f"done {count}")
+    """)
+    rc = tl.main(["--workers", "2", "--grace", "1", "--timeout", "60", "--restarts", "3",
+                  "--", sys.executable, script, str(tmp_path)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert ("tfgc-launch: worker 1 exited with code 5; "
+            "restarting the cluster (restart 1 of 3)") in captured.err.splitlines()
+    assert "[w0] done 1" in captured.out and "[w1] done 1" in captured.out
+    assert [s["count"] for s in _starts(tmp_path, 1)] == [0, 1]
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "2", True, None])
+def test_invalid_restarts_rejected(bad):
+    with pytest.raises(ValueError, match="restarts"):
+        tl.launch([sys.executable, "-c", "pass"], 1, output=io.StringIO(), restarts=bad)
+
+
+@pytest.mark.parametrize("bad", ["-1", "x", "1.5"])
+def test_invalid_restarts_rejected_cli(capsys, bad):
+    with pytest.raises(SystemExit) as exc:
+        tl.main(["--workers", "2", "--restarts", bad, "--", sys.executable, "-c", "pass"])
+    assert exc.value.code == 2
+    assert "--restarts" in capsys.readouterr().err
+
+
+def test_sigkilled_worker_is_restarted(tmp_path):
+    script = _write(tmp_path, "kill_once.py", _RESTART_PREAMBLE + """
+    if count == 0:
+        if i == 1:
+            _wait_for_peer(0)
+            print("about to die", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(600)
+    """)
+    log = io.StringIO()
+    result = tl.launch([sys.executable, script, str(tmp_path)], 2, grace=1,
+                       timeout=60, output=io.StringIO(), restarts=2, log=log)
+    assert result.ok, result.message
+    assert result.restarts == 1
+    notes = log.getvalue()
+    assert ("tfgc-launch: worker 1 was killed by signal 9 (SIGKILL); "
+            "restarting the cluster (restart 1 of 2)") in notes.splitlines()
+    assert "about to die" in notes
+    for i in range(2):
+        assert [s["count"] for s in _starts(tmp_path, i)] == [0, 1], i
+    assert _wait_gone(_all_pids(tmp_path)) == []
+
+
+def test_timeout_covers_restarts(tmp_path):
+    # Every start fails after ~0.3 s, so a per-start timeout would never fire
+    # and the run would go through all 100 restarts; the timeout must stop it.
+    script = _write(tmp_path, "slow_fail.py", _RESTART_PREAMBLE + """
+    if i == 1:
+        _wait_for_peer(0)
+        time.sleep(0.3)
+        sys.exit(1)
+    time.sleep(600)
+    """)
+    start = time.monotonic()
+    result = tl.launch([sys.executable, script, str(tmp_path)], 2, grace=1,
+                       timeout=2, output=io.StringIO(), restarts=100, log=io.StringIO())
+    elapsed = time.monotonic() - start
+    assert not result.ok
+    assert elapsed < 15
+    assert 1 <= result.restarts < 100
+    # Either the deadline hit while a cluster ran, or right after a failure.
+    assert result.timed_out or "--timeout of 2 s has run out" in result.message
+    assert len(_starts(tmp_path, 1)) == result.restarts + 1
+    assert _wait_gone(_all_pids(tmp_path)) == []
+
+
+def test_sigterm_to_launcher_does_not_restart(tmp_path):
+    script = _write(tmp_path, "ready.py", _RESTART_PREAMBLE + """
+    print(f"ready {count}", flush=True)
+    time.sleep(600)
+    """)
+    proc = subprocess.Popen(
+        _launcher_cmd("--workers", "2", "--grace", "2", "--restarts", "3", "--",
+                      sys.executable, script, str(tmp_path)),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=_launcher_env(), cwd=tmp_path)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(l) for l in proc.stdout], daemon=True).start()
+    try:
+        ready, deadline = set(), time.monotonic() + 30
+        while ready != {"[w0] ready 0", "[w1] ready 0"}:
+            remaining = deadline - time.monotonic()
+            assert remaining > 0, f"workers never became ready; got {ready}"
+            try:
+                ready.add(lines.get(timeout=remaining).strip())
+            except queue.Empty:
+                pass
+        pids = _all_pids(tmp_path)
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=20)
+        stderr = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert rc == 128 + signal.SIGTERM, stderr
+    assert "SIGTERM" in stderr and "restarting" not in stderr
+    for i in range(2):
+        assert [s["count"] for s in _starts(tmp_path, i)] == [0], i
+    assert _wait_gone(pids) == []

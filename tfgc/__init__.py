@@ -23,6 +23,7 @@ _EXPORTS = {
     "CompressedAllReduce": "tfgc.distribute.cross_device_ops",
     "CompressedMultiWorkerMirroredStrategy": "tfgc.distribute.strategy",
     "CompressionPolicy": "tfgc.distribute.policy",
+    "compress_gradients": "tfgc.distribute.gradients",
     "Compressor": "tfgc.compressors",
     "ErrorFeedback": "tfgc.compressors",
     "get_compressor": ("tfgc.compressors", "get"),

@@ -8,6 +8,17 @@ its peers blocked forever inside an all-reduce, so the launcher must notice
 the first failure, tear the whole cluster down (escalating to SIGKILL), and
 tell the user which worker died and why.
 
+With ``--restarts N`` (``launch(..., restarts=N)``; default 0) a worker
+failure, i.e. a non-zero exit or death by a signal, does not end the run at
+once: after the cluster has been torn down and the failure reported, ALL
+workers are started again, on fresh free ports with a fresh ``TF_CONFIG``
+(a TF cluster cannot take one worker back on its own), up to N times.  Each
+worker sees ``TFGC_RESTART_COUNT`` (0 on the first start, 1 after the first
+restart, ...).  When no restarts are left, the run fails as it would without
+them.  ``--timeout`` bounds the whole run, restarts included.  SIGINT/SIGTERM
+to the launcher never cause a restart, and neither does a command that
+cannot be started at all.
+
 The launcher itself deliberately uses only the standard library (argparse, not
 absl; no TensorFlow import) so that it starts instantly and cannot be broken
 by the code it launches.
@@ -19,6 +30,7 @@ import argparse
 import collections
 import dataclasses
 import json
+import numbers
 import os
 import signal
 import socket
@@ -60,6 +72,10 @@ class LaunchResult:
     brought the cluster down (None on success, timeout or interruption).
     ``outputs`` holds each worker's full merged stdout/stderr, unprefixed.
     ``message`` is a human-readable summary (the failure report on error).
+    ``restarts`` is how many times the cluster was started again after a
+    worker failure; ``outputs``, ``addresses`` and ``worker_returncodes``
+    describe the last start.  ``spawn_failed`` is True when ``failed_worker``
+    could not be started at all (such a failure is never retried).
     """
 
     returncode: int
@@ -70,6 +86,8 @@ class LaunchResult:
     worker_returncodes: list[int | None] = dataclasses.field(default_factory=list)
     timed_out: bool = False
     interrupted_by: int | None = None  # signal number, if the launcher was signalled
+    restarts: int = 0  # how many times the whole cluster was started again
+    spawn_failed: bool = False  # failed_worker could not even be started
 
     @property
     def ok(self) -> bool:
@@ -228,20 +246,29 @@ def launch(
     *,
     host: str = "127.0.0.1",
     cwd: str | os.PathLike | None = None,
+    restarts: int = 0,
+    log: IO[str] | None = None,
 ) -> LaunchResult:
     """Run ``command`` as ``num_workers`` local TF workers and wait for them.
 
     ``env`` is laid over the launcher's own environment (it does not replace
     it); the per-worker variables ``TF_CONFIG``, ``TFGC_WORKER_INDEX``,
-    ``TFGC_NUM_WORKERS`` and ``PYTHONUNBUFFERED`` always win.  Worker output
-    is echoed line by line, prefixed with ``[w{i}] ``, to ``output``
-    (default: the current ``sys.stdout``).  Nothing is printed to stderr here;
-    the CLI prints ``result.message`` on failure.
+    ``TFGC_NUM_WORKERS``, ``TFGC_RESTART_COUNT`` and ``PYTHONUNBUFFERED``
+    always win.  Worker output is echoed line by line, prefixed with
+    ``[w{i}] ``, to ``output`` (default: the current ``sys.stdout``).  The
+    final result is not printed here (the CLI prints ``result.message`` on
+    failure); only restart notices are written, to ``log`` (default: the
+    current ``sys.stderr``).
 
     When called from the main thread, SIGINT/SIGTERM sent to this process are
     forwarded to every worker's process group; workers still alive ``grace``
     seconds later are SIGKILLed.  The same escalation is used when one worker
     fails or ``timeout`` expires.
+
+    ``restarts`` is how many times the whole cluster may be started again
+    after a worker failure (see the module docstring).  ``timeout`` covers
+    the whole run, restarts included.  ``outputs``, ``addresses`` and
+    ``worker_returncodes`` of the result describe the last start only.
     """
     command = list(command)
     if not command:
@@ -253,104 +280,180 @@ def launch(
         raise ValueError(f"timeout must be positive, got {timeout}")
     if grace < 0:
         raise ValueError(f"grace must be >= 0, got {grace}")
+    # bool is an int subclass, but restarts=True is almost certainly a mistake.
+    if (isinstance(restarts, bool) or not isinstance(restarts, numbers.Integral)
+            or restarts < 0):
+        raise ValueError(f"restarts must be an integer >= 0, got {restarts!r}")
+    restarts = int(restarts)
     if output is None:
         # Resolve at call time, not import time, so redirected/captured stdout works.
         output = sys.stdout
+    if log is None:
+        log = sys.stderr
 
-    ports = pick_free_ports(num_workers, host)
-    addresses = [_format_address(host, p) for p in ports]
     base_env = dict(os.environ)
     if env:
         base_env.update({str(k): str(v) for k, v in env.items()})
 
+    start = time.monotonic()
+    deadline = None if timeout is None else start + timeout
+
+    # One catcher for the whole run, so a Ctrl-C that lands between two starts
+    # (while the failed cluster is torn down or the new one spawned) is seen.
+    with _SignalCatcher() as catcher:
+        attempt = 0
+        while True:
+            result = _run_cluster(
+                command, num_workers, base_env, grace, output, host, cwd,
+                catcher, start, timeout, deadline, attempt)
+            result.restarts = attempt
+            if result.ok or result.failed_worker is None or result.spawn_failed:
+                # Success, timeout, interruption, or a command that cannot even
+                # be started (starting it again would not help).
+                return result
+            if attempt == restarts:
+                if restarts:
+                    result.message += (f"\n{PROG}: no restarts left "
+                                       f"({restarts} of {restarts} used)")
+                return result
+            if catcher.received:
+                # Signalled while the failed cluster was being stopped: the
+                # user wants out, so report the failure and do not restart.
+                return result
+            if deadline is not None and time.monotonic() >= deadline:
+                result.message += (f"\n{PROG}: not restarting: the --timeout of "
+                                   f"{timeout:g} s has run out")
+                return result
+            attempt += 1
+            _notify(output, log,
+                    f"{result.message}\n{PROG}: worker {result.failed_worker} "
+                    f"{_describe_exit(result.worker_returncodes[result.failed_worker])}; "
+                    f"restarting the cluster (restart {attempt} of {restarts})")
+
+
+def _describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        return f"was killed by signal {-returncode} ({_signal_name(-returncode)})"
+    return f"exited with code {returncode}"
+
+
+def _notify(output: IO[str], log: IO[str], text: str) -> None:
+    """Write a launcher notice to ``log``, after whatever workers printed."""
+    try:
+        output.flush()
+    except (OSError, ValueError):
+        pass
+    try:
+        log.write(text + "\n")
+        log.flush()
+    except (OSError, ValueError):
+        pass  # a closed or broken stream must not stop the launcher
+
+
+def _run_cluster(
+    command: list[str],
+    num_workers: int,
+    base_env: Mapping[str, str],
+    grace: float,
+    output: IO[str],
+    host: str,
+    cwd: str | os.PathLike | None,
+    catcher: _SignalCatcher,
+    start: float,
+    timeout: float | None,
+    deadline: float | None,
+    restart_count: int,
+) -> LaunchResult:
+    """Start the cluster once (fresh ports), supervise it, and tear it down."""
+    ports = pick_free_ports(num_workers, host)
+    addresses = [_format_address(host, p) for p in ports]
     lock = threading.Lock()
     workers: list[_Worker] = []
-    start = time.monotonic()
 
-    with _SignalCatcher() as catcher:
-        # --- spawn -----------------------------------------------------------
-        for i in range(num_workers):
-            wenv = dict(base_env)
-            wenv.update({
-                "TF_CONFIG": json.dumps(build_tf_config(addresses, i)),
-                "TFGC_WORKER_INDEX": str(i),
-                "TFGC_NUM_WORKERS": str(num_workers),
-                "PYTHONUNBUFFERED": "1",
-            })
-            try:
-                proc = subprocess.Popen(
-                    command,
-                    env=wenv,
-                    cwd=cwd,
-                    stdin=subprocess.DEVNULL,  # workers have no terminal to read
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,  # merged, so lines keep their order
-                    start_new_session=True,    # own group: signal it as a unit
-                )
-            except OSError as exc:
-                _stop(workers, signal.SIGKILL, 0.0, catcher)
-                _join_readers(workers, 2.0)
-                msg = f"{PROG}: cannot start worker {i} ({command[0]!r}): {exc}"
-                return LaunchResult(
-                    returncode=SPAWN_FAILURE_EXIT_CODE, failed_worker=i,
-                    outputs=[''.join(w.lines) for w in workers] + [""] * (num_workers - len(workers)),
-                    message=msg, addresses=addresses,
-                    worker_returncodes=[w.proc.returncode for w in workers]
-                    + [None] * (num_workers - len(workers)))
-            worker = _Worker(i, addresses[i], proc, output, lock)
-            workers.append(worker)
-            worker.reader.start()
+    # --- spawn ---------------------------------------------------------------
+    for i in range(num_workers):
+        wenv = dict(base_env)
+        wenv.update({
+            "TF_CONFIG": json.dumps(build_tf_config(addresses, i)),
+            "TFGC_WORKER_INDEX": str(i),
+            "TFGC_NUM_WORKERS": str(num_workers),
+            "TFGC_RESTART_COUNT": str(restart_count),
+            "PYTHONUNBUFFERED": "1",
+        })
+        try:
+            proc = subprocess.Popen(
+                command,
+                env=wenv,
+                cwd=cwd,
+                stdin=subprocess.DEVNULL,  # workers have no terminal to read
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,  # merged, so lines keep their order
+                start_new_session=True,    # own group: signal it as a unit
+            )
+        except OSError as exc:
+            _stop(workers, signal.SIGKILL, 0.0, catcher)
+            _join_readers(workers, 2.0)
+            msg = f"{PROG}: cannot start worker {i} ({command[0]!r}): {exc}"
+            return LaunchResult(
+                returncode=SPAWN_FAILURE_EXIT_CODE, failed_worker=i,
+                outputs=[''.join(w.lines) for w in workers] + [""] * (num_workers - len(workers)),
+                message=msg, addresses=addresses,
+                worker_returncodes=[w.proc.returncode for w in workers]
+                + [None] * (num_workers - len(workers)),
+                spawn_failed=True)
+        worker = _Worker(i, addresses[i], proc, output, lock)
+        workers.append(worker)
+        worker.reader.start()
 
-        # --- supervise -------------------------------------------------------
-        failed: _Worker | None = None
-        timed_out = False
-        interrupted_by: int | None = None
-        while True:
-            if catcher.received:
-                interrupted_by = catcher.received[0]
-                # Forward the very signal the user sent (Ctrl-C -> SIGINT) so
-                # workers can run their own KeyboardInterrupt clean-up.
-                _stop(workers, interrupted_by, grace, catcher)
-                break
-            codes = [w.poll() for w in workers]
-            bad = [w for w, c in zip(workers, codes) if c not in (None, 0)]
-            if bad:
-                failed = bad[0]
-                # Peers are likely blocked in a collective waiting for the dead
-                # worker; they will never finish on their own.
-                _stop(workers, signal.SIGTERM, grace, catcher)
-                break
-            if all(c == 0 for c in codes):
-                break
-            if timeout is not None and time.monotonic() - start > timeout:
-                timed_out = True
-                _stop(workers, signal.SIGTERM, grace, catcher)
-                break
-            time.sleep(_POLL_S)
+    # --- supervise -----------------------------------------------------------
+    failed: _Worker | None = None
+    timed_out = False
+    interrupted_by: int | None = None
+    while True:
+        if catcher.received:
+            interrupted_by = catcher.received[0]
+            # Forward the very signal the user sent (Ctrl-C -> SIGINT) so
+            # workers can run their own KeyboardInterrupt clean-up.
+            _stop(workers, interrupted_by, grace, catcher)
+            break
+        codes = [w.poll() for w in workers]
+        bad = [w for w, c in zip(workers, codes) if c not in (None, 0)]
+        if bad:
+            failed = bad[0]
+            # Peers are likely blocked in a collective waiting for the dead
+            # worker; they will never finish on their own.
+            _stop(workers, signal.SIGTERM, grace, catcher)
+            break
+        if all(c == 0 for c in codes):
+            break
+        if deadline is not None and time.monotonic() > deadline:
+            timed_out = True
+            _stop(workers, signal.SIGTERM, grace, catcher)
+            break
+        time.sleep(_POLL_S)
 
-        # Collect the remaining output.  Normally the pipes close when the
-        # workers exit; a leftover grandchild holding the pipe open is killed
-        # with its group rather than waited for.
-        _join_readers(workers, 2.0)
-        stragglers = [w for w in workers if w.reader.is_alive()]
-        for w in stragglers:
-            w.signal_group(signal.SIGKILL)
-        _join_readers(stragglers, 2.0)
+    # Collect the remaining output.  Normally the pipes close when the
+    # workers exit; a leftover grandchild holding the pipe open is killed
+    # with its group rather than waited for.
+    _join_readers(workers, 2.0)
+    stragglers = [w for w in workers if w.reader.is_alive()]
+    for w in stragglers:
+        w.signal_group(signal.SIGKILL)
+    _join_readers(stragglers, 2.0)
 
     outputs = ["".join(w.lines) for w in workers]
     worker_codes = [w.proc.returncode for w in workers]
     elapsed = time.monotonic() - start
+    after = ""
+    if restart_count:
+        after = f", after {restart_count} restart{'s' if restart_count > 1 else ''}"
 
     if failed is not None:
         rc = failed.proc.returncode
-        if rc < 0:
-            how = f"was killed by signal {-rc} ({_signal_name(-rc)})"
-        else:
-            how = f"exited with code {rc}"
         shown = len(failed.tail)
         what = "line" if shown == 1 else "lines"
         message = (
-            f"{PROG}: worker {failed.index} {how} ({failed.address}); "
+            f"{PROG}: worker {failed.index} {_describe_exit(rc)} ({failed.address}); "
             f"last {shown} {what} of its output:\n{_tail_report(failed)}"
         )
         return LaunchResult(_exit_code_for(rc), failed.index, outputs, message,
@@ -362,10 +465,11 @@ def launch(
                             addresses, worker_codes, interrupted_by=interrupted_by)
     if timed_out:
         message = (f"{PROG}: timed out after {timeout:g} s "
-                   f"(ran {elapsed:.1f} s); killed all {num_workers} workers")
+                   f"(ran {elapsed:.1f} s{after}); killed all {num_workers} workers")
         return LaunchResult(TIMEOUT_EXIT_CODE, None, outputs, message,
                             addresses, worker_codes, timed_out=True)
-    message = f"{PROG}: all {num_workers} workers exited with code 0 ({elapsed:.1f} s)"
+    message = (f"{PROG}: all {num_workers} workers exited with code 0 "
+               f"({elapsed:.1f} s{after})")
     return LaunchResult(0, None, outputs, message, addresses, worker_codes)
 
 
@@ -405,10 +509,23 @@ def _join_readers(workers: Iterable[_Worker], timeout: float) -> None:
         w.reader.join(max(0.0, deadline - time.monotonic()))
 
 
+def _restart_count(text: str) -> int:
+    """argparse type for --restarts: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return value
+
+
 def _parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(
         prog=PROG,
-        usage=f"{PROG} --workers N [--host HOST] [--grace S] [--timeout S] -- COMMAND [ARGS...]",
+        usage=f"{PROG} --workers N [--host HOST] [--grace S] [--timeout S] "
+              "[--restarts N] -- COMMAND [ARGS...]",
         description="Run COMMAND as N local TensorFlow multi-worker processes "
                     "(TF_CONFIG set per worker), prefix their output with [w<i>], "
                     "and stop the whole cluster as soon as one worker fails.",
@@ -420,7 +537,11 @@ def _parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--grace", type=float, default=5.0,
                         help="seconds between SIGTERM/SIGINT and SIGKILL (default 5)")
     parser.add_argument("--timeout", type=float, default=None,
-                        help="kill the cluster and fail if it runs longer than this")
+                        help="kill the cluster and fail if it runs longer than this "
+                             "(restarts included)")
+    parser.add_argument("--restarts", type=_restart_count, default=0, metavar="N",
+                        help="after a worker failure, stop the cluster and start all "
+                             "workers again, at most N times (default 0)")
     # Split on the first "--" ourselves: argparse's REMAINDER would otherwise
     # swallow or misinterpret options that belong to the worker command.
     argv = list(argv)
@@ -446,7 +567,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; returns the exit status (console scripts sys.exit it)."""
     args, command = _parse_args(sys.argv[1:] if argv is None else argv)
     result = launch(command, args.workers, timeout=args.timeout, grace=args.grace,
-                    output=sys.stdout, host=args.host)
+                    output=sys.stdout, host=args.host, restarts=args.restarts,
+                    log=sys.stderr)
     if result.returncode != 0:
         try:
             sys.stdout.flush()

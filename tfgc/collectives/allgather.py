@@ -1,6 +1,6 @@
 """All-gather of packed payloads: many tensors' payloads share one collective."""
 
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
@@ -24,7 +24,7 @@ def _unpack(words: tf.Tensor, like: Sequence[tf.Tensor]) -> Tuple[tf.Tensor, ...
 
 
 def gather_payloads(launcher, payloads: List[Sequence[tf.Tensor]], num_workers: int, options,
-                    bucket_bytes: int) -> List[List[Tuple[tf.Tensor, ...]]]:
+                    bucket_bytes: int, control: Optional[tf.Tensor] = None):
     """Exchanges every worker's payloads.
 
     Args:
@@ -34,9 +34,13 @@ def gather_payloads(launcher, payloads: List[Sequence[tf.Tensor]], num_workers: 
       options: ``tf.distribute.experimental.CommunicationOptions``.
       bucket_bytes: payloads are fused into all-gathers of at most this many bytes
         per worker (a single payload larger than that gets a bucket of its own).
+      control: an optional short int32 vector (flags, counters) that rides at the
+        end of the first bucket instead of taking a collective of its own.
 
     Returns:
-      For each gradient, the list of all workers' payloads in group-rank order.
+      ``(payloads, control)``: for each gradient, the list of all workers' payloads
+      in group-rank order; and every worker's control vector, ``[num_workers, k]``
+      (None without ``control``).
     """
     for payload in payloads:
         for t in payload:
@@ -57,8 +61,12 @@ def gather_payloads(launcher, payloads: List[Sequence[tf.Tensor]], num_workers: 
         buckets.append(current)
 
     results = [None] * len(payloads)
-    for bucket in buckets:
-        buffer = tf.concat([words[i] for i in bucket], axis=0) if len(bucket) > 1 else words[bucket[0]]
+    gathered_control = None
+    for b, bucket in enumerate(buckets):
+        parts = [words[i] for i in bucket]
+        if b == 0 and control is not None:
+            parts.append(tf.reshape(control, [-1]))
+        buffer = tf.concat(parts, axis=0) if len(parts) > 1 else parts[0]
         total = int(buffer.shape[0])
         gathered = tf.reshape(launcher._all_gather(buffer, options), [num_workers, total])  # pylint: disable=protected-access
         offset = 0
@@ -66,4 +74,6 @@ def gather_payloads(launcher, payloads: List[Sequence[tf.Tensor]], num_workers: 
             per_worker = gathered[:, offset:offset + sizes[i]]
             results[i] = [_unpack(per_worker[r], payloads[i]) for r in range(num_workers)]
             offset += sizes[i]
-    return results
+        if b == 0 and control is not None:
+            gathered_control = gathered[:, offset:]
+    return results, gathered_control

@@ -74,6 +74,13 @@ class Compressor(abc.ABC):
     # Compressors whose paper makes error feedback part of the algorithm (1-bit SGD,
     # EF-signSGD) are wrapped in ErrorFeedback when built from the registry.
     requires_error_feedback: bool = False
+    # True when every inf/NaN of the input reaches the decoded output (identity,
+    # casts). Stateless compressors with this property need no finiteness check;
+    # all others get one, so that a non-finite step leaves their state untouched
+    # and reaches the optimizer as non-finite on every worker.
+    passes_non_finite: bool = False
+    # Gradient dtypes the kernels take. Others (float64) are sent dense, exactly.
+    dtypes = (tf.float32, tf.float16, tf.bfloat16)
 
     # -- serialization -------------------------------------------------------------
 
@@ -109,7 +116,7 @@ class Compressor(abc.ABC):
 
     def supports(self, shape: tf.TensorShape, dtype: tf.DType) -> bool:
         """Whether this compressor can handle a gradient of this shape and dtype."""
-        return dtype.is_floating and shape.is_fully_defined()
+        return dtype.base_dtype in self.dtypes and shape.is_fully_defined()
 
     @abc.abstractmethod
     def compress(self, x: tf.Tensor, state: Dict[str, tf.Tensor],

@@ -57,25 +57,58 @@ class OneBit(Compressor):
 class SignSGD(Compressor):
     """signSGD with majority vote (Bernstein, Wang, Azizzadenesheli & Anandkumar, ICML 2018).
 
-    Each worker sends sign(g) (1 bit per element); the aggregate is
+    Each worker sends sign(g) with sign(0) = 0; the aggregate is
     sign(sum_m sign(g_m)), the majority vote, so the optimizer steps by
-    ``learning_rate * vote``. A tie (possible with an even number of workers) gives 0.
-    Use a small learning rate: every coordinate moves by the full step.
+    ``learning_rate * vote``. A tie (possible with an even number of workers, or
+    when zero votes leave the rest balanced) gives 0, and so does a coordinate
+    whose gradient is exactly 0 on every worker: dead units (say, weights of an
+    input pixel that is always 0) stay where they are instead of drifting by a
+    full step each iteration. Use a small learning rate: every other coordinate
+    moves by the full step.
+
+    Wire: 2 bits per element, as two bit-vectors of ``ceil(n / 32)`` int32 words
+    each (``8 * ceil(n / 32)`` bytes per tensor). One bit cannot encode three
+    values, so next to the sign bits (1 iff g >= 0) a second vector marks the
+    entries that are nonzero; an entry decodes to 0 when its nonzero bit is clear.
+    Zero is decided by ``g != 0`` as TensorFlow evaluates it, the same test as
+    ``tf.sign``: -0.0 is zero, and on CPU so are subnormals (TensorFlow flushes
+    them). NaN is nonzero with sign bit 0, so it votes -1 (the vote hides it).
     """
 
     name = "signsgd"
     summable = False
 
     def compress(self, x, state, ctx):
-        return (sign_bits.pack_sign_bits(tf.reshape(x, [-1])),), state
+        flat = tf.reshape(x, [-1])
+        zero = tf.zeros([], flat.dtype)
+        one = tf.ones([], flat.dtype)
+        nonzero = tf.not_equal(flat, zero)
+        # Both vectors go through the sign-bit op (bit = 1 iff input >= 0): the mask
+        # as +1 / -1, the signs with every zero entry made +0. The compiled kernel
+        # and the reference disagree on the sign bit of a negative subnormal, which
+        # counts as zero here, so this keeps the payload identical in both and gives
+        # each zero entry one code (sign bit 1, nonzero bit 0).
+        signs = sign_bits.pack_sign_bits(tf.where(nonzero, flat, zero))
+        mask = sign_bits.pack_sign_bits(tf.where(nonzero, one, -one))
+        return (signs, mask), state
+
+    def _decode(self, payload, n, dtype):
+        sign_words, nonzero_words = payload
+        signs = sign_bits.unpack_sign_bits(sign_words, n, dtype=dtype)
+        nonzero = sign_bits.unpack_sign_bits(nonzero_words, n, dtype=dtype)
+        return tf.where(nonzero > 0, signs, tf.zeros_like(signs))
 
     def decompress(self, payload, shape, dtype, ctx):
-        return tf.reshape(sign_bits.unpack_sign_bits(payload[0], num_elements(shape), dtype=dtype),
-                          shape)
+        return tf.reshape(self._decode(payload, num_elements(shape), dtype), shape)
 
     def aggregate(self, payloads, shape, dtype, ctx):
-        votes = super().aggregate(payloads, shape, dtype, ctx)
-        return tf.sign(votes)
+        # Votes are counted in float32 (exact up to 2**24 workers), whatever the
+        # gradient dtype, and summed in rank order.
+        n = num_elements(shape)
+        votes = self._decode(payloads[0], n, tf.float32)
+        for payload in payloads[1:]:
+            votes = votes + self._decode(payload, n, tf.float32)
+        return tf.reshape(tf.cast(tf.sign(votes), dtype), shape)
 
 
 class ScaledSign(Compressor):

@@ -102,12 +102,14 @@ def get(identifier=None, wrap_error_feedback: bool = True) -> Compressor:
 
     None means no compression (``"none"``). Compressors whose algorithm includes
     error feedback (1-bit SGD, EF-signSGD) come wrapped in ``ErrorFeedback`` unless
-    ``wrap_error_feedback=False``.
+    ``wrap_error_feedback=False``, whichever form names them: ``get(OneBit())``
+    equals ``get("onebit")``. Any other instance, an ``ErrorFeedback`` included, is
+    returned as it is.
     """
     if identifier is None:
         compressor = Identity()
     elif isinstance(identifier, Compressor):
-        return identifier
+        compressor = identifier
     elif isinstance(identifier, str):
         compressor = _parse_string(identifier)
     elif isinstance(identifier, dict):
@@ -123,7 +125,8 @@ def get(identifier=None, wrap_error_feedback: bool = True) -> Compressor:
             raise ValueError("an alias or wrapped name takes no 'config'; nest it instead")
     else:
         raise ValueError(f"cannot build a compressor from {identifier!r}")
-    if wrap_error_feedback and compressor.requires_error_feedback:
+    if (wrap_error_feedback and compressor.requires_error_feedback
+            and not isinstance(compressor, ErrorFeedback)):
         compressor = ErrorFeedback(compressor)
     return compressor
 

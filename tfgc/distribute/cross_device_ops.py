@@ -1,25 +1,40 @@
 """``CompressedAllReduce``: TensorFlow's collective all-reduce, with compression.
 
-A gradient's trip through one reduction call:
+Only gradient aggregations are compressed: a reduction is one when it runs inside a
+``tfgc.compress_gradients`` context whose variables match its values (Keras
+optimizers open it by themselves, see ``keras_hooks``). Everything else (metrics,
+batch-norm statistics, a user's own ``all_reduce``, ``strategy.reduce``) takes the
+stock exact path.
 
-  1. the policy splits the call's tensors into dense ones (small, 1-D, integer) and
-     compressed ones;
-  2. each compressed tensor is compressed with its own state (residuals, counters),
-     read from and written back to per-replica variables;
-  3. dense tensors and summable payloads go through one fused all-reduce per dtype;
-     other payloads are packed into int32 words and exchanged by all-gather, a few
-     tensors per collective;
-  4. gathered payloads are decoded and combined in rank order (bit-identical on every
-     worker), summable ones are decoded once after the sum;
+A gradient aggregation, step by step:
+
+  1. the policy splits the gradients into dense ones (small, 1-D, integer,
+     float64, IndexedSlices) and compressed ones;
+  2. each compressed gradient is compressed with its variable's state, read from
+     the owner's ``CompressionState``; nothing is written yet;
+  3. dense tensors and summable payloads go through one fused all-reduce per dtype,
+     other payloads are packed into int32 words and all-gathered, a few tensors per
+     collective. A few *control* words ride along: whether this worker's gradients
+     were all finite, and its step counter;
+  4. if every worker's gradients were finite, the payloads are decoded and
+     combined in rank order (bit-identical on every worker) and the new state is
+     written; otherwise the compressed gradients come out as NaN on every worker
+     (so a ``LossScaleOptimizer`` skips the step) and the state stays as it was;
   5. MEAN divides by the group size, as the stock implementation does.
 
 All collectives go through the launchers of the parent class, so they share its
-instance keys and ordering token.
+instance keys and ordering token. Before the first compressed reduction of each
+compressor, the workers exchange their settings and stop with a message naming
+both if they differ.
 """
 
 import copy
+import hashlib
+import threading
+import weakref
 from typing import List
 
+import numpy as np
 import tensorflow as tf
 from absl import logging
 from tensorflow.python.distribute import collective_util
@@ -30,11 +45,18 @@ from tensorflow.python.framework import ops
 from tensorflow.python.util import nest
 
 from tfgc import collectives
-from tfgc.compressors import CompressContext, get as get_compressor
+from tfgc.compressors import CompressContext, get as get_compressor, serialize_config
+from tfgc.distribute import gradients
+from tfgc.distribute import state as state_lib
 from tfgc.distribute.policy import CompressionPolicy
-from tfgc.distribute.state import StateStore
-from tfgc.distribute.stats import CompressionStats
+from tfgc.distribute.stats import CompressionStats, WireBytes
 from tfgc.ops import packing
+
+# The settings string every worker sends before its first compressed step.
+_SETTINGS_WORDS = 256
+# Collectives that move state or settings (not gradients) give up after this long,
+# so a worker that saves or starts alone fails with a message instead of hanging.
+_EXCHANGE_TIMEOUT_S = 600.0
 
 
 def _nbytes(t) -> int:
@@ -61,6 +83,19 @@ def check_compression_args(compressor, policy, communication, bucket_bytes):
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
         raise ValueError(f"`bucket_bytes` must be a positive integer, got {bucket_bytes!r}")
     return compressor, policy
+
+
+def _step_digits(step) -> tf.Tensor:
+    """The low 32 bits of ``step`` as four 8-bit digits and their squares (float32).
+
+    Summed over at most 256 workers these stay below 2**24, so a float32
+    all-reduce adds them exactly, and n * sum(d^2) - sum(d)^2 is zero for every
+    digit exactly when all workers hold the same step.
+    """
+    low = tf.cast(tf.bitwise.bitwise_and(step, 0xFFFFFFFF), tf.int64)
+    digits = [tf.cast(tf.bitwise.bitwise_and(tf.bitwise.right_shift(low, 8 * i), 0xFF), tf.float32)
+              for i in range(4)]
+    return tf.stack([x for d in digits for x in (d, d * d)])
 
 
 class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
@@ -90,8 +125,14 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         self._bucket_bytes = bucket_bytes
         self._worker_rank = worker_rank
         super().__init__(devices, group_size, options, collective_keys, canonicalize_devices)
-        self._state = StateStore()
         self._stats = CompressionStats(self._devices[0])
+        self._generation = 0
+        self._generation_var = None
+        self._settings_checked = -1
+        self._settings_lock = threading.Lock()
+        self._cross_replica_ctx = None
+        self._states = weakref.WeakSet()
+        self._models = weakref.WeakSet()
 
     # -- public --------------------------------------------------------------------
 
@@ -101,40 +142,152 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
 
     @compressor.setter
     def compressor(self, value):
-        """Switches compressor; takes effect when a reduction is next traced.
+        """Switches compressor from the next step on.
 
-        State is kept per compressor, so switching back resumes its residuals.
+        Registered Keras models get a new train function (also in the middle of
+        ``fit``); a custom ``tf.function`` traced with the old compressor fails at
+        its next call with a message saying to retrace it. Each owner's state is
+        migrated at the next trace: residuals carry over, the rest starts fresh.
         """
         compressor = get_compressor(value)
         collectives.check_communication(self._communication, compressor)
         self._compressor = compressor
+        self._generation += 1
+        if self._generation_var is not None:
+            self._generation_var.assign(self._generation)
+        for model in list(self._models):
+            if getattr(model, "train_function", None) is not None:
+                model.make_train_function(force=True)
 
     @property
     def policy(self):
         return self._policy
 
     @property
-    def state(self) -> StateStore:
-        return self._state
-
-    @property
     def stats(self) -> CompressionStats:
         return self._stats
+
+    @property
+    def local_devices(self):
+        return tuple(self._devices)
+
+    @property
+    def group_size(self) -> int:
+        return self._group_size
+
+    @property
+    def worker_rank(self) -> int:
+        return self._worker_rank
+
+    def states(self):
+        """The live ``CompressionState`` objects (one per optimizer that trained)."""
+        return list(self._states)
+
+    def register_model(self, model):
+        self._models.add(model)
+
+    def settings(self) -> str:
+        """What every worker must agree on, as one line."""
+        import tfgc
+        return (f"tfgc {tfgc.__version__}, tensorflow {tf.__version__}, compressor "
+                f"{serialize_config(self._compressor)}, policy {self._policy.get_config()}, "
+                f"communication {self._communication}, bucket_bytes {self._bucket_bytes}")
 
     def _use_allreduce(self) -> bool:
         if self._communication == "auto":
             return self._compressor.summable
         return self._communication == "allreduce"
 
+    # -- exchanges outside the training step ----------------------------------------
+
+    def _exchange_options(self):
+        return self._options.merge(collective_util.Options(timeout_seconds=_EXCHANGE_TIMEOUT_S))
+
+    def gather_rows(self, rows: List[tf.Tensor]) -> tf.Tensor:
+        """All-gathers one int32 vector per local replica; returns ``[group_size, words]``.
+
+        Runs eagerly (under ``init_scope``); every worker must call it at the same
+        point with vectors of the same length.
+        """
+        with ops.init_scope():
+            words = int(rows[0].shape[0])
+            if self._group_size == 1:
+                return tf.stack(rows)
+            options = self._exchange_options()
+
+            def gather_all():
+                out = []
+                for launcher, row in zip(self._launchers, rows):
+                    out.append(launcher._all_gather(row, options))  # pylint: disable=protected-access
+                return out
+
+            if len(self._launchers) == 1:
+                gathered = gather_all()[0]
+            else:
+                # Several local replicas must join the collective at once.
+                gathered = tf.function(gather_all, autograph=False)()[0]
+            return tf.reshape(gathered, [self._group_size, words])
+
+    def _exchange_settings(self):
+        """Stops with a clear error if the workers' compression settings differ."""
+        with self._settings_lock:
+            if self._settings_checked == self._generation:
+                return
+            mine = self.settings()
+            raw = mine.encode()
+            if len(raw) > 4 * _SETTINGS_WORDS:
+                digest = hashlib.sha1(raw).hexdigest().encode()
+                raw = raw[:4 * _SETTINGS_WORDS - len(digest) - 4] + b" ..." + digest
+            raw = raw.ljust(4 * _SETTINGS_WORDS, b"\0")
+            with ops.init_scope():
+                rows = []
+                for device in self._devices:
+                    with ops.device(device):
+                        rows.append(tf.constant(np.frombuffer(raw, dtype=np.int32)))
+                table = self.gather_rows(rows).numpy()
+            everyone = [bytes(table[i].tobytes()).rstrip(b"\0").decode(errors="replace")
+                        for i in range(table.shape[0])]
+            for rank, theirs in enumerate(everyone):
+                if theirs != everyone[0]:
+                    raise ValueError(
+                        "tfgc: the workers' compression settings differ; every worker must run "
+                        f"the same compressor, policy and versions.\n  replica 0: {everyone[0]}"
+                        f"\n  replica {rank}: {theirs}")
+            self._settings_checked = self._generation
+
+    def _check_settings_from_replica(self):
+        if self._settings_checked == self._generation:
+            return
+        replica_ctx = tf.distribute.get_replica_context()
+        if replica_ctx is not None and len(self._devices) > 1:
+            # Replica threads take turns; the exchange runs once, in the merge.
+            replica_ctx.merge_call(lambda _: self._exchange_settings())
+        else:
+            self._exchange_settings()
+
+    def _generation_guard(self):
+        """An op that fails if the compressor was switched after this graph was traced."""
+        if tf.executing_eagerly():
+            return None
+        with ops.init_scope(), ops.device(self._devices[0]):
+            if self._generation_var is None:
+                self._generation_var = tf.Variable(self._generation, dtype=tf.int64,
+                                                   trainable=False, name="tfgc_generation")
+        return tf.debugging.assert_equal(
+            self._generation_var.read_value(), tf.constant(self._generation, tf.int64),
+            message="tfgc: the compressor was switched after this tf.function was traced; "
+                    "trace it again (a new tf.function) to use the new compressor")
+
     # -- CrossDeviceOps ------------------------------------------------------------
 
     def batch_reduce(self, reduce_op, value_destination_pairs, options=None):
-        """As the parent, but a lone replica's gradients still pass the compressor.
+        """As the parent, but a lone replica's values still go through ``_all_reduce``.
 
         The stock implementation returns the values of a single-worker,
-        single-device strategy untouched. Compressing them anyway (over a collective
-        group of one) lets a one-machine run show the accuracy and the byte figures
-        that the compressor gives on a cluster.
+        single-device strategy untouched. Reducing them anyway (over a collective
+        group of one: exact for everything but gradients, which are compressed)
+        lets a one-machine run show the accuracy and the byte figures that the
+        compressor gives on a cluster.
         """
         if self._group_size == 1 and value_destination_pairs:
             if options is None:
@@ -145,116 +298,219 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             return self.batch_reduce_implementation(reduce_op, pairs, options)
         return super().batch_reduce(reduce_op, value_destination_pairs, options)
 
-    def _all_reduce(self, reduce_op, value, replica_id, options):
-        """Replica-context all-reduce; also reached by batch_reduce_implementation."""
-        flat = nest.flatten(value)
-        is_slices = [isinstance(v, indexed_slices.IndexedSlices) for v in flat]
-        tensor_pos = [i for i, s in enumerate(is_slices) if not s]
-        tensors = [ops.convert_to_tensor(flat[i]) for i in tensor_pos]
-        compress_mask = [self._policy.should_compress(t, self._compressor) for t in tensors]
-        if not any(compress_mask):
-            # Nothing worth compressing (metrics, biases only): the stock path.
-            return super()._all_reduce(reduce_op, value, replica_id, options)
+    def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
+        # Cross-replica reductions run one _all_reduce per local device, in pool
+        # threads when eager: hand them this thread's gradient context explicitly.
+        self._cross_replica_ctx = gradients.current()
+        try:
+            return super().batch_reduce_implementation(reduce_op, value_destination_pairs, options)
+        finally:
+            self._cross_replica_ctx = None
 
-        results = [None] * len(flat)
-        reduced = self._compressed_reduce(tensors, compress_mask, replica_id, options)
+    def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
+        self._cross_replica_ctx = gradients.current()
+        try:
+            return super().reduce_implementation(reduce_op, per_replica_value, destinations,
+                                                 options)
+        finally:
+            self._cross_replica_ctx = None
+
+    def _all_reduce(self, reduce_op, value, replica_id, options):
+        """Replica-context all-reduce; also reached by the cross-replica reductions."""
+        flat = nest.flatten(value)
+        ctx = gradients.current() or self._cross_replica_ctx
+        if ctx is None or not ctx.matches(flat, replica_id):
+            # Not a gradient aggregation: the stock, exact path.
+            return super()._all_reduce(reduce_op, value, replica_id, options)
+        ctx.mark_used(replica_id)
+        self._check_settings_from_replica()
+        results = self._gradient_reduce(flat, ctx, replica_id, options)
         if reduce_op == reduce_util.ReduceOp.MEAN:
             with ops.device(self._devices[replica_id]):
-                reduced = [r / tf.cast(self._group_size, r.dtype) for r in reduced]
-        for i, r in zip(tensor_pos, reduced):
-            results[i] = r
-        slices_pos = [i for i, s in enumerate(is_slices) if s]
-        if slices_pos:
-            # Embedding gradients (IndexedSlices) keep the stock gather-based path.
-            reduced_slices = super()._all_reduce(reduce_op, [flat[i] for i in slices_pos],
-                                                 replica_id, options)
-            for i, r in zip(slices_pos, reduced_slices):
-                results[i] = r
+                results = [
+                    indexed_slices.IndexedSlices(r.values / tf.cast(self._group_size, r.values.dtype),
+                                                 r.indices, r.dense_shape)
+                    if isinstance(r, indexed_slices.IndexedSlices)
+                    else r / tf.cast(self._group_size, r.dtype)
+                    for r in results]
         return nest.pack_sequence_as(value, results)
 
-    def _compressed_reduce(self, tensors: List[tf.Tensor], compress_mask, replica_id, options):
+    def _gradient_reduce(self, flat, ctx, replica_id, options):
         launcher = self._launchers[replica_id]
         options = self._options.merge(options)
         device = self._devices[replica_id]
         compressor = self._compressor
-        num_local = len(self._devices)
-        # State is keyed by compressor, call-site signature and position: a retrace
-        # of the same model finds the same variables.
-        signature = (repr(compressor),) + tuple((tuple(t.shape.as_list()), t.dtype.name)
-                                                for t, m in zip(tensors, compress_mask) if m)
+        n = self._group_size
         rank = self._worker_rank + replica_id
+        results = [None] * len(flat)
+        slices_pos = [i for i, v in enumerate(flat) if isinstance(v, indexed_slices.IndexedSlices)]
+        tensor_pos = [i for i in range(len(flat)) if i not in slices_pos]
+        tensors = [ops.convert_to_tensor(flat[i]) for i in tensor_pos]
+        variables = [ctx.variables[i] for i in tensor_pos]
+        mask = [self._policy.should_compress(t, compressor) for t in tensors]
+        wire = WireBytes(n)
 
-        with ops.device(device):
-            step_var = self._state.get((replica_id, signature, "step"), device,
-                                       lambda: tf.constant(0, tf.int64))
+        if not any(mask):
+            # Nothing worth compressing (biases only, float64): the stock path.
+            reduced = super()._all_reduce(reduce_util.ReduceOp.SUM, tensors, replica_id, options) \
+                if tensors else []
+            for t in tensors:
+                wire.dense_allreduce(_nbytes(t))
+            for i, r in zip(tensor_pos, reduced):
+                results[i] = r
+            ok = None
+        else:
+            state = state_lib.state_for(ctx.owner, self, compressor,
+                                        repr(serialize_config(compressor)), variables, mask)
+            self._states.add(state)
+            reduced, ok = self._compressed_reduce(tensors, variables, mask, state, launcher,
+                                                  device, rank, replica_id, options, wire)
+            for i, r in zip(tensor_pos, reduced):
+                results[i] = r
+
+        if slices_pos:
+            # Embedding gradients (IndexedSlices) keep the stock gather-based path.
+            slices = [flat[i] for i in slices_pos]
+            reduced_slices = super()._all_reduce(reduce_util.ReduceOp.SUM, slices, replica_id,
+                                                 options)
+            for i, s, r in zip(slices_pos, slices, reduced_slices):
+                results[i] = r
+                dense = int(np.prod(ctx.variables[i].shape)) * s.values.dtype.size
+                wire.indexed_slices(s, dense)
+
+        if replica_id == 0:
+            self._stats.record(wire, ok)
+            if not tf.executing_eagerly():
+                logging.log_first_n(
+                    logging.INFO,
+                    "tfgc: %d of %d gradients compressed with %r over %s; per worker and step: "
+                    "%d bytes of gradients, %d bytes of payload, %d sent (a dense ring all-reduce "
+                    "sends %d)", 4, sum(mask), len(flat), compressor,
+                    "all-reduce" if self._use_allreduce() else "all-gather", wire.dense,
+                    wire.payload, wire.static_sent, wire.dense_sent)
+        return results
+
+    def _compressed_reduce(self, tensors, variables, mask, state, launcher, device, rank,
+                           replica_id, options, wire):
+        compressor = self._compressor
+        n = self._group_size
+        use_allreduce = self._use_allreduce()
+        guard = self._generation_guard()
+        with ops.device(device), ops.control_dependencies([guard] if guard is not None else []):
+            step_var = state.step(replica_id)
             step = step_var.read_value()
 
-            # 1. Compress, reading and writing each gradient's state.
-            payloads, contexts, comp_index = {}, {}, 0
-            for i, (t, m) in enumerate(zip(tensors, compress_mask)):
+            # 1. Compress. State is read now and written only once every worker's
+            #    gradients are known to be finite.
+            payloads, contexts, slots, new_states = {}, {}, {}, {}
+            comp_index = 0
+            for i, (t, var, m) in enumerate(zip(tensors, variables, mask)):
                 if not m:
                     continue
-                ctx = CompressContext(rank=rank, num_workers=self._group_size,
-                                      index=comp_index, step=step)
-                slot = self._state.get((replica_id, signature, comp_index), device,
-                                       lambda t=t: compressor.init_state(t.shape, t.dtype))
-                state = tf.nest.map_structure(lambda v: v.read_value(), slot)
-                payload, new_state = compressor.compress(t, state, ctx)
-                tf.nest.map_structure(lambda v, s: v.assign(s), slot, new_state)
-                payloads[i], contexts[i] = tuple(payload), ctx
+                cctx = CompressContext(rank=rank, num_workers=n, index=comp_index, step=step)
+                slot = state.slot(var, replica_id)
+                current = tf.nest.map_structure(lambda v: v.read_value(), slot)
+                payload, new_state = compressor.compress(t, current, cctx)
+                payloads[i], contexts[i] = tuple(payload), cctx
+                slots[i], new_states[i] = slot, new_state
                 comp_index += 1
-            step_var.assign_add(1)
+            has_state = any(tf.nest.flatten(s) for s in slots.values())
+            # Stateless compressors that carry every inf/NaN through need no check.
+            checked = has_state or not compressor.passes_non_finite
+            local_bad = None
+            if checked:
+                finite = [tf.reduce_all(tf.math.is_finite(tensors[i])) for i in payloads]
+                local_bad = 1 - tf.cast(tf.reduce_all(tf.stack(finite)), tf.int32)
 
             # 2. Communicate: one fused all-reduce (per dtype) for dense tensors and
-            #    summable payloads, fused all-gathers for the other payloads.
-            use_allreduce = self._use_allreduce()
+            #    summable payloads, fused all-gathers for the other payloads; the
+            #    control words ride along.
             to_reduce = []
             for i, t in enumerate(tensors):
                 if i not in payloads:
                     to_reduce.append((i, t))
+                    wire.dense_allreduce(_nbytes(t))
                 elif use_allreduce:
                     if len(payloads[i]) != 1:
                         raise ValueError(f"{compressor!r} is summable, so its payload must be "
                                          f"one tensor, got {len(payloads[i])}")
                     to_reduce.append((i, payloads[i][0]))
+                    wire.compressed_allreduce(_nbytes(t), _payload_bytes(payloads[i], False))
+            control = None
+            if checked and use_allreduce:
+                control = tf.concat([tf.cast(local_bad, tf.float32)[None], _step_digits(step)], 0)
+                to_reduce.append((-1, control))
+                wire.control_allreduce(_nbytes(control))
             # Reversed, as the stock implementation packs, so identity matches it bit for bit.
             reduced = collectives.fused_all_reduce(launcher, [t for _, t in to_reduce][::-1],
                                                    options)[::-1]
             reduced = {i: r for (i, _), r in zip(to_reduce, reduced)}
-            gathered = {}
+            gathered, gathered_control = {}, None
             if not use_allreduce:
                 order = sorted(payloads)
-                exchanged = collectives.gather_payloads(
-                    launcher, [payloads[i] for i in order], self._group_size, options,
-                    self._bucket_bytes)
+                extra = None
+                if checked:
+                    extra = tf.stack([local_bad, tf.cast(tf.bitwise.bitwise_and(step, 0x7FFFFFFF),
+                                                         tf.int32)])
+                exchanged, gathered_control = collectives.gather_payloads(
+                    launcher, [payloads[i] for i in order], n, options, self._bucket_bytes,
+                    control=extra)
                 gathered = dict(zip(order, exchanged))
+                for i in order:
+                    wire.gathered(_nbytes(tensors[i]), _payload_bytes(payloads[i], True))
+                if checked:
+                    wire.control_gathered(8)
 
-            # 3. Decode and combine.
-            outputs = []
-            for i, t in enumerate(tensors):
-                if i not in payloads:
-                    outputs.append(reduced[i])
-                elif use_allreduce:
-                    outputs.append(compressor.decompress((reduced[i],), t.shape, t.dtype, contexts[i]))
+            # 3. Did every worker have finite gradients and the same step?
+            ok = None
+            if checked:
+                if use_allreduce:
+                    sums = tf.cast(reduced[-1], tf.float64)
+                    any_bad = sums[0] > 0.5
+                    d, d2 = sums[1::2], sums[2::2]
+                    steps_agree = tf.reduce_all(tf.equal(n * d2, d * d))
+                    steps_seen = step
                 else:
-                    outputs.append(compressor.aggregate(gathered[i], t.shape, t.dtype, contexts[i]))
+                    any_bad = tf.reduce_any(gathered_control[:, 0] != 0)
+                    steps_seen = gathered_control[:, 1]
+                    steps_agree = tf.reduce_all(tf.equal(steps_seen, steps_seen[0]))
+                ok = tf.logical_not(any_bad)
+                agree = tf.debugging.Assert(steps_agree, [
+                    "tfgc: the workers' compression step counters differ: compressor state was "
+                    "reset or restored on some workers only. This worker's step and the "
+                    "counters seen:", step, steps_seen], summarize=64)
+                with ops.control_dependencies([agree]):
+                    ok = tf.identity(ok)
 
-            if replica_id == 0:
-                dense_bytes = sum(_nbytes(t) for t in tensors)
-                sent_bytes = sum(
-                    _nbytes(t) if i not in payloads
-                    else _payload_bytes(payloads[i], gathered=not use_allreduce)
-                    for i, t in enumerate(tensors))
-                self._stats.record(dense_bytes, sent_bytes)
-                if not tf.executing_eagerly():
-                    logging.log_first_n(
-                        logging.INFO,
-                        "tfgc: %d of %d tensors compressed with %r over %s, %d -> %d bytes per "
-                        "worker per step (%d local replica(s))", 4,
-                        sum(compress_mask), len(tensors), compressor,
-                        "all-reduce" if use_allreduce else "all-gather", dense_bytes, sent_bytes,
-                        num_local)
-        return outputs
+            # 4. Decode, combine and commit the new state, or keep the old one.
+            def decode_and_commit():
+                outs = []
+                for i in sorted(payloads):
+                    t = tensors[i]
+                    if use_allreduce:
+                        outs.append(compressor.decompress((reduced[i],), t.shape, t.dtype,
+                                                          contexts[i]))
+                    else:
+                        outs.append(compressor.aggregate(gathered[i], t.shape, t.dtype,
+                                                         contexts[i]))
+                    tf.nest.map_structure(lambda v, s: v.assign(s), slots[i], new_states[i])
+                with ops.control_dependencies(outs):
+                    step_var.assign_add(1)
+                return outs
+
+            def skip():
+                return [tf.fill(tf.shape(tensors[i]), tf.constant(float("nan"), tensors[i].dtype))
+                        for i in sorted(payloads)]
+
+            if ok is None:
+                decoded = decode_and_commit()
+            else:
+                decoded = tf.cond(ok, decode_and_commit, skip)
+                if not isinstance(decoded, (list, tuple)):
+                    decoded = [decoded]
+            decoded = dict(zip(sorted(payloads), decoded))
+            outputs = [decoded[i] if i in payloads else reduced[i] for i in range(len(tensors))]
+        return outputs, ok
 
     # -- copying -------------------------------------------------------------------
 
@@ -266,4 +522,3 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             compressor=self._compressor, policy=self._policy,
             communication=self._communication, bucket_bytes=self._bucket_bytes,
             worker_rank=self._worker_rank)
-

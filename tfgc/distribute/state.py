@@ -1,52 +1,355 @@
-"""Per-replica compressor state, kept in variables created once per gradient."""
+"""The compression state store: per variable, per worker, checkpointed.
 
+Compressors keep state between steps: error-feedback residuals, momentum buffers,
+counters. It belongs to the variables being trained, and it differs on every
+worker (each residual holds what that worker has not sent yet). So:
+
+* ``CompressionState`` holds the state of one *owner*, the optimizer that trains
+  the variables (or the object a custom loop names). It is attached to the owner as
+  the checkpoint dependency ``tfgc_compression_state``, so ``tf.train.Checkpoint``,
+  ``model.save_weights``, ``ModelCheckpoint`` and ``BackupAndRestore`` carry it with
+  the optimizer's own slots. It lives and dies with its owner: two models, two
+  optimizers, two states; nothing is keyed by shapes.
+* Within an owner, state is keyed by variable (``optimizer._var_key``) and local
+  replica. A step counter per replica counts the compressed reductions that were
+  applied (steps with non-finite gradients do not count).
+* Switching compressor migrates the state: a residual of the same shape is carried
+  over (nothing the old compressor held back is lost), everything else starts fresh,
+  and the old variables are dropped.
+
+Checkpoints of different workers: Keras keeps only the chief's checkpoint (the other
+workers write to temporary directories that are deleted), yet every worker must get
+its *own* residuals back. So a save gathers every worker's state into the
+checkpoint (one all-gather of packed words, rows in worker order), and a restore
+picks this worker's row. Every worker must therefore save and restore together, as
+``ModelCheckpoint`` and ``BackupAndRestore`` do under a multi-worker strategy. A
+checkpoint from a cluster of another size is restored by spreading each floating
+state field's total evenly over the new workers (a residual's mass is conserved) and
+taking integer fields (counters) from the first worker.
+"""
+
+import json
 import threading
+import weakref
+from typing import Dict, List, Optional, Tuple
 
+import numpy as np
 import tensorflow as tf
+from absl import logging
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import resource_variable_ops
+from tensorflow.python.saved_model import save_context
+from tensorflow.python.trackable import base as trackable
+
+DEPENDENCY_NAME = "tfgc_compression_state"
+_FORMAT = 1
+_STEP_FIELD = "__step__"
+
+
+def flatten_fields(structure, prefix="") -> List[Tuple[str, object]]:
+    """(path, leaf) pairs of a nest of dicts, in sorted key order ("residual", "inner/m")."""
+    if isinstance(structure, dict):
+        out = []
+        for key in sorted(structure):
+            out.extend(flatten_fields(structure[key], f"{prefix}{key}/"))
+        return out
+    return [(prefix[:-1], structure)]
 
 
 def _local_variable(initial_value, name):
-    # Constructing ResourceVariable directly bypasses the strategy's variable
-    # creator: compressor state is per worker (each has its own residual), not a
-    # mirrored variable that the strategy would broadcast and keep in sync.
+    # Local to this worker and replica: not mirrored, not trainable, not synced.
     return resource_variable_ops.ResourceVariable(initial_value, trainable=False, name=name)
 
 
-class StateStore:
-    """Holds compressor state as local variables, keyed by where a gradient sits.
+def _to_words(t: tf.Tensor) -> tf.Tensor:
+    """Bitcasts a tensor of a 1, 2, 4 or 8-byte dtype into int32 words."""
+    t = tf.reshape(t, [-1])
+    size = t.dtype.size
+    if t.dtype == tf.int32:
+        return t
+    if size in (4, 8):
+        return tf.reshape(tf.bitcast(t, tf.int32), [-1])
+    per_word = 4 // size
+    pad = (-int(t.shape[0])) % per_word
+    if pad:
+        t = tf.pad(t, [[0, pad]])
+    return tf.bitcast(tf.reshape(t, [-1, per_word]), tf.int32)
 
-    tf-keras optimizers all-reduce a list of gradients without their variables, so a
-    gradient is identified by its call site's *signature* (the shapes and dtypes of
-    every compressed tensor in the call) and its position in it. The same model
-    retraced, or the next step, finds the same variables; nothing is re-created.
+
+def _num_words(num_values: int, dtype: tf.DType) -> int:
+    return -(-num_values * dtype.size // 4)
+
+
+def _from_words(words: np.ndarray, dtype: tf.DType, shape) -> np.ndarray:
+    n = int(np.prod(shape, dtype=np.int64))
+    return np.frombuffer(np.ascontiguousarray(words, np.int32).tobytes(),
+                         dtype=dtype.as_numpy_dtype, count=n).reshape(shape)
+
+
+class CompressionState(trackable.Trackable):
+    """The compressor state of one owner's variables on this worker.
+
+    Built and attached by the cross-device ops at the first gradient reduction of
+    the owner; read it with ``tfgc.distribute.state.get_state(optimizer)``.
     """
 
-    def __init__(self):
+    def __init__(self, cross_device_ops):
+        self._ops_ref = weakref.ref(cross_device_ops)
+        self._lock = threading.RLock()
+        self._compressor_key: Optional[str] = None
+        # var_key -> (checkpoint name, shape, dtype); insertion order is variable order.
+        self._vars: Dict[str, Tuple[str, tf.TensorShape, tf.DType]] = {}
+        # var_key -> per local replica: (template nest, {field path: variable}).
+        self._slots: Dict[str, List[Tuple[object, Dict[str, tf.Variable]]]] = {}
+        self._steps: List[tf.Variable] = []
+        # (checkpoint name, field) -> per local replica value restored before its slot existed.
+        self._pending: Dict[Tuple[str, str], List[np.ndarray]] = {}
+        # True while a deferred restoration runs: TensorFlow serializes the object
+        # then only to learn its structure, so no all-gather is needed.
+        self._restoring = False
+        # l2 norm of every floating field restored for local replica 0, by
+        # "<i>:<variable>/<field>", from the last restoration (empty if none).
+        self.last_restore: Dict[str, float] = {}
+
+    # -- building -------------------------------------------------------------------
+
+    @property
+    def _ops(self):
+        ops_ = self._ops_ref()
+        if ops_ is None:
+            raise RuntimeError("the strategy that created this compression state is gone")
+        return ops_
+
+    @property
+    def compressor_key(self) -> Optional[str]:
+        return self._compressor_key
+
+    def register(self, compressor, compressor_key: str, variables, compress_mask):
+        """Creates (or migrates) the state of ``variables`` for ``compressor``.
+
+        Runs at trace time under ``init_scope``. Variables whose gradients are not
+        compressed (``compress_mask`` False) get no state.
+        """
+        cdo = self._ops
+        with self._lock, ops.init_scope():
+            if not self._steps:
+                for r, device in enumerate(cdo.local_devices):
+                    with ops.device(device):
+                        self._steps.append(_local_variable(tf.constant(0, tf.int64),
+                                                           f"tfgc_step_r{r}"))
+                self._apply_pending(_STEP_FIELD, "step", self._steps)
+            if self._compressor_key is not None and self._compressor_key != compressor_key:
+                self._migrate(compressor, compressor_key)
+            self._compressor_key = compressor_key
+            for index, (var, compress) in enumerate(zip(variables, compress_mask)):
+                key = var_key(var)
+                if key not in self._vars:
+                    name = f"{len(self._vars)}:{var.name}"
+                    self._vars[key] = (name, tf.TensorShape(var.shape), var.dtype.base_dtype)
+                if compress and key not in self._slots:
+                    self._slots[key] = self._create(compressor, key)
+
+    def _create(self, compressor, key, carry=None):
+        name, shape, dtype = self._vars[key]
+        per_replica = []
+        for r, device in enumerate(self._ops.local_devices):
+            with ops.device(device):
+                template = compressor.init_state(shape, dtype)
+                fields = {}
+                for path, value in flatten_fields(template):
+                    if carry is not None and path in carry[r] \
+                            and carry[r][path].shape == value.shape \
+                            and carry[r][path].dtype == value.dtype:
+                        value = carry[r][path].read_value()
+                    fields[path] = _local_variable(value, f"tfgc_{path.replace('/', '_')}")
+                per_replica.append((template, fields))
+        for path in per_replica[0][1]:
+            self._apply_pending(name, path, [fields[path] for _, fields in per_replica])
+        return per_replica
+
+    def _migrate(self, compressor, compressor_key):
+        """Rebuilds every slot for a new compressor, carrying residuals over."""
+        logging.info("tfgc: compressor changed from %s to %s; carrying residuals over",
+                     self._compressor_key, compressor_key)
+        old = self._slots
         self._slots = {}
-        self._lock = threading.Lock()
+        for key, per_replica in old.items():
+            carry = [fields for _, fields in per_replica]
+            self._slots[key] = self._create(compressor, key, carry=carry)
+        # Counters restart with the compressor: its shared random streams begin anew.
+        for step in self._steps:
+            step.assign(0)
 
-    def get(self, key, device, init_fn):
-        """The variables for ``key``, created by ``init_fn()`` (a nest of tensors) the first time."""
-        with self._lock:
-            if key not in self._slots:
-                with ops.init_scope(), ops.device(device):
-                    initial = init_fn()
-                    self._slots[key] = tf.nest.map_structure(
-                        lambda t: _local_variable(t, "tfgc_state"), initial)
-            return self._slots[key]
+    def _apply_pending(self, name, path, variables):
+        values = self._pending.pop((name, path), None)
+        if values is None:
+            return
+        for var, value in zip(variables, values):
+            if tuple(value.shape) == tuple(var.shape) and value.dtype == var.dtype.as_numpy_dtype:
+                var.assign(value)
+            else:
+                logging.warning("tfgc: checkpointed state %s/%s has shape %s, the variable %s; "
+                                "left fresh", name, path, value.shape, var.shape)
 
-    def keys(self):
-        return list(self._slots)
+    # -- reading and writing ------------------------------------------------------
 
-    def variables(self):
-        return [v for slot in self._slots.values() for v in tf.nest.flatten(slot)]
+    def has(self, var) -> bool:
+        return var_key(var) in self._slots
+
+    def slot(self, var, replica_id: int):
+        """The state variables of ``var`` on local replica ``replica_id``, as ``init_state``'s nest."""
+        template, fields = self._slots[var_key(var)][replica_id]
+        leaves = [fields[path] for path, _ in flatten_fields(template)]
+        return tf.nest.pack_sequence_as(template, leaves) if leaves else template
+
+    def step(self, replica_id: int) -> tf.Variable:
+        return self._steps[replica_id]
+
+    def variables(self) -> List[tf.Variable]:
+        out = list(self._steps)
+        for per_replica in self._slots.values():
+            for _, fields in per_replica:
+                out.extend(fields.values())
+        return out
+
+    def num_slots(self) -> int:
+        return len(self._slots)
+
+    def residual_norms(self, replica_id: int = 0) -> Dict[str, float]:
+        """The l2 norm of every state field of this replica, by ``"<i>:<variable>/<field>"``."""
+        out = {}
+        for key, per_replica in self._slots.items():
+            name = self._vars[key][0]
+            for path, var in per_replica[replica_id][1].items():
+                if var.dtype.is_floating:
+                    out[f"{name}/{path}"] = float(tf.norm(tf.cast(var, tf.float64)))
+        return out
 
     def reset(self):
-        """Zeroes every state variable (residuals, counters), e.g. after restoring weights."""
+        """Zeroes every state variable (residuals, counters) of this worker."""
         for v in self.variables():
             v.assign(tf.zeros_like(v))
 
-    def __len__(self):
-        return len(self._slots)
+    # -- checkpointing --------------------------------------------------------------
+
+    def _fields(self):
+        """(checkpoint name, field path, per-replica variables) in a stable order."""
+        out = [(_STEP_FIELD, "step", list(self._steps))]
+        for key, per_replica in self._slots.items():
+            name = self._vars[key][0]
+            for path in per_replica[0][1]:
+                out.append((name, path, [fields[path] for _, fields in per_replica]))
+        return out
+
+    def _serialize_to_tensors(self):
+        cdo = self._ops
+        fields = self._fields()
+        layout, offset = [], 0
+        for name, path, variables in fields:
+            v = variables[0]
+            words = _num_words(int(v.shape.num_elements()), v.dtype)
+            layout.append([name, path, v.dtype.name, v.shape.as_list(), offset, words])
+            offset += words
+        rows = []
+        for r in range(len(cdo.local_devices)):
+            parts = [_to_words(variables[r].read_value()) for _, _, variables in fields]
+            rows.append(tf.concat(parts, axis=0) if parts else tf.zeros([0], tf.int32))
+        if save_context.in_save_context() or self._restoring:
+            # A SavedModel export: keep it free of collectives, this worker only.
+            data = tf.stack(rows)
+            first = cdo.worker_rank
+        else:
+            data = cdo.gather_rows(rows)
+            first = 0
+        meta = {"format": _FORMAT, "compressor": self._compressor_key,
+                "replicas": int(data.shape[0]), "first_replica": first, "fields": layout}
+        return {"meta": tf.constant(json.dumps(meta)), "data": data}
+
+    def _restore_from_tensors(self, restored_tensors):
+        meta = json.loads(restored_tensors["meta"].numpy().decode())
+        data = restored_tensors["data"].numpy()
+        if meta.get("format") != _FORMAT:
+            raise ValueError(f"tfgc: unknown compression-state checkpoint format {meta.get('format')}")
+        cdo = self._ops
+        saved_replicas = int(meta["replicas"])
+        ranks = [cdo.worker_rank + r for r in range(len(cdo.local_devices))]
+        same_cluster = meta.get("first_replica", 0) == 0 and saved_replicas == cdo.group_size
+        if not same_cluster and not (saved_replicas == 1 and cdo.group_size == 1):
+            logging.warning(
+                "tfgc: the checkpoint holds the compression state of %d replica(s), this cluster "
+                "has %d; floating state is spread evenly (its total is kept), counters come "
+                "from the first replica", saved_replicas, cdo.group_size)
+        if meta.get("compressor") != self._compressor_key and self._compressor_key is not None:
+            logging.warning("tfgc: restoring compression state saved with %s into %s; fields "
+                            "of the same name and shape are restored", meta.get("compressor"),
+                            self._compressor_key)
+        current = {(name, path): variables for name, path, variables in self._fields()}
+        self.last_restore = {}
+        for name, path, dtype_name, shape, offset, words in meta["fields"]:
+            dtype = tf.as_dtype(dtype_name)
+            rows = [_from_words(data[i, offset:offset + words], dtype, shape)
+                    for i in range(saved_replicas)]
+            if same_cluster or (saved_replicas == 1 and cdo.group_size == 1):
+                values = [rows[rank] for rank in ranks]
+            elif dtype.is_floating:
+                total = np.sum([row.astype(np.float64) for row in rows], axis=0)
+                values = [(total / cdo.group_size).astype(dtype.as_numpy_dtype)] * len(ranks)
+            else:
+                values = [rows[0]] * len(ranks)
+            if dtype.is_floating:
+                self.last_restore[f"{name}/{path}"] = float(np.linalg.norm(
+                    values[0].astype(np.float64).ravel()))
+            # A slot that does not exist yet takes its value when it is created.
+            self._pending[(name, path)] = values
+            if (name, path) in current:
+                self._apply_pending(name, path, current[(name, path)])
+        logging.info("tfgc: restored the compression state of %d field(s) from %d replica(s) "
+                     "(%s)", len(meta["fields"]), saved_replicas, meta.get("compressor"))
+        return None
+
+
+def var_key(var) -> str:
+    """A variable's identity, the same for a distributed variable and its components."""
+    container = getattr(var, "_distributed_container", None)
+    if container is not None:
+        var = container()
+    if isinstance(var, resource_variable_ops.BaseResourceVariable):
+        # A component of a distributed variable carries its container on its handle.
+        handle_container = getattr(var.handle, "_distributed_container", None)
+        if handle_container is not None:
+            var = handle_container()
+    unique_id = getattr(var, "_unique_id", None)
+    return unique_id if unique_id is not None else str(id(var))
+
+
+def get_state(owner) -> Optional[CompressionState]:
+    """The compression state attached to ``owner`` (an optimizer), or None."""
+    if not isinstance(owner, trackable.Trackable):
+        return None
+    owner._maybe_initialize_trackable()  # pylint: disable=protected-access
+    state = owner._lookup_dependency(DEPENDENCY_NAME)  # pylint: disable=protected-access
+    return state if isinstance(state, CompressionState) else None
+
+
+def state_for(owner, cross_device_ops, compressor, compressor_key, variables, compress_mask):
+    """The owner's state for these variables: created, registered and attached as needed.
+
+    A new state is attached to ``owner`` after its slots exist, so a checkpoint
+    restored before the first step (a deferred restoration) lands in them directly.
+    """
+    state = get_state(owner)
+    fresh = state is None or state._ops_ref() is not cross_device_ops  # pylint: disable=protected-access
+    if fresh:
+        if not isinstance(owner, trackable.Trackable):
+            raise ValueError("the owner of compression state must be a trackable object (an "
+                             f"optimizer, a tf.Module), got {type(owner).__name__}")
+        state = CompressionState(cross_device_ops)
+    state.register(compressor, compressor_key, variables, compress_mask)
+    if fresh:
+        with ops.init_scope():
+            state._restoring = True  # pylint: disable=protected-access
+            try:
+                owner._track_trackable(state, name=DEPENDENCY_NAME, overwrite=True)  # pylint: disable=protected-access
+            finally:
+                state._restoring = False  # pylint: disable=protected-access
+    return state

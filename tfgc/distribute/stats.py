@@ -1,4 +1,23 @@
-"""Per-step communication statistics, readable from Python and from Keras logs."""
+"""Per-step communication statistics: what a worker really puts on the wire.
+
+Figures per worker and per gradient reduction:
+
+* ``dense_bytes``: the gradients as they are (uncompressed);
+* ``payload_bytes``: what this worker encodes: compressed payloads, plus the
+  gradients sent dense and the few control words;
+* ``sent_bytes`` / ``received_bytes``: what crosses this worker's link for the
+  algorithm used. TensorFlow's CPU collectives are rings: an all-reduce of B bytes
+  sends and receives 2(N-1)/N * B per worker (reduce-scatter, then all-gather), an
+  all-gather of P bytes per worker sends and receives (N-1) * P;
+* ``dense_sent_bytes``: what the stock dense ring all-reduce of the same gradients
+  would send, 2(N-1)/N * dense_bytes, the figure to compare ``sent_bytes`` with.
+
+``ratio`` is dense_bytes / payload_bytes (the compression of the payload) and
+``wire_ratio`` is dense_sent_bytes / sent_bytes (the saving on the wire; 0 for a
+single worker, which sends nothing). IndexedSlices (embedding) gradients take the
+stock gather path; their sizes are known only at run time and are counted then, with
+this worker's own size standing in for every worker's.
+"""
 
 import threading
 
@@ -6,17 +25,65 @@ import tensorflow as tf
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import resource_variable_ops
 
-_FIELDS = ("steps", "dense_bytes", "sent_bytes", "total_dense_bytes", "total_sent_bytes")
+_BYTE_FIELDS = ("dense_bytes", "payload_bytes", "sent_bytes", "received_bytes",
+                "dense_sent_bytes")
+_FIELDS = ("steps", "nonfinite_steps") + _BYTE_FIELDS + tuple(f"total_{f}" for f in _BYTE_FIELDS)
+
+
+class WireBytes:
+    """Adds up one reduction's figures while it is being built."""
+
+    def __init__(self, num_workers: int):
+        self.n = num_workers
+        self.dense = 0
+        self.payload = 0
+        self.allreduce_bytes = 0
+        self.gather_bytes = 0
+        self.dynamic = []  # (payload, gathered, dense) tensors of IndexedSlices
+
+    def _ring_allreduce(self, nbytes: int) -> int:
+        return 2 * (self.n - 1) * nbytes // self.n
+
+    def dense_allreduce(self, nbytes: int):
+        self.dense += nbytes
+        self.payload += nbytes
+        self.allreduce_bytes += nbytes
+
+    def compressed_allreduce(self, dense: int, payload: int):
+        self.dense += dense
+        self.payload += payload
+        self.allreduce_bytes += payload
+
+    def control_allreduce(self, nbytes: int):
+        self.payload += nbytes
+        self.allreduce_bytes += nbytes
+
+    def gathered(self, dense: int, payload: int):
+        self.dense += dense
+        self.payload += payload
+        self.gather_bytes += payload
+
+    def control_gathered(self, nbytes: int):
+        self.payload += nbytes
+        self.gather_bytes += nbytes
+
+    def indexed_slices(self, slices, dense_nbytes: int):
+        values = tf.cast(tf.size(slices.values, out_type=tf.int64), tf.int64) * slices.values.dtype.size
+        indices = tf.cast(tf.size(slices.indices, out_type=tf.int64), tf.int64) * slices.indices.dtype.size
+        self.dense += dense_nbytes
+        self.dynamic.append(values + indices)
+
+    @property
+    def static_sent(self) -> int:
+        return self._ring_allreduce(self.allreduce_bytes) + (self.n - 1) * self.gather_bytes
+
+    @property
+    def dense_sent(self) -> int:
+        return self._ring_allreduce(self.dense)
 
 
 class CompressionStats:
-    """Bytes each worker contributes per gradient reduction.
-
-    ``dense_bytes`` is what the uncompressed gradients of the last reduction take,
-    ``sent_bytes`` what this worker actually handed to the collectives for them
-    (dense tensors plus compressed payloads), and ``ratio`` their quotient. Totals
-    accumulate over all reductions since the strategy was created.
-    """
+    """The figures above for the last gradient reduction, and totals since creation."""
 
     def __init__(self, device="/device:CPU:0"):
         self._device = device
@@ -33,21 +100,33 @@ class CompressionStats:
                         for f in _FIELDS}
             return self._vars
 
-    def record(self, dense_bytes: int, sent_bytes: int):
-        """Adds one reduction's figures (Python ints known when the graph is built)."""
+    def record(self, wire: WireBytes, ok=None):
+        """Adds one reduction's figures; ``ok`` is False when its step was skipped."""
         v = self._variables()
         with ops.device(self._device):
-            return tf.group(
-                v["steps"].assign_add(1),
-                v["dense_bytes"].assign(dense_bytes),
-                v["sent_bytes"].assign(sent_bytes),
-                v["total_dense_bytes"].assign_add(dense_bytes),
-                v["total_sent_bytes"].assign_add(sent_bytes))
+            dynamic = tf.add_n(wire.dynamic) if wire.dynamic else tf.constant(0, tf.int64)
+            values = {
+                "dense_bytes": tf.constant(wire.dense, tf.int64),
+                "payload_bytes": wire.payload + dynamic,
+                "sent_bytes": wire.static_sent + (wire.n - 1) * dynamic,
+                "received_bytes": wire.static_sent + (wire.n - 1) * dynamic,
+                "dense_sent_bytes": tf.constant(wire.dense_sent, tf.int64),
+            }
+            updates = [v["steps"].assign_add(1)]
+            if ok is not None:
+                updates.append(v["nonfinite_steps"].assign_add(1 - tf.cast(ok, tf.int64)))
+            for f, value in values.items():
+                updates.append(v[f].assign(value))
+                updates.append(v[f"total_{f}"].assign_add(value))
+            return tf.group(*updates)
 
     def result(self):
-        """A dict of Python numbers: the fields above plus ``ratio``."""
+        """A dict of Python numbers: the fields above plus ``ratio`` and ``wire_ratio``."""
         values = {f: int(var.numpy()) for f, var in self._variables().items()}
-        values["ratio"] = (values["dense_bytes"] / values["sent_bytes"]) if values["sent_bytes"] else 0.0
+        values["ratio"] = (values["dense_bytes"] / values["payload_bytes"]) \
+            if values["payload_bytes"] else 0.0
+        values["wire_ratio"] = (values["dense_sent_bytes"] / values["sent_bytes"]) \
+            if values["sent_bytes"] else 0.0
         return values
 
     def reset(self):

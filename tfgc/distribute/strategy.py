@@ -6,6 +6,8 @@ from tensorflow.python.distribute import collective_util
 from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import multi_worker_util
 
+from tfgc.distribute import keras_hooks
+from tfgc.distribute import state as state_lib
 from tfgc.distribute.cross_device_ops import CompressedAllReduce, check_compression_args
 
 
@@ -78,6 +80,9 @@ class CompressedMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStr
             communication_options = collective_util.Options()
         kwargs = dict(compressor=compressor, policy=policy, communication=communication,
                       bucket_bytes=bucket_bytes)
+        # Keras optimizers name their variables to us; Keras models get rebuilt
+        # train functions when the compressor is switched.
+        keras_hooks.install()
         # The parent's __init__ hard-codes its own extended class; build ours and
         # hand it to the common Strategy base instead.
         distribute_lib.Strategy.__init__(  # pylint: disable=non-parent-init-called
@@ -93,8 +98,17 @@ class CompressedMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStr
 
     @compressor.setter
     def compressor(self, value):
-        """Switches compressor; it takes effect when the train function is next traced."""
+        """Switches compressor from the next training step on.
+
+        Keras models trained under this strategy get a new train function, also in
+        the middle of ``fit`` (e.g. from a callback). A custom ``tf.function``
+        traced before the switch fails at its next call and must be traced again.
+        Residuals carry over to the new compressor; other state starts fresh.
+        """
         self.cross_device_ops.compressor = value
+
+    def _register_model(self, model):
+        self.cross_device_ops.register_model(model)
 
     @property
     def worker_index(self) -> int:
@@ -109,10 +123,24 @@ class CompressedMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStr
         """Bytes of the last reduction and totals, as a dict of Python numbers."""
         return self.cross_device_ops.stats.result()
 
-    def compression_state(self):
-        """The compressor state variables of this worker (residuals, counters)."""
-        return self.cross_device_ops.state
+    def compression_state(self, owner=None):
+        """This worker's compressor state (residuals, counters).
 
-    def reset_compression_state(self):
-        """Zeroes residuals and counters, e.g. after loading weights from a checkpoint."""
-        self.cross_device_ops.state.reset()
+        With ``owner`` (an optimizer): the ``tfgc.distribute.CompressionState``
+        attached to it, or None before its first step. Without: a list of every
+        live state of this strategy, one per optimizer that has trained.
+        """
+        if owner is not None:
+            return state_lib.get_state(owner)
+        return self.cross_device_ops.states()
+
+    def reset_compression_state(self, owner=None):
+        """Zeroes residuals and counters of ``owner`` (or of every optimizer) on this worker.
+
+        Every worker must do the same: workers whose step counters differ stop
+        at the next step with an error.
+        """
+        states = [self.compression_state(owner)] if owner is not None else self.compression_state()
+        for s in states:
+            if s is not None:
+                s.reset()

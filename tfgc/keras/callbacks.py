@@ -8,9 +8,15 @@ class CompressionStatsCallback(keras.callbacks.Callback):
 
     Keys (so ``model.fit`` prints them and ``History`` records them):
 
-    * ``sent_MB``: megabytes (1e6) this worker sent for the last gradient reduction;
-    * ``dense_MB``: what the uncompressed gradients would have taken;
-    * ``ratio``: dense / sent.
+    * ``sent_MB``: megabytes (1e6) this worker put on the wire for the last gradient
+      reduction (the ring all-reduce or all-gather of its payloads);
+    * ``dense_sent_MB``: what the stock dense ring all-reduce sends for the same
+      gradients on the same number of workers;
+    * ``ratio``: compression of the payload (dense gradients / payload);
+    * ``wire_ratio``: dense_sent_MB / sent_MB.
+
+    ``strategy.compression_stats()`` has the rest (received bytes, payload bytes,
+    totals, steps skipped for non-finite gradients).
 
     The callback reads three variables per batch; pass ``every_n_batches`` to read
     less often. The progress bar averages nothing: it shows the last step's figures.
@@ -33,8 +39,9 @@ class CompressionStatsCallback(keras.callbacks.Callback):
         stats = self._strategy.compression_stats()
         p = self._prefix
         return {f"{p}sent_MB": stats["sent_bytes"] / 1e6,
-                f"{p}dense_MB": stats["dense_bytes"] / 1e6,
-                f"{p}ratio": stats["ratio"]}
+                f"{p}dense_sent_MB": stats["dense_sent_bytes"] / 1e6,
+                f"{p}ratio": stats["ratio"],
+                f"{p}wire_ratio": stats["wire_ratio"]}
 
     def on_train_batch_end(self, batch, logs=None):
         if logs is None:

@@ -1,0 +1,171 @@
+"""Compression state users can trust, on real 2-worker clusters (TF_CONFIG on localhost,
+TensorFlow's collectives): only gradients are compressed, state is per variable and
+per optimizer, checkpointed per worker, untouched by non-finite steps, and workers
+that disagree stop with a message instead of training on misaligned payloads.
+
+Fixtures start few clusters: ``checks`` runs every check of
+``tests/cluster/state_checks.py`` in one launch; ``disagree_*`` and ``killed`` are
+launches that fail, or restart, on purpose.
+"""
+
+import json
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from tfgc.launch import launch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CLUSTER = os.path.join(REPO, "tests", "cluster")
+ENV = {"PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+       "TF_CPP_MIN_LOG_LEVEL": "2"}
+NONFINITE_SPECS = ["ef+topk:ratio=0.01", "onebit", "efsignsgd", "randomk:ratio=0.05"]
+
+
+def run(out, script, workers=2, args=(), restarts=0, timeout=600):
+    return launch([sys.executable, os.path.join(CLUSTER, script), *map(str, args)], workers,
+                  env=ENV, timeout=timeout, restarts=restarts, output=open(os.devnull, "w"))
+
+
+def load(out, name, rank):
+    with open(out / f"{name}.w{rank}.json") as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def checks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("state_checks")
+    result = run(out, "state_checks.py", args=[out, "--nonfinite-specs", *NONFINITE_SPECS])
+    assert result.ok, result.message
+    return out
+
+
+def test_user_all_reduce_and_strategy_reduce_are_exact(checks):
+    for rank in (0, 1):
+        r = load(checks, "exact", rank)
+        # A [64, 64] float all-reduce under top-k used to come back with 41
+        # non-zeros and count as a training step.
+        assert r["replica_sum_nonzeros"] == 64 * 64
+        assert r["replica_sum_err"] < 1e-5 and r["reduce_err"] < 1e-5
+        assert r["steps_counted"] == 0
+
+
+@pytest.mark.parametrize("spec", NONFINITE_SPECS)
+def test_nonfinite_step_leaves_state_untouched(checks, spec):
+    for rank in (0, 1):
+        r = load(checks, "nonfinite", rank)[spec]
+        # Only the last worker saw the NaN, yet every worker skipped the step...
+        assert r["skipped"] == 1
+        assert r["weights_unchanged"]
+        assert r["scale_after"] == r["scale_before"] / 2
+        # ...and kept its state (residuals, step counter) bit for bit.
+        assert r["state_fields"] >= 1 and r["state_unchanged"] and r["state_finite"]
+        assert r["finite_after"] and r["state_finite_after"]
+    with np.load(checks / "nonfinite.w0.npz") as a, np.load(checks / "nonfinite.w1.npz") as b:
+        for key in a.files:
+            if key.startswith(spec + "/"):
+                np.testing.assert_array_equal(a[key], b[key])
+
+
+def test_checkpoint_restores_each_workers_own_state(checks):
+    norms = []
+    for rank in (0, 1):
+        r = load(checks, "checkpoint", rank)
+        # Restored from worker 0's checkpoint into a fresh model and optimizer
+        # before their first step (a deferred restoration)...
+        assert r["deferred"]
+        # ...one more step matches the uninterrupted run bit for bit, residuals
+        # and step counter included.
+        assert r["same_weights"] and r["same_state"]
+        norms.append(r["norms_saved"])
+    # The workers' residuals differ, so each got its own back, not worker 0's.
+    assert norms[0] != norms[1]
+    with np.load(checks / "checkpoint.w0.npz") as a, np.load(checks / "checkpoint.w1.npz") as b:
+        assert any(not np.array_equal(a[k], b[k]) for k in a.files)
+
+
+def test_two_models_do_not_share_state(checks):
+    for rank in (0, 1):
+        r = load(checks, "two_models", rank)
+        assert r["identical_to_alone"] and r["changed"]
+        assert r["distinct_states"] == 3
+
+
+def test_switching_compressor_mid_fit_takes_effect_next_batch(checks):
+    for rank in (0, 1):
+        r = load(checks, "switch", rank)
+        dense = r["dense"]
+        # none for batches 0-3, then top-1% from batch 4 on, in the same fit().
+        assert r["payloads"][:4] == [dense] * 4
+        assert all(p < dense / 20 for p in r["payloads"][4:]) and len(r["payloads"]) == 8
+
+
+def test_stale_tf_function_fails_with_a_clear_message(checks):
+    for rank in (0, 1):
+        assert "compressor was switched after this tf.function was traced" in \
+            load(checks, "stale", rank)["message"]
+
+
+def test_float64_goes_dense_and_embeddings_are_counted(checks):
+    r0, r1 = load(checks, "dtypes", 0), load(checks, "dtypes", 1)
+    assert r0["float64_steps"] == 2
+    assert r0["float64_payload"] == r0["float64_dense"] == 8 * (100 * 64 + 64 + 64 * 10 + 10)
+    assert r0["float64_weights"] == r1["float64_weights"]
+    emb = r0["embedding"]
+    # Slices: 32 x 8 rows of 16 float32 values, and their int32 indices; the dense
+    # 128 x 10 kernel goes top-1% (13 entries), its bias dense, plus 2 control words.
+    slices = 32 * 8 * 16 * 4 + 32 * 8 * 4
+    assert emb["payload_bytes"] == slices + 8 * math.ceil(0.01 * 1280) + 40 + 8
+    assert emb["dense_bytes"] == 4 * (1000 * 16 + 1280 + 10)
+    assert emb["sent_bytes"] == emb["payload_bytes"]  # (N-1) = 1 for gathers, 2(N-1)/N = 1
+
+
+def test_workers_with_different_compressors_stop_naming_both(tmp_path):
+    result = run(tmp_path, "disagree.py", args=["settings", "topk:ratio=0.01", "qsgd"],
+                 timeout=300)
+    assert not result.ok
+    assert "compression settings differ" in result.message
+    assert "'name': 'topk'" in result.message and "'name': 'qsgd'" in result.message
+    assert "NOT STOPPED" not in "".join(result.outputs)
+
+
+def test_partial_reset_of_step_counters_is_caught(tmp_path):
+    result = run(tmp_path, "disagree.py", args=["steps"], timeout=300)
+    assert not result.ok
+    assert "step counters differ" in result.message
+    assert "NOT STOPPED" not in "".join(result.outputs)
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    out = tmp_path_factory.mktemp("killed")
+    result = run(out, "kill_restart.py", args=[out], restarts=1, timeout=600)
+    assert result.ok, result.message
+    return out, result
+
+
+def test_killed_worker_resumes_with_its_own_residuals(killed):
+    out, result = killed
+    assert result.restarts == 1
+    restored, backed_up = [], []
+    for rank in (0, 1):
+        r = load(out, "restored", rank)
+        backups = json.load(open(out / f"backups.w{rank}.a0.json"))
+        # The last backup before the kill (batch 9 of epoch 0; worker 1 died at 12).
+        last = backups["0/9"]
+        assert (r["epoch"], r["batch"]) == (0, 10)
+        assert set(r["norms"]) == set(last)
+        for key, norm in last.items():
+            assert norm > 0
+            assert r["norms"][key] == pytest.approx(norm, rel=1e-9)
+        restored.append(r["norms"])
+        backed_up.append(last)
+    assert backed_up[0] != backed_up[1], "workers' residuals should differ"
+    finals = [load(out, "final", rank) for rank in (0, 1)]
+    assert all(f["attempt"] == 1 and f["optimizer_iterations"] == 40 for f in finals)
+    with np.load(out / "final.w0.npz") as a, np.load(out / "final.w1.npz") as b:
+        for key in a.files:
+            np.testing.assert_array_equal(a[key], b[key])
