@@ -1,17 +1,22 @@
 """Bytes per step: what each compressor actually sends, measured on a real cluster.
 
     python benchmarks/bytes_per_step.py
-    python benchmarks/bytes_per_step.py --models mlp --compressors none topk:ratio=0.001
+    python benchmarks/bytes_per_step.py --models mlp --workers 2 4 --compressors none topk:ratio=0.001
 
-For each model one local 2-worker cluster is started. Inside it a single
+For each model and each cluster size (default 2, 3 and 4 workers) one local cluster
+is started. Inside it a single
 CompressedMultiWorkerMirroredStrategy is reused for every compressor (as
 tests/cluster/fit_sweep.py does): the compressor is switched, a fresh model is
 built and trained for a few steps, and ``strategy.compression_stats()`` is read.
 Accuracy is irrelevant here; only the byte counts of the gradient reduction are.
 
-Next to each measured figure the script prints the figure predicted by the wire
-format of each compressor, computed here in plain Python from the model's variable
-shapes (see ``expected_tensor_bytes``), so a reader can check the two agree.
+Three figures per worker and step: the payload it encodes, what it sends over its
+link (TensorFlow's CPU collectives are rings: an all-reduce of B bytes sends
+2(N-1)/N * B, an all-gather of P bytes sends (N-1) * P), and what the stock dense
+ring all-reduce would send for the same gradients. Next to each measured figure the
+script prints the one predicted by the wire format of each compressor, computed
+here in plain Python from the model's variable shapes (see ``expected_tensor_bytes``),
+so a reader can check the two agree.
 """
 
 import argparse
@@ -35,7 +40,7 @@ def parse_args(argv=None):
     p.add_argument("--compressors", nargs="+", default=DEFAULT_COMPRESSORS, metavar="SPEC")
     p.add_argument("--models", nargs="+", choices=["mlp", "cnn"], default=["mlp", "cnn"])
     p.add_argument("--dataset", choices=["mnist5k", "synthetic"], default="mnist5k")
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--workers", type=int, nargs="+", default=[2, 3, 4])
     p.add_argument("--batch_size", type=int, default=64)
     p.add_argument("--steps", type=int, default=3, help="training steps per compressor")
     p.add_argument("--min_elements", type=int, default=1024,
@@ -46,7 +51,7 @@ def parse_args(argv=None):
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--json_out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.steps < 1 or args.workers < 1:
+    if args.steps < 1 or min(args.workers) < 1:
         p.error("--steps and --workers must be >= 1")
     return args
 
@@ -82,7 +87,7 @@ WIRE_FORMAT = {
     "randomk": "32 bit per kept value (all-reduce)",
     "topk": "64 bit per kept entry",
     "onebit": "1 bit/elem + 2 floats/column",
-    "signsgd": "1 bit/elem",
+    "signsgd": "1 bit sign + 1 bit non-zero /elem",
     "scaledsign": "1 bit/elem + 1 float",
     "qsgd": "{bits} bit/elem + 1 float/{bucket_size}",
     "terngrad": "2 bit/elem + 1 float",
@@ -132,7 +137,7 @@ def expected_tensor_bytes(name, config, shape):
     if name == "onebit":
         return _words(n) + 2 * _words(32 * cols), f"1 bit/elem + 2x{cols} floats"
     if name == "signsgd":
-        return _words(n), "1 bit/elem"
+        return 2 * _words(n), "2 bit/elem"
     if name == "scaledsign":
         return _words(32) + _words(n), "1 bit/elem + 1 float"
     if name == "qsgd":
@@ -145,28 +150,51 @@ def expected_tensor_bytes(name, config, shape):
     raise ValueError(f"no wire formula for compressor {name!r}")
 
 
-def expected_step(compressor_config, variables, min_elements):
-    """Expected (dense_bytes, sent_bytes, per-tensor rows) for one reduction.
+# Control words of a checked reduction (every compressor but the stateless casts):
+# the non-finite flag and the step counter, 2 int32 words in the all-gather or 9
+# float32 in the all-reduce.
+CONTROL_GATHER, CONTROL_ALLREDUCE = 8, 36
+SUMMABLE = ("none", "fp16", "bf16", "randomk")
+
+
+def expected_step(compressor_config, variables, min_elements, workers):
+    """Expected figures of one reduction on ``workers`` workers.
 
     ``variables`` are (name, shape) of the float32 trainable variables. The
     policy sends a gradient dense (32 bits/elem) if it is rank < 2 or has fewer
-    than ``min_elements`` elements.
+    than ``min_elements`` elements. Returns a dict with dense, payload and sent
+    bytes, and the per-tensor rows.
     """
     cfg = _unwrap(compressor_config)
     name, config = cfg["name"], cfg["config"]
-    dense_total = sent_total = 0
+    wrapped = compressor_config["name"] == "ef"
+    dense_total = allreduce = gather = 0
     rows = []
+    compressed = False
     for var_name, shape in variables:
         n = math.prod(shape)
         dense_total += FLOAT * n
         if len(shape) < 2 or n < max(min_elements, 1):
-            sent, how = FLOAT * n, "dense"
+            payload, how = FLOAT * n, "dense"
+            allreduce += payload
         else:
-            sent, how = expected_tensor_bytes(name, config, shape)
-        sent_total += sent
+            compressed = True
+            payload, how = expected_tensor_bytes(name, config, shape)
+            if name in SUMMABLE:
+                allreduce += payload
+            else:
+                gather += payload
         rows.append({"variable": var_name, "shape": list(shape), "dense_bytes": FLOAT * n,
-                     "expected_sent_bytes": sent, "formula": how})
-    return dense_total, sent_total, rows
+                     "expected_payload_bytes": payload, "formula": how})
+    if compressed and (wrapped or name not in ("none", "fp16", "bf16")):
+        if name in SUMMABLE:
+            allreduce += CONTROL_ALLREDUCE
+        else:
+            gather += CONTROL_GATHER
+    n_ = workers
+    return {"dense": dense_total, "payload": allreduce + gather,
+            "sent": 2 * (n_ - 1) * allreduce // n_ + (n_ - 1) * gather,
+            "dense_sent": 2 * (n_ - 1) * dense_total // n_, "rows": rows}
 
 
 # ---------------------------------------------------------------------------------
@@ -216,14 +244,18 @@ def worker_main(args):
             "variables": [(v.name, [int(d) for d in v.shape]) for v in net.trainable_variables],
             "variable_dtypes": sorted({v.dtype.name for v in net.trainable_variables}),
             "dense_bytes": after["dense_bytes"],
+            "payload_bytes": after["payload_bytes"],
             "sent_bytes": after["sent_bytes"],
+            "received_bytes": after["received_bytes"],
+            "dense_sent_bytes": after["dense_sent_bytes"],
             "ratio": after["ratio"],
+            "wire_ratio": after["wire_ratio"],
             # Reductions recorded during this fit; should equal --steps.
             "reductions": after["steps"] - before["steps"],
             "fit_seconds": seconds,
         })
-        print(f"[bytes_per_step] {args.model} {spec}: {after['sent_bytes']} of "
-              f"{after['dense_bytes']} bytes", flush=True)
+        print(f"[bytes_per_step] {args.model} {spec}: {after['sent_bytes']} sent, "
+              f"{after['payload_bytes']} payload of {after['dense_bytes']} bytes", flush=True)
     if rank == 0:
         with open(args.json_out, "w") as f:
             json.dump({"model": args.model, "workers": num_workers, "results": results}, f)
@@ -236,30 +268,32 @@ def _fmt_bytes(b):
     return f"{b:,}"
 
 
-def print_table(model, rows):
-    print(f"\n### {model}\n")
-    print("| compressor | wire format | dense B/step | sent B/step | expected B/step | match | "
-          "ratio | expected ratio | reductions |")
-    print("|:-----------|:------------|-------------:|------------:|----------------:|:-----:|"
-          "------:|---------------:|-----------:|")
+def print_table(model, workers, rows):
+    print(f"\n### {model}, {workers} workers (bytes per worker and step)\n")
+    print("| compressor | wire format | payload | sent | expected sent | received | "
+          "dense ring sent | wire ratio | match |")
+    print("|:-----------|:------------|--------:|-----:|--------------:|---------:|"
+          "----------------:|-----------:|:-----:|")
     for r in rows:
         print(f"| {r['spec']} | {wire_format(r['compressor_config'])} | "
-              f"{_fmt_bytes(r['dense_bytes'])} | {_fmt_bytes(r['sent_bytes'])} | "
-              f"{_fmt_bytes(r['expected_sent_bytes'])} | {'yes' if r['match'] else '**NO**'} | "
-              f"{r['ratio']:.1f}x | {r['expected_ratio']:.1f}x | {r['reductions']} |")
+              f"{_fmt_bytes(r['payload_bytes'])} | {_fmt_bytes(r['sent_bytes'])} | "
+              f"{_fmt_bytes(r['expected']['sent'])} | {_fmt_bytes(r['received_bytes'])} | "
+              f"{_fmt_bytes(r['dense_sent_bytes'])} | {r['wire_ratio']:.1f}x | "
+              f"{'yes' if r['match'] else '**NO**'} |")
 
 
 def print_formula(model, row):
     print(f"\nper-tensor wire formula for {model} ({row['spec']}):")
-    for t in row["tensors"]:
+    for t in row["expected"]["rows"]:
         print(f"  {t['variable']:<24} {str(tuple(t['shape'])):<18} "
-              f"{t['dense_bytes']:>9,} B dense -> {t['expected_sent_bytes']:>9,} B  ({t['formula']})")
+              f"{t['dense_bytes']:>9,} B dense -> {t['expected_payload_bytes']:>9,} B  "
+              f"({t['formula']})")
 
 
 def driver_main(args):
     scratch = _common.scratch_dir("tfgc_bytes_")
     log_path = os.path.join(scratch, "workers.log")
-    print(f"bytes per step: {len(args.compressors)} compressors x {args.models}, "
+    print(f"bytes per step: {len(args.compressors)} compressors x {args.models} on "
           f"{args.workers} workers, {args.steps} steps each on {args.dataset}, "
           f"policy min_elements={args.min_elements}")
     print(f"worker output: {log_path}", flush=True)
@@ -268,40 +302,48 @@ def driver_main(args):
               "config": {k: getattr(args, k) for k in (
                   "compressors", "models", "dataset", "workers", "batch_size", "steps",
                   "min_elements")},
-              "models": {}}
+              "runs": []}
     all_match = True
     started = time.monotonic()
     with open(log_path, "w") as log:
         for model in args.models:
-            json_path = os.path.join(scratch, f"{model}.json")
-            cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--model", model,
-                   "--json_out", json_path, "--dataset", args.dataset,
-                   "--batch_size", str(args.batch_size), "--steps", str(args.steps),
-                   "--min_elements", str(args.min_elements), "--compressors", *args.compressors]
-            log.write(f"\n===== {model} =====\n")
-            t0 = time.monotonic()
-            got = _common.run_cluster(cmd, args.workers, json_path, args.timeout, log)
-            print(f"{model}: cluster ran {time.monotonic() - t0:.0f} s", flush=True)
-            rows = []
-            for r in got["results"]:
-                if r["variable_dtypes"] != ["float32"]:
-                    raise RuntimeError(f"formula assumes float32 variables, got {r['variable_dtypes']}")
-                dense, sent, tensors = expected_step(r["compressor_config"], r["variables"],
-                                                     args.min_elements)
-                r.update({"expected_dense_bytes": dense, "expected_sent_bytes": sent,
-                          "expected_ratio": dense / sent, "tensors": tensors,
-                          "match": (dense == r["dense_bytes"] and sent == r["sent_bytes"]
-                                    and r["reductions"] == args.steps)})
-                all_match &= r["match"]
-                rows.append(r)
-            report["models"][model] = rows
+            for workers in args.workers:
+                json_path = os.path.join(scratch, f"{model}.{workers}.json")
+                cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--model", model,
+                       "--json_out", json_path, "--dataset", args.dataset,
+                       "--batch_size", str(args.batch_size), "--steps", str(args.steps),
+                       "--min_elements", str(args.min_elements),
+                       "--compressors", *args.compressors]
+                log.write(f"\n===== {model}, {workers} workers =====\n")
+                t0 = time.monotonic()
+                got = _common.run_cluster(cmd, workers, json_path, args.timeout, log)
+                print(f"{model}, {workers} workers: cluster ran {time.monotonic() - t0:.0f} s",
+                      flush=True)
+                rows = []
+                for r in got["results"]:
+                    if r["variable_dtypes"] != ["float32"]:
+                        raise RuntimeError("formula assumes float32 variables, got "
+                                           f"{r['variable_dtypes']}")
+                    exp = expected_step(r["compressor_config"], r["variables"],
+                                        args.min_elements, workers)
+                    r["expected"] = exp
+                    r["match"] = (exp["dense"] == r["dense_bytes"]
+                                  and exp["payload"] == r["payload_bytes"]
+                                  and exp["sent"] == r["sent_bytes"] == r["received_bytes"]
+                                  and exp["dense_sent"] == r["dense_sent_bytes"]
+                                  and r["reductions"] == args.steps)
+                    all_match &= r["match"]
+                    rows.append(r)
+                report["runs"].append({"model": model, "workers": workers, "results": rows})
 
-    for model, rows in report["models"].items():
-        print_table(model, rows)
+    for run in report["runs"]:
+        print_table(run["model"], run["workers"], run["results"])
     # One worked example per model makes the formula concrete.
-    for model, rows in report["models"].items():
-        example = next((r for r in rows if r["spec"] == "onebit"), rows[0])
-        print_formula(model, example)
+    for run in report["runs"]:
+        if run["workers"] == args.workers[0]:
+            example = next((r for r in run["results"] if r["spec"] == "onebit"),
+                           run["results"][0])
+            print_formula(run["model"], example)
 
     report["all_match"] = all_match
     print(f"\nmeasured == expected for every row: {'yes' if all_match else 'NO'}"

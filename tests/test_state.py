@@ -92,6 +92,8 @@ def test_two_models_do_not_share_state(checks):
         r = load(checks, "two_models", rank)
         assert r["identical_to_alone"] and r["changed"]
         assert r["distinct_states"] == 3
+        live_before, live_after = r["live_states"]
+        assert live_after == live_before - 1, "a dropped model's state stayed alive"
 
 
 def test_switching_compressor_mid_fit_takes_effect_next_batch(checks):

@@ -21,6 +21,7 @@ module compares workers and asserts. Checks:
 """
 
 import argparse
+import gc
 import json
 import os
 
@@ -215,11 +216,18 @@ def check_two_models(s, out_dir):
     for i in range(6):
         step_ref(*s.batch(i))
     states = {id(strategy.compression_state(o)) for o in (opt_a, opt_b, opt_ref)}
+    changed = not all(np.array_equal(x.numpy(), y.numpy())
+                      for x, y in zip(a.trainable_variables, b.trainable_variables))
+    # The state goes with its optimizer: dropping model b frees b's state.
+    live_before = len(strategy.compression_state())
+    del b, opt_b, step_b
+    gc.collect()
+    live_after = len(strategy.compression_state())
     save(out_dir, "two_models", s.rank, {
+        "live_states": [live_before, live_after],
         "identical_to_alone": all(np.array_equal(x.numpy(), y.numpy())
                                   for x, y in zip(a.trainable_variables, ref.trainable_variables)),
-        "changed": not all(np.array_equal(x.numpy(), y.numpy())
-                           for x, y in zip(a.trainable_variables, b.trainable_variables)),
+        "changed": changed,
         "distinct_states": len(states)})
 
 
