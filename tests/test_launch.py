@@ -208,35 +208,45 @@ def test_timeout_kills_cluster(tmp_path, capsys):
     assert _wait_gone(_read_pids(tmp_path, 2, timeout=1)) == []
 
 
-def test_sigint_stops_all_workers(tmp_path):
-    script = _write(tmp_path, "ready.py", _PREAMBLE + """
-    print("ready", flush=True)
-    time.sleep(600)
-    """)
+def _signal_when_ready(tmp_path, launcher_args, script, ready_lines, sig, pids_fn):
+    """Starts the launcher, waits for every ``ready_lines`` line, then sends it ``sig``.
+
+    Returns (launcher exit code, its stderr, the worker pids read once ready).
+    """
     proc = subprocess.Popen(
-        _launcher_cmd("--workers", "2", "--grace", "2", "--", sys.executable, script,
-                      str(tmp_path)),
+        _launcher_cmd(*launcher_args, "--", sys.executable, script, str(tmp_path)),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=_launcher_env(), cwd=tmp_path)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(l) for l in proc.stdout], daemon=True).start()
     try:
         ready, deadline = set(), time.monotonic() + 30
-        while ready != {"[w0] ready", "[w1] ready"}:
+        while ready != set(ready_lines):
             remaining = deadline - time.monotonic()
             assert remaining > 0, f"workers never became ready; got {ready}"
             try:
                 ready.add(lines.get(timeout=remaining).strip())
             except queue.Empty:
                 pass
-        pids = _read_pids(tmp_path, 2)
-        proc.send_signal(signal.SIGINT)
+        pids = pids_fn()
+        proc.send_signal(sig)
         rc = proc.wait(timeout=20)
         stderr = proc.stderr.read()
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    return rc, stderr, pids
+
+
+def test_sigint_stops_all_workers(tmp_path):
+    script = _write(tmp_path, "ready.py", _PREAMBLE + """
+    print("ready", flush=True)
+    time.sleep(600)
+    """)
+    rc, stderr, pids = _signal_when_ready(
+        tmp_path, ["--workers", "2", "--grace", "2"], script, {"[w0] ready", "[w1] ready"},
+        signal.SIGINT, lambda: _read_pids(tmp_path, 2))
     assert rc == 128 + signal.SIGINT, stderr
     assert "SIGINT" in stderr
     assert _wait_gone(pids) == []
@@ -489,30 +499,9 @@ def test_sigterm_to_launcher_does_not_restart(tmp_path):
     print(f"ready {count}", flush=True)
     time.sleep(600)
     """)
-    proc = subprocess.Popen(
-        _launcher_cmd("--workers", "2", "--grace", "2", "--restarts", "3", "--",
-                      sys.executable, script, str(tmp_path)),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=_launcher_env(), cwd=tmp_path)
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(l) for l in proc.stdout], daemon=True).start()
-    try:
-        ready, deadline = set(), time.monotonic() + 30
-        while ready != {"[w0] ready 0", "[w1] ready 0"}:
-            remaining = deadline - time.monotonic()
-            assert remaining > 0, f"workers never became ready; got {ready}"
-            try:
-                ready.add(lines.get(timeout=remaining).strip())
-            except queue.Empty:
-                pass
-        pids = _all_pids(tmp_path)
-        proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(timeout=20)
-        stderr = proc.stderr.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    rc, stderr, pids = _signal_when_ready(
+        tmp_path, ["--workers", "2", "--grace", "2", "--restarts", "3"], script,
+        {"[w0] ready 0", "[w1] ready 0"}, signal.SIGTERM, lambda: _all_pids(tmp_path))
     assert rc == 128 + signal.SIGTERM, stderr
     assert "SIGTERM" in stderr and "restarting" not in stderr
     for i in range(2):
