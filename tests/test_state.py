@@ -11,6 +11,7 @@ launches that fail, or restart, on purpose.
 import json
 import math
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -85,6 +86,26 @@ def test_checkpoint_restores_each_workers_own_state(checks):
     assert norms[0] != norms[1]
     with np.load(checks / "checkpoint.w0.npz") as a, np.load(checks / "checkpoint.w1.npz") as b:
         assert any(not np.array_equal(a[k], b[k]) for k in a.files)
+
+
+def test_checkpoint_of_two_workers_restores_on_one_keeping_the_residual_mass(checks, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    env.update(ENV)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(CLUSTER, "state_checks.py"), str(tmp_path), "--checks",
+         "restore_elsewhere", "--checkpoint", str(checks / "ckpt_w0" / "state")],
+        env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    restored = load(tmp_path, "restore_elsewhere", 0)
+    with np.load(checks / "checkpoint_saved.w0.npz") as a, \
+            np.load(checks / "checkpoint_saved.w1.npz") as b:
+        # Variable 0 is the step counter; the others are the residuals, in order.
+        totals = [np.linalg.norm((a[k].astype(np.float64) + b[k]).ravel())
+                  for k in sorted(a.files, key=int)[1:]]
+        step = int(a["0"])
+    # One worker now holds the sum of both workers' residuals; the counter is kept.
+    assert sorted(restored["restored_norms"].values()) == pytest.approx(sorted(totals), rel=1e-6)
+    assert restored["step"] == step + 1
 
 
 def test_two_models_do_not_share_state(checks):

@@ -42,6 +42,11 @@ flags.DEFINE_string("save_weights", "", "If set, each worker saves its final wei
 flags.DEFINE_string("json_out", "", "If set, worker 0 writes its results here as JSON.")
 flags.DEFINE_integer("timeout", 0, "With --workers, stop the local cluster after this many "
                      "seconds (0: no limit).", lower_bound=0)
+flags.DEFINE_integer("restarts", 0, "With --workers, restart the local cluster up to this many "
+                     "times when a worker fails (use with --backup_dir).", lower_bound=0)
+flags.DEFINE_string("backup_dir", "", "If set, Keras BackupAndRestore backs up the model, the "
+                    "optimizer and every worker's compression state here each epoch, and a "
+                    "restarted run resumes from it.")
 
 
 def worker_info(strategy):
@@ -179,7 +184,8 @@ def _launch_local_cluster():
     from tfgc.launch import launch
     # absl hands main() only the positional arguments; the workers need every flag.
     command = [sys.executable, "-m", "tfgc.train"] + sys.argv[1:]
-    result = launch(command, FLAGS.workers, timeout=FLAGS.timeout or None)
+    result = launch(command, FLAGS.workers, timeout=FLAGS.timeout or None,
+                    restarts=FLAGS.restarts)
     if not result.ok:
         print(result.message, file=sys.stderr)
     return result.returncode
@@ -203,10 +209,14 @@ def main(argv):
             policy=tfgc.CompressionPolicy(min_elements=FLAGS.min_elements),
             communication=FLAGS.communication)
     tf_keras.utils.set_random_seed(FLAGS.seed)
+    callbacks = []
+    if FLAGS.backup_dir:
+        callbacks.append(tf_keras.callbacks.BackupAndRestore(FLAGS.backup_dir))
     results, net = train_and_evaluate(
         strategy, model=FLAGS.model, dataset=FLAGS.dataset, epochs=FLAGS.epochs,
         batch_size=FLAGS.batch_size, learning_rate=FLAGS.learning_rate,
-        optimizer=FLAGS.optimizer, seed=FLAGS.seed, steps_per_epoch=FLAGS.steps_per_epoch)
+        optimizer=FLAGS.optimizer, seed=FLAGS.seed, steps_per_epoch=FLAGS.steps_per_epoch,
+        callbacks=callbacks)
 
     if FLAGS.save_weights:
         np.savez(f"{FLAGS.save_weights}.w{results['rank']}.npz",

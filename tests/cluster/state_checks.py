@@ -12,6 +12,8 @@ module compares workers and asserts. Checks:
 * ``checkpoint``: a checkpoint of worker 0, restored into a fresh model and
   optimizer on every worker before its first step, gives each worker its own
   residuals back: one more step then matches an uninterrupted run bit for bit;
+* ``restore_elsewhere`` (run alone, ``--checkpoint``): a checkpoint written by a
+  cluster of another size is restored with each residual's total kept;
 * ``two_models``: a second model with the same shapes trained in between does
   not change the first one's training;
 * ``switch``: switching compressor from a callback takes effect at the next batch;
@@ -176,6 +178,7 @@ def check_checkpoint(s, out_dir):
     # Every worker saves (as Keras callbacks do); only worker 0's copy is read back.
     path = ckpt.write(os.path.join(out_dir, f"ckpt_w{s.rank}", "state"))
     norms_saved = strategy.compression_state(opt).residual_norms()
+    np.savez(os.path.join(out_dir, f"checkpoint_saved.w{s.rank}.npz"), **s.state_arrays(opt))
     step(*s.batch(5))
     uninterrupted = {"w": [w.numpy() for w in net.trainable_variables],
                      "state": s.state_arrays(opt)}
@@ -198,6 +201,19 @@ def check_checkpoint(s, out_dir):
         "norms_saved": norms_saved,
         "norms_resumed": strategy.compression_state(fresh_opt).residual_norms()},
         {k: v for k, v in uninterrupted["state"].items()})
+
+
+def check_restore_elsewhere(s, out_dir, checkpoint):
+    """Restores a checkpoint written by a cluster of another size, before the first step."""
+    import tensorflow as tf
+    strategy = s.strategy
+    strategy.compressor = "ef+topk:ratio=0.01"
+    net, opt = s.model(seed=6)
+    tf.train.Checkpoint(model=net, optimizer=opt).read(checkpoint)
+    s.train_step(net, opt)(*s.batch(0))
+    state = strategy.compression_state(opt)
+    save(out_dir, "restore_elsewhere", s.rank, {"restored_norms": state.last_restore,
+                                                "step": int(state.step(0).numpy())})
 
 
 def check_two_models(s, out_dir):
@@ -313,6 +329,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out_dir")
     parser.add_argument("--checks", nargs="*", default=list(CHECKS))
+    parser.add_argument("--checkpoint", help="for restore_elsewhere: the checkpoint to read")
     parser.add_argument("--nonfinite-specs", nargs="*",
                         default=["ef+topk:ratio=0.01", "onebit", "efsignsgd", "randomk:ratio=0.05"])
     args = parser.parse_args()
@@ -325,6 +342,8 @@ def main():
     for name in args.checks:
         if name == "nonfinite":
             check_nonfinite(s, args.out_dir, args.nonfinite_specs)
+        elif name == "restore_elsewhere":
+            check_restore_elsewhere(s, args.out_dir, args.checkpoint)
         else:
             globals()[f"check_{name}"](s, args.out_dir)
         print(f"done {name}", flush=True)
