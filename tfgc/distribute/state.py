@@ -13,9 +13,10 @@ worker (each residual holds what that worker has not sent yet). So:
 * Within an owner, state is keyed by variable (``optimizer._var_key``) and local
   replica. A step counter per replica counts the compressed reductions that were
   applied (steps with non-finite gradients do not count).
-* Switching compressor migrates the state: a residual of the same shape is carried
-  over (nothing the old compressor held back is lost), everything else starts fresh,
-  and the old variables are dropped.
+* Switching compressor migrates the state: a field the new compressor also keeps
+  (a residual of the same shape) is carried over, so error feedback loses nothing
+  across the switch; everything else starts fresh, the rest of the old state is
+  dropped (with a warning), and so are the old variables.
 
 Checkpoints of different workers: Keras keeps only the chief's checkpoint (the other
 workers write to temporary directories that are deleted), yet every worker must get
@@ -173,9 +174,16 @@ class CompressionState(trackable.Trackable):
                      self._compressor_key, compressor_key)
         old = self._slots
         self._slots = {}
+        dropped = set()
         for key, per_replica in old.items():
             carry = [fields for _, fields in per_replica]
             self._slots[key] = self._create(compressor, key, carry=carry)
+            dropped |= set(carry[0]) - set(self._slots[key][0][1])
+        if dropped:
+            # The new compressor keeps no such field: what it held is not sent.
+            logging.warning("tfgc: %s keeps no state field %s; the values held there under %s "
+                            "are dropped", compressor_key, ", ".join(sorted(dropped)),
+                            self._compressor_key)
         # Counters restart with the compressor: its shared random streams begin anew.
         for step in self._steps:
             step.assign(0)
