@@ -45,6 +45,9 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=3, help="training steps per compressor")
     p.add_argument("--min_elements", type=int, default=1024,
                    help="compression policy: smaller gradients are sent dense")
+    p.add_argument("--communication", default="auto",
+                   choices=["auto", "allgather", "shared_index"],
+                   help="how payloads cross the wire (shared_index: top-k compressors only)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per cluster")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"JSON output (default {DEFAULT_OUT})")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -157,7 +160,7 @@ CONTROL_GATHER, CONTROL_ALLREDUCE = 8, 36
 SUMMABLE = ("none", "fp16", "bf16", "randomk")
 
 
-def expected_step(compressor_config, variables, min_elements, workers):
+def expected_step(compressor_config, variables, min_elements, workers, communication="auto"):
     """Expected figures of one reduction on ``workers`` workers.
 
     ``variables`` are (name, shape) of the float32 trainable variables. The
@@ -180,14 +183,19 @@ def expected_step(compressor_config, variables, min_elements, workers):
         else:
             compressed = True
             payload, how = expected_tensor_bytes(name, config, shape)
-            if name in SUMMABLE:
+            if communication == "shared_index":
+                # The root's k int32 indices, then every worker's k float32 values,
+                # each through the plain all-reduce.
+                how += ", shared index set"
+                allreduce += payload
+            elif name in SUMMABLE:
                 allreduce += payload
             else:
                 gather += payload
         rows.append({"variable": var_name, "shape": list(shape), "dense_bytes": FLOAT * n,
                      "expected_payload_bytes": payload, "formula": how})
     if compressed and (wrapped or name not in ("none", "fp16", "bf16")):
-        if name in SUMMABLE:
+        if name in SUMMABLE or communication == "shared_index":
             allreduce += CONTROL_ALLREDUCE
         else:
             gather += CONTROL_GATHER
@@ -212,7 +220,7 @@ def worker_main(args):
     from tfgc.train import make_optimizer, worker_info
 
     strategy = tfgc.CompressedMultiWorkerMirroredStrategy(
-        compressor=args.compressors[0],
+        compressor=args.compressors[0], communication=args.communication,
         policy=tfgc.CompressionPolicy(min_elements=args.min_elements))
     rank, num_workers = worker_info(strategy)
     ds = data_lib.load_dataset(args.dataset, seed=0)
@@ -301,7 +309,7 @@ def driver_main(args):
     report = {"benchmark": "bytes_per_step",
               "config": {k: getattr(args, k) for k in (
                   "compressors", "models", "dataset", "workers", "batch_size", "steps",
-                  "min_elements")},
+                  "min_elements", "communication")},
               "runs": []}
     all_match = True
     started = time.monotonic()
@@ -313,6 +321,7 @@ def driver_main(args):
                        "--json_out", json_path, "--dataset", args.dataset,
                        "--batch_size", str(args.batch_size), "--steps", str(args.steps),
                        "--min_elements", str(args.min_elements),
+                       "--communication", args.communication,
                        "--compressors", *args.compressors]
                 log.write(f"\n===== {model}, {workers} workers =====\n")
                 t0 = time.monotonic()
@@ -325,7 +334,7 @@ def driver_main(args):
                         raise RuntimeError("formula assumes float32 variables, got "
                                            f"{r['variable_dtypes']}")
                     exp = expected_step(r["compressor_config"], r["variables"],
-                                        args.min_elements, workers)
+                                        args.min_elements, workers, args.communication)
                     r["expected"] = exp
                     r["match"] = (exp["dense"] == r["dense_bytes"]
                                   and exp["payload"] == r["payload_bytes"]

@@ -7,11 +7,13 @@ keys and ordering token: workers launch them in one order and cannot deadlock.
 
 from tfgc.collectives.allgather import gather_payloads
 from tfgc.collectives.dense import fused_all_reduce
+from tfgc.collectives.shared_index import share_root_indices
 
 # Communication schemes a compressed gradient can use. "allreduce" needs a
-# summable payload; "allgather" works for any payload. The butterfly (recompress
-# at every hop) and sparse all-reduce schemes plug in here.
-COMMUNICATIONS = ("auto", "allreduce", "allgather")
+# summable payload; "allgather" works for any payload; "shared_index" needs a
+# sparsifier that selects indices (one worker's index set serves all). The
+# butterfly (recompress at every hop) and sparse all-reduce schemes plug in here.
+COMMUNICATIONS = ("auto", "allreduce", "allgather", "shared_index")
 
 
 
@@ -24,7 +26,12 @@ def check_communication(communication, compressor):
             f"`communication`='allreduce' needs a summable compressor, but {compressor!r} "
             "payloads do not add element-wise (they carry per-worker indices or scales); "
             "use 'allgather' or 'auto'")
+    if communication == "shared_index" and not compressor.selects_indices:
+        raise ValueError(
+            f"`communication`='shared_index' needs a sparsifier that selects indices (topk, "
+            f"ef+topk), got {compressor!r}")
     return communication
 
 
-__all__ = ["COMMUNICATIONS", "check_communication", "fused_all_reduce", "gather_payloads"]
+__all__ = ["COMMUNICATIONS", "check_communication", "fused_all_reduce", "gather_payloads",
+           "share_root_indices"]

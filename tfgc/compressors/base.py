@@ -81,6 +81,9 @@ class Compressor(abc.ABC):
     passes_non_finite: bool = False
     # Gradient dtypes the kernels take. Others (float64) are sent dense, exactly.
     dtypes = (tf.float32, tf.float16, tf.bfloat16)
+    # Sparsifiers that can choose an index set from one worker's values set this and
+    # implement ``select_indices``; they can then run on the shared-index all-reduce.
+    selects_indices: bool = False
 
     # -- serialization -------------------------------------------------------------
 
@@ -127,6 +130,17 @@ class Compressor(abc.ABC):
     def decompress(self, payload: Payload, shape: tf.TensorShape, dtype: tf.DType,
                    ctx: CompressContext) -> tf.Tensor:
         """Decodes one payload (or, if summable, a sum of payloads) to a dense tensor."""
+
+    def select_indices(self, v: tf.Tensor, ctx: CompressContext) -> tf.Tensor:
+        """The int32 flat indices this sparsifier would send for ``v``, static shape ``[k]``.
+
+        Used by the shared-index all-reduce: one worker's choice serves every worker.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not select indices")
+
+    def num_selected(self, shape: tf.TensorShape) -> int:
+        """How many indices ``select_indices`` returns for a gradient of ``shape``."""
+        raise NotImplementedError(f"{type(self).__name__} does not select indices")
 
     def compress_and_decode(self, x, state, ctx):
         """``compress`` plus the local decoding of its payload.

@@ -41,6 +41,16 @@ class ErrorFeedback(Compressor):
     def summable(self):
         return self.inner.summable
 
+    @property
+    def selects_indices(self):
+        return self.inner.selects_indices
+
+    def select_indices(self, v, ctx):
+        return self.inner.select_indices(v, ctx)
+
+    def num_selected(self, shape):
+        return self.inner.num_selected(shape)
+
     def get_config(self):
         return {"compressor": registry_config(self.inner)}
 

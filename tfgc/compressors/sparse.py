@@ -39,6 +39,7 @@ class TopK(Compressor):
 
     name = "topk"
     summable = False
+    selects_indices = True
 
     def __init__(self, ratio: float = 0.01, k: int = 0):
         self.ratio = check_ratio("ratio", ratio)
@@ -50,6 +51,14 @@ class TopK(Compressor):
     def compress(self, x, state, ctx):
         payload, state, _ = self.compress_with_feedback(x, tf.zeros_like(x), state, ctx)
         return payload, state
+
+    def num_selected(self, shape) -> int:
+        return self.num_kept(shape)
+
+    def select_indices(self, v, ctx):
+        k = self.num_kept(v.shape)
+        out = sparsify.sparsify_with_residual(v, tf.zeros_like(v), k, exact=True)
+        return tf.ensure_shape(out.indices, [k])
 
     def compress_with_feedback(self, x, residual, state, ctx):
         # One fused kernel: v = x + residual, exact top-k of |v| (ties to the lower

@@ -98,6 +98,41 @@ def _step_digits(step) -> tf.Tensor:
     return tf.stack([x for d in digits for x in (d, d * d)])
 
 
+def _digits_agree(sums, num_workers):
+    """From the summed control vector [flag, d0, d0^2, ...]: (any worker bad, steps agree)."""
+    sums = tf.cast(sums, tf.float64)
+    d, d2 = sums[1::2], sums[2::2]
+    return sums[0] > 0.5, tf.reduce_all(tf.equal(num_workers * d2, d * d))
+
+
+def _checked(any_bad, steps_agree, step, steps_seen):
+    """``not any_bad``, after an assertion that every worker is at the same step."""
+    agree = tf.debugging.Assert(steps_agree, [
+        "tfgc: the workers' compression step counters differ: compressor state was "
+        "reset or restored on some workers only. This worker's step and the "
+        "counters seen:", step, steps_seen], summarize=64)
+    with ops.control_dependencies([agree]):
+        return tf.identity(tf.logical_not(any_bad))
+
+
+def _local_bad(tensors):
+    """int32 scalar: 1 if any of ``tensors`` holds an inf or NaN."""
+    finite = [tf.reduce_all(tf.math.is_finite(t)) for t in tensors]
+    return 1 - tf.cast(tf.reduce_all(tf.stack(finite)), tf.int32)
+
+
+def _decode_or_skip(ok, decode_and_commit, like):
+    """``decode_and_commit()`` if ``ok`` (None: unchecked), else NaN shaped like ``like``."""
+    if ok is None:
+        return decode_and_commit()
+
+    def skip():
+        return [tf.fill(tf.shape(t), tf.constant(float("nan"), t.dtype)) for t in like]
+
+    out = tf.cond(ok, decode_and_commit, skip)
+    return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
 class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
     """Cross-device ops that compress gradients on their way through collectives.
 
@@ -110,7 +145,8 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
       policy: a ``CompressionPolicy`` (default: compress tensors of rank >= 2 with
         at least 1024 elements).
       communication: "auto" (all-reduce for summable payloads, all-gather
-        otherwise), "allreduce" (summable compressors only) or "allgather".
+        otherwise), "allreduce" (summable compressors only), "allgather" or
+        "shared_index" (sparsifiers that select indices).
       bucket_bytes: upper bound on the per-worker size of one fused all-gather.
       worker_rank: index of this worker's first replica among all replicas; seeds
         per-worker randomness.
@@ -197,6 +233,11 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         if self._communication == "auto":
             return self._compressor.summable
         return self._communication == "allreduce"
+
+    def _path_name(self) -> str:
+        if self._communication == "shared_index":
+            return "the shared-index all-reduce"
+        return "all-reduce" if self._use_allreduce() else "all-gather"
 
     # -- exchanges outside the training step ----------------------------------------
 
@@ -355,7 +396,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             reduced = super()._all_reduce(reduce_util.ReduceOp.SUM, tensors, replica_id, options) \
                 if tensors else []
             for t in tensors:
-                wire.dense_allreduce(_nbytes(t))
+                wire.allreduce(_nbytes(t), dense=_nbytes(t))
             for i, r in zip(tensor_pos, reduced):
                 results[i] = r
             ok = None
@@ -363,8 +404,10 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             state = state_lib.state_for(ctx.owner, self, compressor,
                                         repr(serialize_config(compressor)), variables, mask)
             self._states.add(state)
-            reduced, ok = self._compressed_reduce(tensors, variables, mask, state, launcher,
-                                                  device, rank, replica_id, options, wire)
+            reduce_fn = self._shared_index_reduce if self._communication == "shared_index" \
+                else self._compressed_reduce
+            reduced, ok = reduce_fn(tensors, variables, mask, state, launcher, device, rank,
+                                    replica_id, options, wire)
             for i, r in zip(tensor_pos, reduced):
                 results[i] = r
 
@@ -386,7 +429,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                     "tfgc: %d of %d gradients compressed with %r over %s; per worker and step: "
                     "%d bytes of gradients, %d bytes of payload, %d sent (a dense ring all-reduce "
                     "sends %d)", 4, sum(mask), len(flat), compressor,
-                    "all-reduce" if self._use_allreduce() else "all-gather", wire.dense,
+                    self._path_name(), wire.dense,
                     wire.payload, wire.static_sent, wire.dense_sent)
         return results
 
@@ -417,10 +460,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             has_state = any(tf.nest.flatten(s) for s in slots.values())
             # Stateless compressors that carry every inf/NaN through need no check.
             checked = has_state or not compressor.passes_non_finite
-            local_bad = None
-            if checked:
-                finite = [tf.reduce_all(tf.math.is_finite(tensors[i])) for i in payloads]
-                local_bad = 1 - tf.cast(tf.reduce_all(tf.stack(finite)), tf.int32)
+            local_bad = _local_bad([tensors[i] for i in payloads]) if checked else None
 
             # 2. Communicate: one fused all-reduce (per dtype) for dense tensors and
             #    summable payloads, fused all-gathers for the other payloads; the
@@ -429,18 +469,18 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             for i, t in enumerate(tensors):
                 if i not in payloads:
                     to_reduce.append((i, t))
-                    wire.dense_allreduce(_nbytes(t))
+                    wire.allreduce(_nbytes(t), dense=_nbytes(t))
                 elif use_allreduce:
                     if len(payloads[i]) != 1:
                         raise ValueError(f"{compressor!r} is summable, so its payload must be "
                                          f"one tensor, got {len(payloads[i])}")
                     to_reduce.append((i, payloads[i][0]))
-                    wire.compressed_allreduce(_nbytes(t), _payload_bytes(payloads[i], False))
+                    wire.allreduce(_payload_bytes(payloads[i], False), dense=_nbytes(t))
             control = None
             if checked and use_allreduce:
                 control = tf.concat([tf.cast(local_bad, tf.float32)[None], _step_digits(step)], 0)
                 to_reduce.append((-1, control))
-                wire.control_allreduce(_nbytes(control))
+                wire.allreduce(_nbytes(control))
             # Reversed, as the stock implementation packs, so identity matches it bit for bit.
             reduced = collectives.fused_all_reduce(launcher, [t for _, t in to_reduce][::-1],
                                                    options)[::-1]
@@ -457,30 +497,21 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                     control=extra)
                 gathered = dict(zip(order, exchanged))
                 for i in order:
-                    wire.gathered(_nbytes(tensors[i]), _payload_bytes(payloads[i], True))
+                    wire.gather(_payload_bytes(payloads[i], True), dense=_nbytes(tensors[i]))
                 if checked:
-                    wire.control_gathered(8)
+                    wire.gather(8)
 
             # 3. Did every worker have finite gradients and the same step?
             ok = None
             if checked:
                 if use_allreduce:
-                    sums = tf.cast(reduced[-1], tf.float64)
-                    any_bad = sums[0] > 0.5
-                    d, d2 = sums[1::2], sums[2::2]
-                    steps_agree = tf.reduce_all(tf.equal(n * d2, d * d))
+                    any_bad, steps_agree = _digits_agree(reduced[-1], n)
                     steps_seen = step
                 else:
                     any_bad = tf.reduce_any(gathered_control[:, 0] != 0)
                     steps_seen = gathered_control[:, 1]
                     steps_agree = tf.reduce_all(tf.equal(steps_seen, steps_seen[0]))
-                ok = tf.logical_not(any_bad)
-                agree = tf.debugging.Assert(steps_agree, [
-                    "tfgc: the workers' compression step counters differ: compressor state was "
-                    "reset or restored on some workers only. This worker's step and the "
-                    "counters seen:", step, steps_seen], summarize=64)
-                with ops.control_dependencies([agree]):
-                    ok = tf.identity(ok)
+                ok = _checked(any_bad, steps_agree, step, steps_seen)
 
             # 4. Decode, combine and commit the new state, or keep the old one.
             def decode_and_commit():
@@ -498,18 +529,94 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                     step_var.assign_add(1)
                 return outs
 
-            def skip():
-                return [tf.fill(tf.shape(tensors[i]), tf.constant(float("nan"), tensors[i].dtype))
-                        for i in sorted(payloads)]
-
-            if ok is None:
-                decoded = decode_and_commit()
-            else:
-                decoded = tf.cond(ok, decode_and_commit, skip)
-                if not isinstance(decoded, (list, tuple)):
-                    decoded = [decoded]
+            decoded = _decode_or_skip(ok, decode_and_commit, [tensors[i] for i in sorted(payloads)])
             decoded = dict(zip(sorted(payloads), decoded))
             outputs = [decoded[i] if i in payloads else reduced[i] for i in range(len(tensors))]
+        return outputs, ok
+
+    def _shared_index_reduce(self, tensors, variables, mask, state, launcher, device, rank,
+                             replica_id, options, wire):
+        """Importance-weighted pruning's shared index set (Cheng & Xu 2019), with top-k.
+
+        Each step a root, chosen in rotation (step mod N, the same on every worker),
+        selects the index set of every compressed gradient from its own
+        v = g + residual; the sets reach every worker through an int32 all-reduce
+        (``collectives.share_root_indices``), the control words riding along.
+        Every worker then gathers its own v at those indices and the values go
+        through the plain fused all-reduce with the dense tensors. Under error
+        feedback the new residual is v with the sent entries zeroed.
+        """
+        compressor = self._compressor
+        error_feedback = "residual" in compressor.init_state(tf.TensorShape([1]), tf.float32)
+        n = self._group_size
+        guard = self._generation_guard()
+        with ops.device(device), ops.control_dependencies([guard] if guard is not None else []):
+            step_var = state.step(replica_id)
+            step = step_var.read_value()
+            is_root = tf.equal(tf.math.floormod(step, n), rank)
+            compressed = [i for i, m in enumerate(mask) if m]
+
+            # 1. The root selects; everyone learns its index sets.
+            flat_v, slots, selections = {}, {}, []
+            for index, i in enumerate(compressed):
+                t = tensors[i]
+                slot = state.slot(variables[i], replica_id)
+                v = tf.reshape(t, [-1])
+                if error_feedback:
+                    v = v + tf.reshape(slot["residual"].read_value(), [-1])
+                cctx = CompressContext(rank=rank, num_workers=n, index=index, step=step)
+                k = compressor.num_selected(t.shape)
+                # Only the root pays for the selection.
+                chosen = tf.cond(is_root,
+                                 lambda v=v, t=t, c=cctx: compressor.select_indices(
+                                     tf.reshape(v, t.shape), c),
+                                 lambda k=k: tf.zeros([k], tf.int32))
+                flat_v[i], slots[i] = v, slot
+                selections.append(chosen)
+            control = tf.cast(tf.concat([tf.cast(_local_bad([tensors[i] for i in compressed]),
+                                                 tf.float32)[None], _step_digits(step)], 0),
+                              tf.int32)
+            shared, control_sum = collectives.share_root_indices(launcher, selections, is_root,
+                                                                 options, control)
+            shared = dict(zip(compressed, shared))
+            for i in compressed:
+                wire.allreduce(4 * int(shared[i].shape[0]), dense=_nbytes(tensors[i]))
+            wire.allreduce(_nbytes(control))
+            any_bad, steps_agree = _digits_agree(control_sum, n)
+            ok = _checked(any_bad, steps_agree, step, step)
+
+            # 2. Values at the shared indices, summed with the dense tensors.
+            to_reduce = []
+            for i, t in enumerate(tensors):
+                if i in shared:
+                    # tf.gather checks every index: a corrupt set fails, never reads out of bounds.
+                    values = tf.gather(flat_v[i], shared[i])
+                    wire.allreduce(_nbytes(values))
+                else:
+                    values = t
+                    wire.allreduce(_nbytes(t), dense=_nbytes(t))
+                to_reduce.append(values)
+            reduced = collectives.fused_all_reduce(launcher, to_reduce[::-1], options)[::-1]
+
+            # 3. Scatter the sums back; commit the residuals, or keep them.
+            def decode_and_commit():
+                outs = []
+                for i in compressed:
+                    t = tensors[i]
+                    idx = shared[i][:, None]
+                    outs.append(tf.reshape(tf.scatter_nd(idx, reduced[i],
+                                                         [t.shape.num_elements()]), t.shape))
+                    if error_feedback:
+                        kept = tf.tensor_scatter_nd_update(flat_v[i], idx,
+                                                           tf.zeros_like(reduced[i]))
+                        slots[i]["residual"].assign(tf.reshape(kept, t.shape))
+                with ops.control_dependencies(outs):
+                    step_var.assign_add(1)
+                return outs
+
+            decoded = dict(zip(compressed, _decode_or_skip(ok, decode_and_commit,
+                                                           [tensors[i] for i in compressed])))
+            outputs = [decoded[i] if i in decoded else reduced[i] for i in range(len(tensors))]
         return outputs, ok
 
     # -- copying -------------------------------------------------------------------

@@ -44,28 +44,17 @@ class WireBytes:
     def _ring_allreduce(self, nbytes: int) -> int:
         return 2 * (self.n - 1) * nbytes // self.n
 
-    def dense_allreduce(self, nbytes: int):
-        self.dense += nbytes
-        self.payload += nbytes
-        self.allreduce_bytes += nbytes
-
-    def compressed_allreduce(self, dense: int, payload: int):
+    def allreduce(self, payload: int, dense: int = 0):
+        """``payload`` bytes all-reduced, standing for ``dense`` bytes of gradients."""
         self.dense += dense
         self.payload += payload
         self.allreduce_bytes += payload
 
-    def control_allreduce(self, nbytes: int):
-        self.payload += nbytes
-        self.allreduce_bytes += nbytes
-
-    def gathered(self, dense: int, payload: int):
+    def gather(self, payload: int, dense: int = 0):
+        """``payload`` bytes all-gathered, standing for ``dense`` bytes of gradients."""
         self.dense += dense
         self.payload += payload
         self.gather_bytes += payload
-
-    def control_gathered(self, nbytes: int):
-        self.payload += nbytes
-        self.gather_bytes += nbytes
 
     def indexed_slices(self, slices, dense_nbytes: int):
         values = tf.cast(tf.size(slices.values, out_type=tf.int64), tf.int64) * slices.values.dtype.size

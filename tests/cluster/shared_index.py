@@ -1,0 +1,78 @@
+"""A cluster worker for the shared-index all-reduce tests.
+
+Reduces deterministic per-worker "gradients" (a [16, 32] matrix, compressed with
+ef+topk k=6, and a [40] vector, dense) for STEPS steps under
+``communication="shared_index"`` and writes every step's result, this worker's
+final residual and the byte figures; the test replays the algorithm in NumPy.
+Then trains the MLP for a few steps the same way and saves its weights.
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+
+STEPS = 6
+K = 6
+
+
+def gradients(rank, step):
+    rng = np.random.RandomState(1000 * step + rank)
+    return rng.randn(16, 32).astype(np.float32), rng.randn(40).astype(np.float32)
+
+
+def main():
+    out_dir = sys.argv[1]
+    import tensorflow as tf
+    import tf_keras as keras
+
+    import tfgc
+    from tfgc import data as data_lib
+    from tfgc import models
+    from tfgc.train import worker_info
+
+    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(
+        compressor=f"ef+topk:k={K}", communication="shared_index",
+        policy=tfgc.CompressionPolicy(min_elements=0))
+    rank, n = worker_info(strategy)
+    owner = tf.Module()
+    with strategy.scope():
+        variables = [tf.Variable(tf.zeros([16, 32])), tf.Variable(tf.zeros([40]))]
+
+    @tf.function
+    def reduce(a, b):
+        def replica_fn(a, b):
+            with tfgc.compress_gradients(variables, owner=owner):
+                return tf.distribute.get_replica_context().all_reduce("sum", [a * 1.0, b * 1.0])
+        return strategy.run(replica_fn, args=(a, b))
+
+    outputs = []
+    for step in range(STEPS):
+        a, b = gradients(rank, step)
+        result = reduce(tf.constant(a), tf.constant(b))
+        outputs.append([strategy.experimental_local_results(r)[0].numpy() for r in result])
+    state = strategy.compression_state(owner)
+    residual = [v.numpy() for v in state.variables()][1]
+    arrays = {f"out{s}_{j}": o for s, outs in enumerate(outputs) for j, o in enumerate(outs)}
+    arrays["residual"] = residual
+    np.savez(os.path.join(out_dir, f"reduce.w{rank}.npz"), **arrays)
+    stats = strategy.compression_stats()
+
+    ds = data_lib.load_dataset("mnist5k", seed=0)
+    x, y = data_lib.shard(ds.x_train, ds.y_train, rank, n)
+    with strategy.scope():
+        net = models.build_model("mlp", seed=0)
+        net.compile(optimizer=keras.optimizers.SGD(0.05),
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    history = net.fit(data_lib.make_tf_dataset(x, y, 32, repeat=True), epochs=2,
+                      steps_per_epoch=20, verbose=0)
+    np.savez(os.path.join(out_dir, f"fit.w{rank}.npz"), *[w.numpy() for w in net.weights])
+    fit_stats = strategy.compression_stats()
+    with open(os.path.join(out_dir, f"results.w{rank}.json"), "w") as f:
+        json.dump({"workers": n, "stats": stats, "fit_stats": fit_stats,
+                   "losses": [float(v) for v in history.history["loss"]]}, f)
+
+
+if __name__ == "__main__":
+    main()
