@@ -7,13 +7,16 @@ keys and ordering token: workers launch them in one order and cannot deadlock.
 
 from tfgc.collectives.allgather import gather_payloads
 from tfgc.collectives.dense import fused_all_reduce
+from tfgc.collectives.pairwise import PairExchanger
 from tfgc.collectives.shared_index import share_root_indices
+from tfgc.collectives.sparse_allreduce import sparse_all_reduce
 
 # Communication schemes a compressed gradient can use. "allreduce" needs a
 # summable payload; "allgather" works for any payload; "shared_index" needs a
-# sparsifier that selects indices (one worker's index set serves all). The
-# butterfly (recompress at every hop) and sparse all-reduce schemes plug in here.
-COMMUNICATIONS = ("auto", "allreduce", "allgather", "shared_index")
+# sparsifier that selects indices (one worker's index set serves all);
+# "sparse_allreduce" needs a (values, indices) payload, merged stage by stage. The
+# butterfly (recompress at every hop) plugs in here.
+COMMUNICATIONS = ("auto", "allreduce", "allgather", "shared_index", "sparse_allreduce")
 
 
 
@@ -30,8 +33,12 @@ def check_communication(communication, compressor):
         raise ValueError(
             f"`communication`='shared_index' needs a sparsifier that selects indices (topk, "
             f"ef+topk), got {compressor!r}")
+    if communication == "sparse_allreduce" and not compressor.sparse_payload:
+        raise ValueError(
+            f"`communication`='sparse_allreduce' needs a sparsifier whose payload is (values, "
+            f"indices) (topk, ef+topk), got {compressor!r}")
     return communication
 
 
-__all__ = ["COMMUNICATIONS", "check_communication", "fused_all_reduce", "gather_payloads",
-           "share_root_indices"]
+__all__ = ["COMMUNICATIONS", "PairExchanger", "check_communication", "fused_all_reduce",
+           "gather_payloads", "share_root_indices", "sparse_all_reduce"]

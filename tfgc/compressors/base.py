@@ -84,6 +84,9 @@ class Compressor(abc.ABC):
     # Sparsifiers that can choose an index set from one worker's values set this and
     # implement ``select_indices``; they can then run on the shared-index all-reduce.
     selects_indices: bool = False
+    # Sparsifiers whose payload is (values, int32 flat indices) can run on the
+    # sparse all-reduce, which merges index sets stage by stage.
+    sparse_payload: bool = False
 
     # -- serialization -------------------------------------------------------------
 

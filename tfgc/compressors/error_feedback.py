@@ -45,6 +45,10 @@ class ErrorFeedback(Compressor):
     def selects_indices(self):
         return self.inner.selects_indices
 
+    @property
+    def sparse_payload(self):
+        return self.inner.sparse_payload
+
     def select_indices(self, v, ctx):
         return self.inner.select_indices(v, ctx)
 

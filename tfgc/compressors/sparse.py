@@ -40,6 +40,7 @@ class TopK(Compressor):
     name = "topk"
     summable = False
     selects_indices = True
+    sparse_payload = True
 
     def __init__(self, ratio: float = 0.01, k: int = 0):
         self.ratio = check_ratio("ratio", ratio)

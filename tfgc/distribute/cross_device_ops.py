@@ -169,6 +169,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         self._cross_replica_ctx = None
         self._states = weakref.WeakSet()
         self._models = weakref.WeakSet()
+        self._exchangers = {}
 
     # -- public --------------------------------------------------------------------
 
@@ -237,6 +238,8 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
     def _path_name(self) -> str:
         if self._communication == "shared_index":
             return "the shared-index all-reduce"
+        if self._communication == "sparse_allreduce":
+            return "the sparse all-reduce"
         return "all-reduce" if self._use_allreduce() else "all-gather"
 
     # -- exchanges outside the training step ----------------------------------------
@@ -404,8 +407,9 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             state = state_lib.state_for(ctx.owner, self, compressor,
                                         repr(serialize_config(compressor)), variables, mask)
             self._states.add(state)
-            reduce_fn = self._shared_index_reduce if self._communication == "shared_index" \
-                else self._compressed_reduce
+            reduce_fn = {"shared_index": self._shared_index_reduce,
+                         "sparse_allreduce": self._sparse_reduce}.get(self._communication,
+                                                                      self._compressed_reduce)
             reduced, ok = reduce_fn(tensors, variables, mask, state, launcher, device, rank,
                                     replica_id, options, wire)
             for i, r in zip(tensor_pos, reduced):
@@ -610,6 +614,78 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                         kept = tf.tensor_scatter_nd_update(flat_v[i], idx,
                                                            tf.zeros_like(reduced[i]))
                         slots[i]["residual"].assign(tf.reshape(kept, t.shape))
+                with ops.control_dependencies(outs):
+                    step_var.assign_add(1)
+                return outs
+
+            decoded = dict(zip(compressed, _decode_or_skip(ok, decode_and_commit,
+                                                           [tensors[i] for i in compressed])))
+            outputs = [decoded[i] if i in decoded else reduced[i] for i in range(len(tensors))]
+        return outputs, ok
+
+    def _exchanger(self, replica_id):
+        if replica_id not in self._exchangers:
+            self._exchangers[replica_id] = collectives.PairExchanger(
+                self._worker_rank + replica_id, self._group_size, self._devices[replica_id],
+                self._options)
+        return self._exchangers[replica_id]
+
+    def _sparse_reduce(self, tensors, variables, mask, state, launcher, device, rank,
+                       replica_id, options, wire):
+        """Top-k payloads summed by the sparse all-reduce with a dense switch.
+
+        Every compressed gradient's (values, indices) go into one index space (each
+        tensor at its own offset), merged stage by stage over pairwise exchanges
+        (``collectives.sparse_all_reduce``); the control words take one small int32
+        all-reduce of the whole group.
+        """
+        compressor = self._compressor
+        n = self._group_size
+        guard = self._generation_guard()
+        with ops.device(device), ops.control_dependencies([guard] if guard is not None else []):
+            step_var = state.step(replica_id)
+            step = step_var.read_value()
+            compressed = [i for i, m in enumerate(mask) if m]
+            slots, new_states, all_idx, all_val, offsets = {}, {}, [], [], {}
+            length = 0
+            for index, i in enumerate(compressed):
+                t = tensors[i]
+                cctx = CompressContext(rank=rank, num_workers=n, index=index, step=step)
+                slots[i] = state.slot(variables[i], replica_id)
+                current = tf.nest.map_structure(lambda v: v.read_value(), slots[i])
+                (values, indices), new_states[i] = compressor.compress(t, current, cctx)
+                offsets[i] = length
+                all_idx.append(indices + length)
+                all_val.append(tf.cast(values, tf.float32))
+                wire.exchanged(_payload_bytes((values, indices), False), _nbytes(t), 0)
+                length += t.shape.num_elements()
+            control = tf.cast(tf.concat([tf.cast(_local_bad([tensors[i] for i in compressed]),
+                                                 tf.float32)[None], _step_digits(step)], 0),
+                              tf.int32)
+            control_sum = launcher.all_reduce(control, options=options)
+            wire.allreduce(_nbytes(control))
+            total, sent = collectives.sparse_all_reduce(
+                self._exchanger(replica_id), n, tf.concat(all_idx, 0), tf.concat(all_val, 0),
+                length)
+            wire.dynamic_sent.append(sent)
+            any_bad, steps_agree = _digits_agree(control_sum, n)
+            ok = _checked(any_bad, steps_agree, step, step)
+
+            dense = [(i, t) for i, t in enumerate(tensors) if i not in slots]
+            for _, t in dense:
+                wire.allreduce(_nbytes(t), dense=_nbytes(t))
+            reduced = collectives.fused_all_reduce(launcher, [t for _, t in dense][::-1],
+                                                   options)[::-1] if dense else []
+            reduced = {i: r for (i, _), r in zip(dense, reduced)}
+
+            def decode_and_commit():
+                outs = []
+                for i in compressed:
+                    t = tensors[i]
+                    size = t.shape.num_elements()
+                    part = total[offsets[i]:offsets[i] + size]
+                    outs.append(tf.reshape(tf.cast(part, t.dtype), t.shape))
+                    tf.nest.map_structure(lambda v, s: v.assign(s), slots[i], new_states[i])
                 with ops.control_dependencies(outs):
                     step_var.assign_add(1)
                 return outs

@@ -39,7 +39,8 @@ class WireBytes:
         self.payload = 0
         self.allreduce_bytes = 0
         self.gather_bytes = 0
-        self.dynamic = []  # (payload, gathered, dense) tensors of IndexedSlices
+        self.dynamic = []  # payload bytes of IndexedSlices, gathered by the stock path
+        self.dynamic_sent = []  # bytes sent by exchanges whose sizes are known at run time
 
     def _ring_allreduce(self, nbytes: int) -> int:
         return 2 * (self.n - 1) * nbytes // self.n
@@ -55,6 +56,12 @@ class WireBytes:
         self.dense += dense
         self.payload += payload
         self.gather_bytes += payload
+
+    def exchanged(self, payload: int, dense: int, sent):
+        """A payload that left through pairwise exchanges, ``sent`` bytes in all (a tensor)."""
+        self.dense += dense
+        self.payload += payload
+        self.dynamic_sent.append(tf.cast(sent, tf.int64))
 
     def indexed_slices(self, slices, dense_nbytes: int):
         values = tf.cast(tf.size(slices.values, out_type=tf.int64), tf.int64) * slices.values.dtype.size
@@ -94,11 +101,15 @@ class CompressionStats:
         v = self._variables()
         with ops.device(self._device):
             dynamic = tf.add_n(wire.dynamic) if wire.dynamic else tf.constant(0, tf.int64)
+            exchanged = tf.add_n(wire.dynamic_sent) if wire.dynamic_sent \
+                else tf.constant(0, tf.int64)
+            sent = wire.static_sent + (wire.n - 1) * dynamic + exchanged
             values = {
                 "dense_bytes": tf.constant(wire.dense, tf.int64),
                 "payload_bytes": wire.payload + dynamic,
-                "sent_bytes": wire.static_sent + (wire.n - 1) * dynamic,
-                "received_bytes": wire.static_sent + (wire.n - 1) * dynamic,
+                # Every exchange is symmetric: a worker receives what it sends.
+                "sent_bytes": sent,
+                "received_bytes": sent,
                 "dense_sent_bytes": tf.constant(wire.dense_sent, tf.int64),
             }
             updates = [v["steps"].assign_add(1)]

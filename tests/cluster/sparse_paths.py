@@ -1,10 +1,12 @@
-"""A cluster worker for the shared-index all-reduce tests.
+"""A cluster worker for the sparse communication paths of top-k.
+
+    sparse_paths.py OUT_DIR COMMUNICATION      shared_index or sparse_allreduce
 
 Reduces deterministic per-worker "gradients" (a [16, 32] matrix, compressed with
-ef+topk k=6, and a [40] vector, dense) for STEPS steps under
-``communication="shared_index"`` and writes every step's result, this worker's
-final residual and the byte figures; the test replays the algorithm in NumPy.
-Then trains the MLP for a few steps the same way and saves its weights.
+ef+topk k=6, and a [40] vector, dense) for STEPS steps and writes every step's
+result, this worker's final residual and the byte figures; the test replays the
+algorithm in NumPy. Then trains the MLP for a few steps the same way and saves its
+weights.
 """
 
 import json
@@ -15,6 +17,8 @@ import numpy as np
 
 STEPS = 6
 K = 6
+# A second phase with k over half the tensor: the sparse all-reduce turns dense.
+DENSE_K, DENSE_STEPS = 300, 2
 
 
 def gradients(rank, step):
@@ -23,7 +27,7 @@ def gradients(rank, step):
 
 
 def main():
-    out_dir = sys.argv[1]
+    out_dir, communication = sys.argv[1], sys.argv[2]
     import tensorflow as tf
     import tf_keras as keras
 
@@ -33,7 +37,7 @@ def main():
     from tfgc.train import worker_info
 
     strategy = tfgc.CompressedMultiWorkerMirroredStrategy(
-        compressor=f"ef+topk:k={K}", communication="shared_index",
+        compressor=f"ef+topk:k={K}", communication=communication,
         policy=tfgc.CompressionPolicy(min_elements=0))
     rank, n = worker_info(strategy)
     owner = tf.Module()
@@ -56,9 +60,25 @@ def main():
     residual = [v.numpy() for v in state.variables()][1]
     arrays = {f"out{s}_{j}": o for s, outs in enumerate(outputs) for j, o in enumerate(outs)}
     arrays["residual"] = residual
-    np.savez(os.path.join(out_dir, f"reduce.w{rank}.npz"), **arrays)
     stats = strategy.compression_stats()
 
+    strategy.compressor = f"ef+topk:k={DENSE_K}"
+    owner = tf.Module()
+
+    @tf.function
+    def reduce_dense(a, b):
+        def replica_fn(a, b):
+            with tfgc.compress_gradients(variables, owner=owner):
+                return tf.distribute.get_replica_context().all_reduce("sum", [a * 1.0, b * 1.0])
+        return strategy.run(replica_fn, args=(a, b))
+
+    for step in range(DENSE_STEPS):
+        a, b = gradients(rank, 100 + step)
+        result = reduce_dense(tf.constant(a), tf.constant(b))
+        arrays[f"dense{step}"] = strategy.experimental_local_results(result[0])[0].numpy()
+    np.savez(os.path.join(out_dir, f"reduce.w{rank}.npz"), **arrays)
+
+    strategy.compressor = "ef+topk:ratio=0.01"
     ds = data_lib.load_dataset("mnist5k", seed=0)
     x, y = data_lib.shard(ds.x_train, ds.y_train, rank, n)
     with strategy.scope():
