@@ -121,16 +121,30 @@ def _local_bad(tensors):
     return 1 - tf.cast(tf.reduce_all(tf.stack(finite)), tf.int32)
 
 
-def _decode_or_skip(ok, decode_and_commit, like):
-    """``decode_and_commit()`` if ``ok`` (None: unchecked), else NaN shaped like ``like``."""
+def _commit_or_skip(ok, step_var, compressed, tensors, reduced, decode_and_commit_one):
+    """Every reduction's last step: the outputs for ``tensors``.
+
+    If ``ok`` (None: unchecked), ``decode_and_commit_one(i)`` decodes compressed
+    gradient i and writes its new state, and the step counter advances; otherwise
+    the compressed gradients come out NaN and no state changes. Gradients sent
+    dense come from ``reduced``.
+    """
+    def decode_and_commit():
+        outs = [decode_and_commit_one(i) for i in compressed]
+        with ops.control_dependencies(outs):
+            step_var.assign_add(1)
+        return outs
+
     if ok is None:
-        return decode_and_commit()
-
-    def skip():
-        return [tf.fill(tf.shape(t), tf.constant(float("nan"), t.dtype)) for t in like]
-
-    out = tf.cond(ok, decode_and_commit, skip)
-    return list(out) if isinstance(out, (list, tuple)) else [out]
+        decoded = decode_and_commit()
+    else:
+        def skip():
+            return [tf.fill(tf.shape(tensors[i]), tf.constant(float("nan"), tensors[i].dtype))
+                    for i in compressed]
+        decoded = tf.cond(ok, decode_and_commit, skip)
+        decoded = list(decoded) if isinstance(decoded, (list, tuple)) else [decoded]
+    decoded = dict(zip(compressed, decoded))
+    return [decoded[i] if i in decoded else reduced[i] for i in range(len(tensors))]
 
 
 class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
@@ -518,24 +532,17 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                 ok = _checked(any_bad, steps_agree, step, steps_seen)
 
             # 4. Decode, combine and commit the new state, or keep the old one.
-            def decode_and_commit():
-                outs = []
-                for i in sorted(payloads):
-                    t = tensors[i]
-                    if use_allreduce:
-                        outs.append(compressor.decompress((reduced[i],), t.shape, t.dtype,
-                                                          contexts[i]))
-                    else:
-                        outs.append(compressor.aggregate(gathered[i], t.shape, t.dtype,
-                                                         contexts[i]))
-                    tf.nest.map_structure(lambda v, s: v.assign(s), slots[i], new_states[i])
-                with ops.control_dependencies(outs):
-                    step_var.assign_add(1)
-                return outs
+            def decode_and_commit_one(i):
+                t = tensors[i]
+                if use_allreduce:
+                    out = compressor.decompress((reduced[i],), t.shape, t.dtype, contexts[i])
+                else:
+                    out = compressor.aggregate(gathered[i], t.shape, t.dtype, contexts[i])
+                tf.nest.map_structure(lambda v, s: v.assign(s), slots[i], new_states[i])
+                return out
 
-            decoded = _decode_or_skip(ok, decode_and_commit, [tensors[i] for i in sorted(payloads)])
-            decoded = dict(zip(sorted(payloads), decoded))
-            outputs = [decoded[i] if i in payloads else reduced[i] for i in range(len(tensors))]
+            outputs = _commit_or_skip(ok, step_var, sorted(payloads), tensors, reduced,
+                                      decode_and_commit_one)
         return outputs, ok
 
     def _shared_index_reduce(self, tensors, variables, mask, state, launcher, device, rank,
@@ -603,24 +610,17 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             reduced = collectives.fused_all_reduce(launcher, to_reduce[::-1], options)[::-1]
 
             # 3. Scatter the sums back; commit the residuals, or keep them.
-            def decode_and_commit():
-                outs = []
-                for i in compressed:
-                    t = tensors[i]
-                    idx = shared[i][:, None]
-                    outs.append(tf.reshape(tf.scatter_nd(idx, reduced[i],
-                                                         [t.shape.num_elements()]), t.shape))
-                    if error_feedback:
-                        kept = tf.tensor_scatter_nd_update(flat_v[i], idx,
-                                                           tf.zeros_like(reduced[i]))
-                        slots[i]["residual"].assign(tf.reshape(kept, t.shape))
-                with ops.control_dependencies(outs):
-                    step_var.assign_add(1)
-                return outs
+            def decode_and_commit_one(i):
+                t = tensors[i]
+                idx = shared[i][:, None]
+                if error_feedback:
+                    kept = tf.tensor_scatter_nd_update(flat_v[i], idx, tf.zeros_like(reduced[i]))
+                    slots[i]["residual"].assign(tf.reshape(kept, t.shape))
+                return tf.reshape(tf.scatter_nd(idx, reduced[i], [t.shape.num_elements()]),
+                                  t.shape)
 
-            decoded = dict(zip(compressed, _decode_or_skip(ok, decode_and_commit,
-                                                           [tensors[i] for i in compressed])))
-            outputs = [decoded[i] if i in decoded else reduced[i] for i in range(len(tensors))]
+            outputs = _commit_or_skip(ok, step_var, compressed, tensors, reduced,
+                                      decode_and_commit_one)
         return outputs, ok
 
     def _exchanger(self, replica_id):
@@ -678,21 +678,14 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                                                    options)[::-1] if dense else []
             reduced = {i: r for (i, _), r in zip(dense, reduced)}
 
-            def decode_and_commit():
-                outs = []
-                for i in compressed:
-                    t = tensors[i]
-                    size = t.shape.num_elements()
-                    part = total[offsets[i]:offsets[i] + size]
-                    outs.append(tf.reshape(tf.cast(part, t.dtype), t.shape))
-                    tf.nest.map_structure(lambda v, s: v.assign(s), slots[i], new_states[i])
-                with ops.control_dependencies(outs):
-                    step_var.assign_add(1)
-                return outs
+            def decode_and_commit_one(i):
+                t = tensors[i]
+                part = total[offsets[i]:offsets[i] + t.shape.num_elements()]
+                tf.nest.map_structure(lambda v, s: v.assign(s), slots[i], new_states[i])
+                return tf.reshape(tf.cast(part, t.dtype), t.shape)
 
-            decoded = dict(zip(compressed, _decode_or_skip(ok, decode_and_commit,
-                                                           [tensors[i] for i in compressed])))
-            outputs = [decoded[i] if i in decoded else reduced[i] for i in range(len(tensors))]
+            outputs = _commit_or_skip(ok, step_var, compressed, tensors, reduced,
+                                      decode_and_commit_one)
         return outputs, ok
 
     # -- copying -------------------------------------------------------------------
