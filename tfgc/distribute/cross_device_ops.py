@@ -159,8 +159,9 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
       policy: a ``CompressionPolicy`` (default: compress tensors of rank >= 2 with
         at least 1024 elements).
       communication: "auto" (all-reduce for summable payloads, all-gather
-        otherwise), "allreduce" (summable compressors only), "allgather" or
-        "shared_index" (sparsifiers that select indices).
+        otherwise), "allreduce" (summable compressors only), "allgather",
+        "shared_index" (sparsifiers that select indices) or "sparse_allreduce"
+        (sparsifiers with (values, indices) payloads).
       bucket_bytes: upper bound on the per-worker size of one fused all-gather.
       worker_rank: index of this worker's first replica among all replicas; seeds
         per-worker randomness.
