@@ -40,16 +40,22 @@ def main():
         compressor=f"ef+topk:k={K}", communication=communication,
         policy=tfgc.CompressionPolicy(min_elements=0))
     rank, n = worker_info(strategy)
-    owner = tf.Module()
     with strategy.scope():
         variables = [tf.Variable(tf.zeros([16, 32])), tf.Variable(tf.zeros([40]))]
 
-    @tf.function
-    def reduce(a, b):
-        def replica_fn(a, b):
-            with tfgc.compress_gradients(variables, owner=owner):
-                return tf.distribute.get_replica_context().all_reduce("sum", [a * 1.0, b * 1.0])
-        return strategy.run(replica_fn, args=(a, b))
+    def make_reduce(owner):
+        """A tf.function reducing two gradients of ``variables``, state held by ``owner``."""
+        @tf.function
+        def reduce(a, b):
+            def replica_fn(a, b):
+                with tfgc.compress_gradients(variables, owner=owner):
+                    return tf.distribute.get_replica_context().all_reduce(
+                        "sum", [a * 1.0, b * 1.0])
+            return strategy.run(replica_fn, args=(a, b))
+        return reduce
+
+    owner = tf.Module()
+    reduce = make_reduce(owner)
 
     outputs = []
     for step in range(STEPS):
@@ -63,14 +69,8 @@ def main():
     stats = strategy.compression_stats()
 
     strategy.compressor = f"ef+topk:k={DENSE_K}"
-    owner = tf.Module()
-
-    @tf.function
-    def reduce_dense(a, b):
-        def replica_fn(a, b):
-            with tfgc.compress_gradients(variables, owner=owner):
-                return tf.distribute.get_replica_context().all_reduce("sum", [a * 1.0, b * 1.0])
-        return strategy.run(replica_fn, args=(a, b))
+    # A fresh owner: this phase's state (and step counter) starts from zero.
+    reduce_dense = make_reduce(tf.Module())
 
     for step in range(DENSE_STEPS):
         a, b = gradients(rank, 100 + step)

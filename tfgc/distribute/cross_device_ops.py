@@ -45,7 +45,7 @@ from tensorflow.python.framework import ops
 from tensorflow.python.util import nest
 
 from tfgc import collectives
-from tfgc.compressors import CompressContext, get as get_compressor, serialize_config
+from tfgc.compressors import CompressContext, ErrorFeedback, get as get_compressor, serialize_config
 from tfgc.distribute import gradients
 from tfgc.distribute import state as state_lib
 from tfgc.distribute.policy import CompressionPolicy
@@ -119,6 +119,12 @@ def _local_bad(tensors):
     """int32 scalar: 1 if any of ``tensors`` holds an inf or NaN."""
     finite = [tf.reduce_all(tf.math.is_finite(t)) for t in tensors]
     return 1 - tf.cast(tf.reduce_all(tf.stack(finite)), tf.int32)
+
+
+def _control_words(local_bad, step, dtype):
+    """The control vector this worker adds to an all-reduce: [bad flag, step digits]."""
+    flag = tf.cast(local_bad, tf.float32)[None]
+    return tf.cast(tf.concat([flag, _step_digits(step)], 0), dtype)
 
 
 def _commit_or_skip(ok, step_var, compressed, tensors, reduced, decode_and_commit_one):
@@ -385,13 +391,15 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         self._check_settings_from_replica()
         results = self._gradient_reduce(flat, ctx, replica_id, options)
         if reduce_op == reduce_util.ReduceOp.MEAN:
+            def mean(r):
+                if isinstance(r, indexed_slices.IndexedSlices):
+                    return indexed_slices.IndexedSlices(
+                        r.values / tf.cast(self._group_size, r.values.dtype), r.indices,
+                        r.dense_shape)
+                return r / tf.cast(self._group_size, r.dtype)
+
             with ops.device(self._devices[replica_id]):
-                results = [
-                    indexed_slices.IndexedSlices(r.values / tf.cast(self._group_size, r.values.dtype),
-                                                 r.indices, r.dense_shape)
-                    if isinstance(r, indexed_slices.IndexedSlices)
-                    else r / tf.cast(self._group_size, r.dtype)
-                    for r in results]
+                results = [mean(r) for r in results]
         return nest.pack_sequence_as(value, results)
 
     def _gradient_reduce(self, flat, ctx, replica_id, options):
@@ -425,8 +433,12 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             reduce_fn = {"shared_index": self._shared_index_reduce,
                          "sparse_allreduce": self._sparse_reduce}.get(self._communication,
                                                                       self._compressed_reduce)
-            reduced, ok = reduce_fn(tensors, variables, mask, state, launcher, device, rank,
-                                    replica_id, options, wire)
+            guard = self._generation_guard()
+            with ops.device(device), \
+                    ops.control_dependencies([guard] if guard is not None else []):
+                step_var = state.step(replica_id)
+                reduced, ok = reduce_fn(tensors, variables, mask, state, step_var, launcher, rank,
+                                        replica_id, options, wire)
             for i, r in zip(tensor_pos, reduced):
                 results[i] = r
 
@@ -452,101 +464,104 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                     wire.payload, wire.static_sent, wire.dense_sent)
         return results
 
-    def _compressed_reduce(self, tensors, variables, mask, state, launcher, device, rank,
+    def _compress_each(self, tensors, variables, compressed, state, step, rank, replica_id):
+        """Compresses each gradient in ``compressed`` with its state, writing nothing.
+
+        Returns dicts by position: payloads, contexts, state slots, new states.
+        """
+        payloads, contexts, slots, new_states = {}, {}, {}, {}
+        for index, i in enumerate(compressed):
+            cctx = CompressContext(rank=rank, num_workers=self._group_size, index=index,
+                                   step=step)
+            slots[i] = state.slot(variables[i], replica_id)
+            current = tf.nest.map_structure(lambda v: v.read_value(), slots[i])
+            payload, new_states[i] = self._compressor.compress(tensors[i], current, cctx)
+            payloads[i], contexts[i] = tuple(payload), cctx
+        return payloads, contexts, slots, new_states
+
+    def _compressed_reduce(self, tensors, variables, mask, state, step_var, launcher, rank,
                            replica_id, options, wire):
         compressor = self._compressor
         n = self._group_size
         use_allreduce = self._use_allreduce()
-        guard = self._generation_guard()
-        with ops.device(device), ops.control_dependencies([guard] if guard is not None else []):
-            step_var = state.step(replica_id)
-            step = step_var.read_value()
+        step = step_var.read_value()
 
-            # 1. Compress. State is read now and written only once every worker's
-            #    gradients are known to be finite.
-            payloads, contexts, slots, new_states = {}, {}, {}, {}
-            comp_index = 0
-            for i, (t, var, m) in enumerate(zip(tensors, variables, mask)):
-                if not m:
-                    continue
-                cctx = CompressContext(rank=rank, num_workers=n, index=comp_index, step=step)
-                slot = state.slot(var, replica_id)
-                current = tf.nest.map_structure(lambda v: v.read_value(), slot)
-                payload, new_state = compressor.compress(t, current, cctx)
-                payloads[i], contexts[i] = tuple(payload), cctx
-                slots[i], new_states[i] = slot, new_state
-                comp_index += 1
-            has_state = any(tf.nest.flatten(s) for s in slots.values())
-            # Stateless compressors that carry every inf/NaN through need no check.
-            checked = has_state or not compressor.passes_non_finite
-            local_bad = _local_bad([tensors[i] for i in payloads]) if checked else None
+        # 1. Compress. State is read now and written only once every worker's
+        #    gradients are known to be finite.
+        payloads, contexts, slots, new_states = self._compress_each(
+            tensors, variables, [i for i, m in enumerate(mask) if m], state, step, rank,
+            replica_id)
+        has_state = any(tf.nest.flatten(s) for s in slots.values())
+        # Stateless compressors that carry every inf/NaN through need no check.
+        checked = has_state or not compressor.passes_non_finite
+        local_bad = _local_bad([tensors[i] for i in payloads]) if checked else None
 
-            # 2. Communicate: one fused all-reduce (per dtype) for dense tensors and
-            #    summable payloads, fused all-gathers for the other payloads; the
-            #    control words ride along.
-            to_reduce = []
-            for i, t in enumerate(tensors):
-                if i not in payloads:
-                    to_reduce.append((i, t))
-                    wire.allreduce(_nbytes(t), dense=_nbytes(t))
-                elif use_allreduce:
-                    if len(payloads[i]) != 1:
-                        raise ValueError(f"{compressor!r} is summable, so its payload must be "
-                                         f"one tensor, got {len(payloads[i])}")
-                    to_reduce.append((i, payloads[i][0]))
-                    wire.allreduce(_payload_bytes(payloads[i], False), dense=_nbytes(t))
-            control = None
-            if checked and use_allreduce:
-                control = tf.concat([tf.cast(local_bad, tf.float32)[None], _step_digits(step)], 0)
-                to_reduce.append((-1, control))
-                wire.allreduce(_nbytes(control))
-            # Reversed, as the stock implementation packs, so identity matches it bit for bit.
-            reduced = collectives.fused_all_reduce(launcher, [t for _, t in to_reduce][::-1],
-                                                   options)[::-1]
-            reduced = {i: r for (i, _), r in zip(to_reduce, reduced)}
-            gathered, gathered_control = {}, None
-            if not use_allreduce:
-                order = sorted(payloads)
-                extra = None
-                if checked:
-                    extra = tf.stack([local_bad, tf.cast(tf.bitwise.bitwise_and(step, 0x7FFFFFFF),
-                                                         tf.int32)])
-                exchanged, gathered_control = collectives.gather_payloads(
-                    launcher, [payloads[i] for i in order], n, options, self._bucket_bytes,
-                    control=extra)
-                gathered = dict(zip(order, exchanged))
-                for i in order:
-                    wire.gather(_payload_bytes(payloads[i], True), dense=_nbytes(tensors[i]))
-                if checked:
-                    wire.gather(8)
-
-            # 3. Did every worker have finite gradients and the same step?
-            ok = None
+        # 2. Communicate: one fused all-reduce (per dtype) for dense tensors and
+        #    summable payloads, fused all-gathers for the other payloads; the
+        #    control words ride along.
+        to_reduce = []
+        for i, t in enumerate(tensors):
+            if i not in payloads:
+                to_reduce.append((i, t))
+                wire.allreduce(_nbytes(t), dense=_nbytes(t))
+            elif use_allreduce:
+                if len(payloads[i]) != 1:
+                    raise ValueError(f"{compressor!r} is summable, so its payload must be "
+                                     f"one tensor, got {len(payloads[i])}")
+                to_reduce.append((i, payloads[i][0]))
+                wire.allreduce(_payload_bytes(payloads[i], False), dense=_nbytes(t))
+        control = None
+        if checked and use_allreduce:
+            control = _control_words(local_bad, step, tf.float32)
+            to_reduce.append((-1, control))
+            wire.allreduce(_nbytes(control))
+        # Reversed, as the stock implementation packs, so identity matches it bit for bit.
+        reduced = collectives.fused_all_reduce(launcher, [t for _, t in to_reduce][::-1],
+                                               options)[::-1]
+        reduced = {i: r for (i, _), r in zip(to_reduce, reduced)}
+        gathered, gathered_control = {}, None
+        if not use_allreduce:
+            order = sorted(payloads)
+            extra = None
             if checked:
-                if use_allreduce:
-                    any_bad, steps_agree = _digits_agree(reduced[-1], n)
-                    steps_seen = step
-                else:
-                    any_bad = tf.reduce_any(gathered_control[:, 0] != 0)
-                    steps_seen = gathered_control[:, 1]
-                    steps_agree = tf.reduce_all(tf.equal(steps_seen, steps_seen[0]))
-                ok = _checked(any_bad, steps_agree, step, steps_seen)
+                extra = tf.stack([local_bad, tf.cast(tf.bitwise.bitwise_and(step, 0x7FFFFFFF),
+                                                     tf.int32)])
+            exchanged, gathered_control = collectives.gather_payloads(
+                launcher, [payloads[i] for i in order], n, options, self._bucket_bytes,
+                control=extra)
+            gathered = dict(zip(order, exchanged))
+            for i in order:
+                wire.gather(_payload_bytes(payloads[i], True), dense=_nbytes(tensors[i]))
+            if checked:
+                wire.gather(8)
 
-            # 4. Decode, combine and commit the new state, or keep the old one.
-            def decode_and_commit_one(i):
-                t = tensors[i]
-                if use_allreduce:
-                    out = compressor.decompress((reduced[i],), t.shape, t.dtype, contexts[i])
-                else:
-                    out = compressor.aggregate(gathered[i], t.shape, t.dtype, contexts[i])
-                tf.nest.map_structure(lambda v, s: v.assign(s), slots[i], new_states[i])
-                return out
+        # 3. Did every worker have finite gradients and the same step?
+        ok = None
+        if checked:
+            if use_allreduce:
+                any_bad, steps_agree = _digits_agree(reduced[-1], n)
+                steps_seen = step
+            else:
+                any_bad = tf.reduce_any(gathered_control[:, 0] != 0)
+                steps_seen = gathered_control[:, 1]
+                steps_agree = tf.reduce_all(tf.equal(steps_seen, steps_seen[0]))
+            ok = _checked(any_bad, steps_agree, step, steps_seen)
 
-            outputs = _commit_or_skip(ok, step_var, sorted(payloads), tensors, reduced,
-                                      decode_and_commit_one)
+        # 4. Decode, combine and commit the new state, or keep the old one.
+        def decode_and_commit_one(i):
+            t = tensors[i]
+            if use_allreduce:
+                out = compressor.decompress((reduced[i],), t.shape, t.dtype, contexts[i])
+            else:
+                out = compressor.aggregate(gathered[i], t.shape, t.dtype, contexts[i])
+            tf.nest.map_structure(lambda v, s: v.assign(s), slots[i], new_states[i])
+            return out
+
+        outputs = _commit_or_skip(ok, step_var, sorted(payloads), tensors, reduced,
+                                  decode_and_commit_one)
         return outputs, ok
 
-    def _shared_index_reduce(self, tensors, variables, mask, state, launcher, device, rank,
+    def _shared_index_reduce(self, tensors, variables, mask, state, step_var, launcher, rank,
                              replica_id, options, wire):
         """Importance-weighted pruning's shared index set (Cheng & Xu 2019), with top-k.
 
@@ -559,69 +574,65 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         feedback the new residual is v with the sent entries zeroed.
         """
         compressor = self._compressor
-        error_feedback = "residual" in compressor.init_state(tf.TensorShape([1]), tf.float32)
+        error_feedback = isinstance(compressor, ErrorFeedback)
         n = self._group_size
-        guard = self._generation_guard()
-        with ops.device(device), ops.control_dependencies([guard] if guard is not None else []):
-            step_var = state.step(replica_id)
-            step = step_var.read_value()
-            is_root = tf.equal(tf.math.floormod(step, n), rank)
-            compressed = [i for i, m in enumerate(mask) if m]
+        step = step_var.read_value()
+        is_root = tf.equal(tf.math.floormod(step, n), rank)
+        compressed = [i for i, m in enumerate(mask) if m]
 
-            # 1. The root selects; everyone learns its index sets.
-            flat_v, slots, selections = {}, {}, []
-            for index, i in enumerate(compressed):
-                t = tensors[i]
-                slot = state.slot(variables[i], replica_id)
-                v = tf.reshape(t, [-1])
-                if error_feedback:
-                    v = v + tf.reshape(slot["residual"].read_value(), [-1])
-                cctx = CompressContext(rank=rank, num_workers=n, index=index, step=step)
-                k = compressor.num_selected(t.shape)
-                # Only the root pays for the selection.
-                chosen = tf.cond(is_root,
-                                 lambda v=v, t=t, c=cctx: compressor.select_indices(
-                                     tf.reshape(v, t.shape), c),
-                                 lambda k=k: tf.zeros([k], tf.int32))
-                flat_v[i], slots[i] = v, slot
-                selections.append(chosen)
-            control = tf.cast(tf.concat([tf.cast(_local_bad([tensors[i] for i in compressed]),
-                                                 tf.float32)[None], _step_digits(step)], 0),
-                              tf.int32)
-            shared, control_sum = collectives.share_root_indices(launcher, selections, is_root,
-                                                                 options, control)
-            shared = dict(zip(compressed, shared))
-            for i in compressed:
-                wire.allreduce(4 * int(shared[i].shape[0]), dense=_nbytes(tensors[i]))
-            wire.allreduce(_nbytes(control))
-            any_bad, steps_agree = _digits_agree(control_sum, n)
-            ok = _checked(any_bad, steps_agree, step, step)
+        # 1. The root selects; everyone learns its index sets.
+        flat_v, slots, selections = {}, {}, []
+        for index, i in enumerate(compressed):
+            t = tensors[i]
+            slot = state.slot(variables[i], replica_id)
+            v = tf.reshape(t, [-1])
+            if error_feedback:
+                v = v + tf.reshape(slot["residual"].read_value(), [-1])
+            cctx = CompressContext(rank=rank, num_workers=n, index=index, step=step)
+            k = compressor.num_selected(t.shape)
+            # Only the root pays for the selection.
+            chosen = tf.cond(is_root,
+                             lambda v=v, t=t, c=cctx: compressor.select_indices(
+                                 tf.reshape(v, t.shape), c),
+                             lambda k=k: tf.zeros([k], tf.int32))
+            flat_v[i], slots[i] = v, slot
+            selections.append(chosen)
+        control = _control_words(_local_bad([tensors[i] for i in compressed]), step,
+                                 tf.int32)
+        shared, control_sum = collectives.share_root_indices(launcher, selections, is_root,
+                                                             options, control)
+        shared = dict(zip(compressed, shared))
+        for i in compressed:
+            wire.allreduce(4 * int(shared[i].shape[0]), dense=_nbytes(tensors[i]))
+        wire.allreduce(_nbytes(control))
+        any_bad, steps_agree = _digits_agree(control_sum, n)
+        ok = _checked(any_bad, steps_agree, step, step)
 
-            # 2. Values at the shared indices, summed with the dense tensors.
-            to_reduce = []
-            for i, t in enumerate(tensors):
-                if i in shared:
-                    # tf.gather checks every index: a corrupt set fails, never reads out of bounds.
-                    values = tf.gather(flat_v[i], shared[i])
-                    wire.allreduce(_nbytes(values))
-                else:
-                    values = t
-                    wire.allreduce(_nbytes(t), dense=_nbytes(t))
-                to_reduce.append(values)
-            reduced = collectives.fused_all_reduce(launcher, to_reduce[::-1], options)[::-1]
+        # 2. Values at the shared indices, summed with the dense tensors.
+        to_reduce = []
+        for i, t in enumerate(tensors):
+            if i in shared:
+                # tf.gather checks every index: a corrupt set fails, never reads out of bounds.
+                values = tf.gather(flat_v[i], shared[i])
+                wire.allreduce(_nbytes(values))
+            else:
+                values = t
+                wire.allreduce(_nbytes(t), dense=_nbytes(t))
+            to_reduce.append(values)
+        reduced = collectives.fused_all_reduce(launcher, to_reduce[::-1], options)[::-1]
 
-            # 3. Scatter the sums back; commit the residuals, or keep them.
-            def decode_and_commit_one(i):
-                t = tensors[i]
-                idx = shared[i][:, None]
-                if error_feedback:
-                    kept = tf.tensor_scatter_nd_update(flat_v[i], idx, tf.zeros_like(reduced[i]))
-                    slots[i]["residual"].assign(tf.reshape(kept, t.shape))
-                return tf.reshape(tf.scatter_nd(idx, reduced[i], [t.shape.num_elements()]),
-                                  t.shape)
+        # 3. Scatter the sums back; commit the residuals, or keep them.
+        def decode_and_commit_one(i):
+            t = tensors[i]
+            idx = shared[i][:, None]
+            if error_feedback:
+                kept = tf.tensor_scatter_nd_update(flat_v[i], idx, tf.zeros_like(reduced[i]))
+                slots[i]["residual"].assign(tf.reshape(kept, t.shape))
+            return tf.reshape(tf.scatter_nd(idx, reduced[i], [t.shape.num_elements()]),
+                              t.shape)
 
-            outputs = _commit_or_skip(ok, step_var, compressed, tensors, reduced,
-                                      decode_and_commit_one)
+        outputs = _commit_or_skip(ok, step_var, compressed, tensors, reduced,
+                                  decode_and_commit_one)
         return outputs, ok
 
     def _exchanger(self, replica_id):
@@ -631,7 +642,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                 self._options)
         return self._exchangers[replica_id]
 
-    def _sparse_reduce(self, tensors, variables, mask, state, launcher, device, rank,
+    def _sparse_reduce(self, tensors, variables, mask, state, step_var, launcher, rank,
                        replica_id, options, wire):
         """Top-k payloads summed by the sparse all-reduce with a dense switch.
 
@@ -640,53 +651,45 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         (``collectives.sparse_all_reduce``); the control words take one small int32
         all-reduce of the whole group.
         """
-        compressor = self._compressor
         n = self._group_size
-        guard = self._generation_guard()
-        with ops.device(device), ops.control_dependencies([guard] if guard is not None else []):
-            step_var = state.step(replica_id)
-            step = step_var.read_value()
-            compressed = [i for i, m in enumerate(mask) if m]
-            slots, new_states, all_idx, all_val, offsets = {}, {}, [], [], {}
-            length = 0
-            for index, i in enumerate(compressed):
-                t = tensors[i]
-                cctx = CompressContext(rank=rank, num_workers=n, index=index, step=step)
-                slots[i] = state.slot(variables[i], replica_id)
-                current = tf.nest.map_structure(lambda v: v.read_value(), slots[i])
-                (values, indices), new_states[i] = compressor.compress(t, current, cctx)
-                offsets[i] = length
-                all_idx.append(indices + length)
-                all_val.append(tf.cast(values, tf.float32))
-                wire.exchanged(_payload_bytes((values, indices), False), _nbytes(t), 0)
-                length += t.shape.num_elements()
-            control = tf.cast(tf.concat([tf.cast(_local_bad([tensors[i] for i in compressed]),
-                                                 tf.float32)[None], _step_digits(step)], 0),
-                              tf.int32)
-            control_sum = launcher.all_reduce(control, options=options)
-            wire.allreduce(_nbytes(control))
-            total, sent = collectives.sparse_all_reduce(
-                self._exchanger(replica_id), n, tf.concat(all_idx, 0), tf.concat(all_val, 0),
-                length)
-            wire.dynamic_sent.append(sent)
-            any_bad, steps_agree = _digits_agree(control_sum, n)
-            ok = _checked(any_bad, steps_agree, step, step)
+        step = step_var.read_value()
+        compressed = [i for i, m in enumerate(mask) if m]
+        payloads, _, slots, new_states = self._compress_each(
+            tensors, variables, compressed, state, step, rank, replica_id)
+        all_idx, all_val, offsets, length = [], [], {}, 0
+        for i in compressed:
+            values, indices = payloads[i]
+            offsets[i] = length
+            all_idx.append(indices + length)
+            all_val.append(tf.cast(values, tf.float32))
+            wire.exchanged(_payload_bytes(payloads[i], False), _nbytes(tensors[i]), 0)
+            length += tensors[i].shape.num_elements()
+        control = _control_words(_local_bad([tensors[i] for i in compressed]), step,
+                                 tf.int32)
+        control_sum = launcher.all_reduce(control, options=options)
+        wire.allreduce(_nbytes(control))
+        total, sent = collectives.sparse_all_reduce(
+            self._exchanger(replica_id), n, tf.concat(all_idx, 0), tf.concat(all_val, 0),
+            length)
+        wire.dynamic_sent.append(sent)
+        any_bad, steps_agree = _digits_agree(control_sum, n)
+        ok = _checked(any_bad, steps_agree, step, step)
 
-            dense = [(i, t) for i, t in enumerate(tensors) if i not in slots]
-            for _, t in dense:
-                wire.allreduce(_nbytes(t), dense=_nbytes(t))
-            reduced = collectives.fused_all_reduce(launcher, [t for _, t in dense][::-1],
-                                                   options)[::-1] if dense else []
-            reduced = {i: r for (i, _), r in zip(dense, reduced)}
+        dense = [(i, t) for i, t in enumerate(tensors) if i not in slots]
+        for _, t in dense:
+            wire.allreduce(_nbytes(t), dense=_nbytes(t))
+        reduced = collectives.fused_all_reduce(launcher, [t for _, t in dense][::-1],
+                                               options)[::-1] if dense else []
+        reduced = {i: r for (i, _), r in zip(dense, reduced)}
 
-            def decode_and_commit_one(i):
-                t = tensors[i]
-                part = total[offsets[i]:offsets[i] + t.shape.num_elements()]
-                tf.nest.map_structure(lambda v, s: v.assign(s), slots[i], new_states[i])
-                return tf.reshape(tf.cast(part, t.dtype), t.shape)
+        def decode_and_commit_one(i):
+            t = tensors[i]
+            part = total[offsets[i]:offsets[i] + t.shape.num_elements()]
+            tf.nest.map_structure(lambda v, s: v.assign(s), slots[i], new_states[i])
+            return tf.reshape(tf.cast(part, t.dtype), t.shape)
 
-            outputs = _commit_or_skip(ok, step_var, compressed, tensors, reduced,
-                                      decode_and_commit_one)
+        outputs = _commit_or_skip(ok, step_var, compressed, tensors, reduced,
+                                  decode_and_commit_one)
         return outputs, ok
 
     # -- copying -------------------------------------------------------------------

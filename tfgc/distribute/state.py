@@ -10,8 +10,8 @@ worker (each residual holds what that worker has not sent yet). So:
   ``model.save_weights``, ``ModelCheckpoint`` and ``BackupAndRestore`` carry it with
   the optimizer's own slots. It lives and dies with its owner: two models, two
   optimizers, two states; nothing is keyed by shapes.
-* Within an owner, state is keyed by variable (``optimizer._var_key``) and local
-  replica. A step counter per replica counts the compressed reductions that were
+* Within an owner, state is keyed by variable (``var_key``: the distributed
+  variable's id, whichever component the optimizer hands over) and local replica. A step counter per replica counts the compressed reductions that were
   applied (steps with non-finite gradients do not count).
 * Switching compressor migrates the state: a field the new compressor also keeps
   (a residual of the same shape) is carried over, so error feedback loses nothing
@@ -42,6 +42,8 @@ from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.saved_model import save_context
 from tensorflow.python.trackable import base as trackable
 
+from tfgc.ops import packing
+
 DEPENDENCY_NAME = "tfgc_compression_state"
 _FORMAT = 1
 _STEP_FIELD = "__step__"
@@ -60,25 +62,6 @@ def flatten_fields(structure, prefix="") -> List[Tuple[str, object]]:
 def _local_variable(initial_value, name):
     # Local to this worker and replica: not mirrored, not trainable, not synced.
     return resource_variable_ops.ResourceVariable(initial_value, trainable=False, name=name)
-
-
-def _to_words(t: tf.Tensor) -> tf.Tensor:
-    """Bitcasts a tensor of a 1, 2, 4 or 8-byte dtype into int32 words."""
-    t = tf.reshape(t, [-1])
-    size = t.dtype.size
-    if t.dtype == tf.int32:
-        return t
-    if size in (4, 8):
-        return tf.reshape(tf.bitcast(t, tf.int32), [-1])
-    per_word = 4 // size
-    pad = (-int(t.shape[0])) % per_word
-    if pad:
-        t = tf.pad(t, [[0, pad]])
-    return tf.bitcast(tf.reshape(t, [-1, per_word]), tf.int32)
-
-
-def _num_words(num_values: int, dtype: tf.DType) -> int:
-    return -(-num_values * dtype.size // 4)
 
 
 def _from_words(words: np.ndarray, dtype: tf.DType, shape) -> np.ndarray:
@@ -142,7 +125,7 @@ class CompressionState(trackable.Trackable):
             if self._compressor_key is not None and self._compressor_key != compressor_key:
                 self._migrate(compressor, compressor_key)
             self._compressor_key = compressor_key
-            for index, (var, compress) in enumerate(zip(variables, compress_mask)):
+            for var, compress in zip(variables, compress_mask):
                 key = var_key(var)
                 if key not in self._vars:
                     name = f"{len(self._vars)}:{var.name}"
@@ -201,9 +184,6 @@ class CompressionState(trackable.Trackable):
 
     # -- reading and writing ------------------------------------------------------
 
-    def has(self, var) -> bool:
-        return var_key(var) in self._slots
-
     def slot(self, var, replica_id: int):
         """The state variables of ``var`` on local replica ``replica_id``, as ``init_state``'s nest."""
         template, fields = self._slots[var_key(var)][replica_id]
@@ -255,12 +235,12 @@ class CompressionState(trackable.Trackable):
         layout, offset = [], 0
         for name, path, variables in fields:
             v = variables[0]
-            words = _num_words(int(v.shape.num_elements()), v.dtype)
+            words = packing.num_words(int(v.shape.num_elements()), v.dtype)
             layout.append([name, path, v.dtype.name, v.shape.as_list(), offset, words])
             offset += words
         rows = []
         for r in range(len(cdo.local_devices)):
-            parts = [_to_words(variables[r].read_value()) for _, _, variables in fields]
+            parts = [packing.to_words(variables[r].read_value()) for _, _, variables in fields]
             rows.append(tf.concat(parts, axis=0) if parts else tf.zeros([0], tf.int32))
         if save_context.in_save_context() or self._restoring:
             # A SavedModel export: keep it free of collectives, this worker only.
@@ -281,8 +261,11 @@ class CompressionState(trackable.Trackable):
         cdo = self._ops
         saved_replicas = int(meta["replicas"])
         ranks = [cdo.worker_rank + r for r in range(len(cdo.local_devices))]
-        same_cluster = meta.get("first_replica", 0) == 0 and saved_replicas == cdo.group_size
-        if not same_cluster and not (saved_replicas == 1 and cdo.group_size == 1):
+        # Rows that map one to one onto this cluster's replicas (also a single
+        # worker's own SavedModel row restored on a single worker).
+        own_rows = (meta.get("first_replica", 0) == 0 and saved_replicas == cdo.group_size) \
+            or (saved_replicas == 1 and cdo.group_size == 1)
+        if not own_rows:
             logging.warning(
                 "tfgc: the checkpoint holds the compression state of %d replica(s), this cluster "
                 "has %d; floating state is spread evenly (its total is kept), counters come "
@@ -297,7 +280,7 @@ class CompressionState(trackable.Trackable):
             dtype = tf.as_dtype(dtype_name)
             rows = [_from_words(data[i, offset:offset + words], dtype, shape)
                     for i in range(saved_replicas)]
-            if same_cluster or (saved_replicas == 1 and cdo.group_size == 1):
+            if own_rows:
                 values = [rows[rank] for rank in ranks]
             elif dtype.is_floating:
                 total = np.sum([row.astype(np.float64) for row in rows], axis=0)

@@ -50,13 +50,15 @@ def unpack_codes(words: tf.Tensor, num_codes: int, bits: int) -> tf.Tensor:
 
 
 def to_words(t: tf.Tensor) -> tf.Tensor:
-    """Bitcasts a 1-D tensor of any 1, 2 or 4-byte dtype into int32 words (zero padded)."""
+    """Bitcasts a tensor of any 1, 2, 4 or 8-byte dtype into int32 words (zero padded)."""
     t = tf.reshape(t, [-1])
     size = t.dtype.size
     if t.dtype == tf.int32:
         return t
     if size == 4:
         return tf.bitcast(t, tf.int32)
+    if size == 8:
+        return tf.reshape(tf.bitcast(t, tf.int32), [-1])
     if size not in (1, 2):
         raise ValueError(f"cannot pack dtype {t.dtype.name} into int32 words")
     per_word = 4 // size
@@ -68,8 +70,7 @@ def to_words(t: tf.Tensor) -> tf.Tensor:
 
 
 def num_words(num_values: int, dtype: tf.DType) -> int:
-    per_word = 4 // dtype.size
-    return -(-num_values // per_word)
+    return -(-num_values * dtype.size // 4)
 
 
 def from_words(words: tf.Tensor, dtype: tf.DType, num_values: int) -> tf.Tensor:
