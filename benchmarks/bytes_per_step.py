@@ -46,10 +46,13 @@ def parse_args(argv=None):
     p.add_argument("--min_elements", type=int, default=1024,
                    help="compression policy: smaller gradients are sent dense")
     p.add_argument("--communication", default="auto",
-                   choices=["auto", "allgather", "shared_index", "sparse_allreduce"],
-                   help="how payloads cross the wire (shared_index and sparse_allreduce: top-k "
-                        "compressors only; the sparse all-reduce's bytes depend on how the "
-                        "workers' index sets overlap, so only its payload has a formula)")
+                   choices=["auto", "allgather", "reduce_scatter", "shared_index",
+                            "sparse_allreduce"],
+                   help="how payloads cross the wire (auto: the reduce-scatter for quantizers "
+                        "from 3 workers on; reduce_scatter: quantizers only; shared_index and "
+                        "sparse_allreduce: top-k compressors only; the sparse all-reduce's "
+                        "bytes depend on how the workers' index sets overlap, so only its "
+                        "payload has a formula)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per cluster")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"JSON output (default {DEFAULT_OUT})")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -160,6 +163,30 @@ def expected_tensor_bytes(name, config, shape):
 # float32 in the all-reduce.
 CONTROL_GATHER, CONTROL_ALLREDUCE = 8, 36
 SUMMABLE = ("none", "fp16", "bf16", "randomk")
+# Quantizers that can take the reduce-scatter; "auto" sends them there from 3 workers on.
+RECOMPRESSIBLE = ("onebit", "signsgd", "scaledsign", "qsgd", "terngrad")
+
+
+def chunk_bytes(name, config, shape, workers):
+    """Payload bytes of each worker's chunk on the reduce-scatter.
+
+    A gradient is cut into one contiguous chunk per worker at whole units (rows of
+    ``shape`` for 1-bit SGD, buckets for QSGD, elements otherwise; elements also
+    when there are fewer units than workers), dealt as evenly as possible.
+    """
+    n = math.prod(shape)
+    unit = {"onebit": shape[-1], "qsgd": config.get("bucket_size", 512)}.get(name, 1)
+    if -(-n // unit) < workers:
+        unit = 1
+    base, extra = divmod(-(-n // unit), workers)
+    out, start = [], 0
+    for r in range(workers):
+        end = min(n, start + (base + (r < extra)) * unit)
+        length = end - start
+        chunk = [length // unit, unit] if length % unit == 0 else [length, 1]
+        out.append(expected_tensor_bytes(name, config, chunk)[0])
+        start = end
+    return out
 
 
 def expected_step(compressor_config, variables, min_elements, workers, communication="auto"):
@@ -173,7 +200,12 @@ def expected_step(compressor_config, variables, min_elements, workers, communica
     cfg = _unwrap(compressor_config)
     name, config = cfg["name"], cfg["config"]
     wrapped = compressor_config["name"] == "ef"
+    two_stage = name in RECOMPRESSIBLE and (
+        communication == "reduce_scatter" or (communication == "auto" and workers >= 3))
     dense_total = allreduce = gather = sparse = 0
+    # Reduce-scatter: every chunk's payload, and the width of the padded messages.
+    chunked = width = 0
+    num_chunked = 0
     rows = []
     compressed = False
     for var_name, shape in variables:
@@ -193,6 +225,13 @@ def expected_step(compressor_config, variables, min_elements, workers, communica
             elif communication == "sparse_allreduce":
                 how += ", merged pairwise"
                 sparse += payload
+            elif two_stage:
+                chunks = chunk_bytes(name, config, shape, workers)
+                how += f", {workers} chunks of up to {max(chunks)} B, twice"
+                payload = sum(chunks)
+                chunked += payload
+                width += max(chunks)
+                num_chunked += 1
             elif name in SUMMABLE:
                 allreduce += payload
             else:
@@ -205,8 +244,20 @@ def expected_step(compressor_config, variables, min_elements, workers, communica
         else:
             gather += CONTROL_GATHER
     n_ = workers
-    return {"dense": dense_total, "payload": allreduce + gather + sparse,
-            "sent": None if sparse else 2 * (n_ - 1) * allreduce // n_ + (n_ - 1) * gather,
+    staged = 0
+    if num_chunked:
+        # Stage 1: N-1 messages of the padded chunks plus a rank tag; stage 2: the
+        # all-gather of the owners' padded chunks plus the 2 control words (counted
+        # in ``gather`` above); TernGrad first gathers one shared scaler per tensor.
+        gather -= CONTROL_GATHER
+        chunked += CONTROL_GATHER
+        staged = (n_ - 1) * (2 * width + WORD + CONTROL_GATHER)
+        if name == "terngrad" and not wrapped:
+            chunked += FLOAT * num_chunked
+            staged += (n_ - 1) * FLOAT * num_chunked
+    return {"dense": dense_total, "payload": allreduce + gather + sparse + chunked,
+            "sent": None if sparse else (2 * (n_ - 1) * allreduce // n_ + (n_ - 1) * gather
+                                         + staged),
             "dense_sent": 2 * (n_ - 1) * dense_total // n_, "rows": rows}
 
 

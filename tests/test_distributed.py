@@ -92,9 +92,41 @@ def payload_bytes(spec, n):
     raise KeyError(spec)
 
 
+# Quantizers that communication="auto" sends over the reduce-scatter from 3 workers on.
+RECOMPRESSIBLE = ("onebit", "signsgd", "efsignsgd", "qsgd", "qsgd:levels=7,bucket_size=128",
+                  "terngrad")
+
+
+def chunk_words(spec, rows, cols, workers):
+    """int32 words of each worker's chunk payload of a [rows, cols] kernel (1-bit or QSGD)."""
+    total = rows * cols
+    unit = cols if spec == "onebit" else 512
+    units = -(-total // unit)
+    base, extra = divmod(units, workers)
+    lengths, start = [], 0
+    for r in range(workers):
+        end = min(total, start + (base + (r < extra)) * unit)
+        lengths.append(end - start)
+        start = end
+    if spec == "onebit":
+        return [math.ceil(n / 32) + 2 * cols for n in lengths]
+    assert spec == "qsgd", spec
+    return [math.ceil(n / 512) + math.ceil(8 * n / 32) for n in lengths]
+
+
 def expected_bytes(spec, workers):
     """(payload, sent) bytes per worker of one MLP gradient reduction on ``workers``."""
     allreduce = 4 * sum(BIASES)
+    if workers >= 3 and spec in RECOMPRESSIBLE:
+        # Each chunk is encoded twice (stage 1 for its owner, stage 2 by its owner):
+        # a worker encodes N-1 chunks for others and its own sum, as many words as
+        # one of every chunk. Messages are padded to the longest chunk; stage 1 adds
+        # a rank tag per exchange, stage 2 the 2 control words.
+        chunks = [chunk_words(spec, r, c, workers) for r, c in KERNELS]
+        width = sum(max(w) for w in chunks)
+        payload = 4 * sum(sum(w) for w in chunks) + CONTROL_GATHER + allreduce
+        sent = (workers - 1) * 4 * (2 * width + 3) + 2 * (workers - 1) * allreduce // workers
+        return payload, sent
     gather = 0
     for rows, cols in KERNELS:
         n = rows * cols

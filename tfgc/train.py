@@ -34,9 +34,10 @@ flags.DEFINE_integer("seed", 0, "Seed for weights, data order and compressors.")
 flags.DEFINE_integer("min_elements", 1024, "Gradients with fewer elements are sent dense.",
                      lower_bound=0)
 flags.DEFINE_enum("communication", "auto",
-                  ["auto", "allreduce", "allgather", "shared_index", "sparse_allreduce"],
-                  "How compressed payloads cross the wire (shared_index and sparse_allreduce: "
-                  "top-k only).")
+                  ["auto", "allreduce", "allgather", "reduce_scatter", "shared_index",
+                   "sparse_allreduce"],
+                  "How compressed payloads cross the wire (auto: fewest bytes; reduce_scatter: "
+                  "quantizers only; shared_index and sparse_allreduce: top-k only).")
 flags.DEFINE_integer("steps_per_epoch", 0, "Cap on steps per epoch (0: a full shard).",
                      lower_bound=0)
 flags.DEFINE_string("save_weights", "", "If set, each worker saves its final weights to "

@@ -6,18 +6,21 @@ keys and ordering token: workers launch them in one order and cannot deadlock.
 """
 
 from tfgc.collectives.allgather import gather_payloads
+from tfgc.collectives.choice import choose_communication
 from tfgc.collectives.dense import fused_all_reduce
 from tfgc.collectives.pairwise import PairExchanger
+from tfgc.collectives.reduce_scatter import (chunk_bounds, chunk_plan, gather_from_owners,
+                                             pair_rounds, scatter_to_owners)
 from tfgc.collectives.shared_index import share_root_indices
 from tfgc.collectives.sparse_allreduce import sparse_all_reduce
 
 # Communication schemes a compressed gradient can use. "allreduce" needs a
 # summable payload; "allgather" works for any payload; "shared_index" needs a
 # sparsifier that selects indices (one worker's index set serves all);
-# "sparse_allreduce" needs a (values, indices) payload, merged stage by stage. The
-# butterfly (recompress at every hop) plugs in here.
-COMMUNICATIONS = ("auto", "allreduce", "allgather", "shared_index", "sparse_allreduce")
-
+# "sparse_allreduce" needs a (values, indices) payload, merged stage by stage;
+# "reduce_scatter" needs a quantizer whose decoded sum can be compressed again.
+COMMUNICATIONS = ("auto", "allreduce", "allgather", "reduce_scatter", "shared_index",
+                  "sparse_allreduce")
 
 
 def check_communication(communication, compressor):
@@ -37,8 +40,13 @@ def check_communication(communication, compressor):
         raise ValueError(
             f"`communication`='sparse_allreduce' needs a sparsifier whose payload is (values, "
             f"indices) (topk, ef+topk), got {compressor!r}")
+    if communication == "reduce_scatter" and not compressor.recompressible:
+        raise ValueError(
+            f"`communication`='reduce_scatter' needs a quantizer whose decoded sum can be "
+            f"compressed again (onebit, qsgd, terngrad, signsgd, efsignsgd), got {compressor!r}")
     return communication
 
 
-__all__ = ["COMMUNICATIONS", "PairExchanger", "check_communication", "fused_all_reduce",
-           "gather_payloads", "share_root_indices", "sparse_all_reduce"]
+__all__ = ["COMMUNICATIONS", "PairExchanger", "check_communication", "choose_communication",
+           "chunk_bounds", "chunk_plan", "fused_all_reduce", "gather_from_owners", "gather_payloads", "pair_rounds",
+           "scatter_to_owners", "share_root_indices", "sparse_all_reduce"]

@@ -87,6 +87,10 @@ class Compressor(abc.ABC):
     # Sparsifiers whose payload is (values, int32 flat indices) can run on the
     # sparse all-reduce, which merges index sets stage by stage.
     sparse_payload: bool = False
+    # Quantizers whose decoded sum a chunk's owner can compress again (stateless
+    # inner compressor, static payload shapes) can run on the two-stage
+    # reduce-scatter / all-gather (``communication="reduce_scatter"``).
+    recompressible: bool = False
 
     # -- serialization -------------------------------------------------------------
 
@@ -144,6 +148,24 @@ class Compressor(abc.ABC):
     def num_selected(self, shape: tf.TensorShape) -> int:
         """How many indices ``select_indices`` returns for a gradient of ``shape``."""
         raise NotImplementedError(f"{type(self).__name__} does not select indices")
+
+    def chunk_unit(self, shape: tf.TensorShape) -> int:
+        """Elements per indivisible unit when a gradient is cut into chunks.
+
+        The reduce-scatter cuts each flattened gradient into one contiguous chunk
+        per worker at multiples of this (a row for per-column quantizers, a bucket
+        for bucketed ones), so a chunk is quantized as the whole tensor would be.
+        """
+        del shape
+        return 1
+
+    def recompress(self, x: tf.Tensor, ctx: CompressContext) -> Payload:
+        """Second-stage compression of a chunk's sum over workers, by its owner.
+
+        The default is ``compress`` with empty state. Error feedback is added by
+        the caller (``compress_with_feedback``) for compressors that use it.
+        """
+        return tuple(self.compress(x, {}, ctx)[0])
 
     def compress_and_decode(self, x, state, ctx):
         """``compress`` plus the local decoding of its payload.

@@ -49,6 +49,14 @@ class ErrorFeedback(Compressor):
     def sparse_payload(self):
         return self.inner.sparse_payload
 
+    @property
+    def recompressible(self):
+        return self.inner.recompressible and not tf.nest.flatten(
+            self.inner.init_state(tf.TensorShape([1]), tf.float32))
+
+    def chunk_unit(self, shape):
+        return self.inner.chunk_unit(shape)
+
     def select_indices(self, v, ctx):
         return self.inner.select_indices(v, ctx)
 

@@ -10,6 +10,7 @@ import math
 import tensorflow as tf
 
 from tfgc.compressors.base import Compressor, as_columns, check_int, num_elements
+from tfgc.ops import packing
 from tfgc.ops import quantize
 from tfgc.ops import sign_bits
 
@@ -30,6 +31,11 @@ class OneBit(Compressor):
     name = "onebit"
     summable = False
     requires_error_feedback = True
+    recompressible = True
+
+    def chunk_unit(self, shape):
+        # Chunks are whole rows, so each column's two means stay per column.
+        return as_columns(shape)[1]
 
     def _quantize(self, v):
         """Returns the payload and v - decode(payload), which the kernel computes in passing."""
@@ -77,6 +83,9 @@ class SignSGD(Compressor):
 
     name = "signsgd"
     summable = False
+    # On the reduce-scatter the owner counts the votes of its chunk and sends the
+    # majority back: the same result as the all-gather, in 2(N-1)/N of the bytes.
+    recompressible = True
 
     def compress(self, x, state, ctx):
         flat = tf.reshape(x, [-1])
@@ -123,6 +132,7 @@ class ScaledSign(Compressor):
     name = "scaledsign"
     summable = False
     requires_error_feedback = True
+    recompressible = True
 
     def compress(self, x, state, ctx):
         flat = tf.reshape(x, [-1])
@@ -166,6 +176,7 @@ class QSGD(Compressor):
 
     name = "qsgd"
     summable = False
+    recompressible = True
 
     def __init__(self, levels: int = 127, bucket_size: int = 512, norm: str = "l2", seed: int = 0):
         self.levels = check_int("levels", levels, 1, 32767)
@@ -178,6 +189,9 @@ class QSGD(Compressor):
     @property
     def bits(self) -> int:
         return _code_bits(2 * self.levels + 1)
+
+    def chunk_unit(self, shape):
+        return self.bucket_size
 
     def compress(self, x, state, ctx):
         scales, words = quantize.quantize_bucketed(
@@ -204,13 +218,18 @@ class TernGrad(Compressor):
       clip: c, the clipping factor in standard deviations; 0 disables clipping.
       seed: base seed of the Bernoulli draws (independent per worker and step).
 
-    Wire: 2 bits per element plus one float32 per tensor. Each worker keeps its own
-    scaler, so payloads are gathered (the paper's shared max scaler, which makes the
-    ternary codes summable, is left to a compressed-domain collective).
+    Wire: 2 bits per element plus one float32 per tensor. On the all-gather each
+    worker keeps its own scaler. On the reduce-scatter the workers first agree on
+    the paper's shared scaler, the largest of theirs (``local_scale``, then
+    ``compress_scaled``), so a chunk's owner adds the ternary codes as integers and
+    scales the sum once (``aggregate_shared``); it sends the sum back ternarized
+    against its own maximum, without clipping (``recompress``), which keeps the
+    second stage unbiased.
     """
 
     name = "terngrad"
     summable = False
+    recompressible = True
 
     def __init__(self, clip: float = 2.5, seed: int = 0):
         if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0 \
@@ -219,11 +238,48 @@ class TernGrad(Compressor):
         self.clip = float(clip)
         self.seed = check_int("seed", seed, 0)
 
-    def compress(self, x, state, ctx):
+    def clipped(self, x):
+        """The flattened float32 gradient, clipped to +-c*sigma."""
         g = tf.cast(tf.reshape(x, [-1]), tf.float32)
         if self.clip > 0:
             bound = self.clip * tf.math.reduce_std(g)
             g = tf.clip_by_value(g, -bound, bound)
+        return g
+
+    def local_scale(self, x):
+        """This worker's scaler: max |clip(x)|, a float32 scalar."""
+        return tf.reduce_max(tf.abs(self.clipped(x)))
+
+    def compress_scaled(self, g, scale, ctx):
+        """Ternarizes the already clipped ``g`` against ``scale`` >= max |g|.
+
+        Element i is sign(g_i) * scale with probability |g_i| / scale, else 0: the
+        payload format of ``compress`` with the given scaler.
+        """
+        g = tf.cast(tf.reshape(g, [-1]), tf.float32)
+        n = int(g.shape[0])
+        p = tf.minimum(tf.math.divide_no_nan(tf.abs(g), scale), 1.0)
+        u = tf.random.stateless_uniform([n], seed=ctx.seed(self.seed, shared=False))
+        level = tf.cast(u < p, tf.int32)
+        codes = tf.where(g < 0, -level, level) + 1
+        return tf.reshape(tf.cast(scale, tf.float32), [1]), packing.pack_codes(codes, 2)
+
+    def aggregate_shared(self, payloads, shape, dtype, ctx):
+        """Sums payloads made with one shared scaler: integer codes first, one scaling."""
+        n = num_elements(shape)
+        counts = None
+        for scale, words in payloads:
+            ones = quantize.dequantize_bucketed(tf.ones_like(scale), words, n, levels=1,
+                                                bucket_size=max(1, n), bits=2)
+            counts = ones if counts is None else counts + ones
+        return tf.reshape(tf.cast(counts * payloads[0][0][0], dtype), shape)
+
+    def recompress(self, x, ctx):
+        g = tf.cast(tf.reshape(x, [-1]), tf.float32)
+        return self.compress_scaled(g, tf.reduce_max(tf.abs(g)), ctx)
+
+    def compress(self, x, state, ctx):
+        g = self.clipped(x)
         # TernGrad is QSGD with one level, the max norm and one bucket per tensor.
         scale, words = quantize.quantize_bucketed(
             g, ctx.seed(self.seed, shared=False), levels=1, bucket_size=max(1, int(g.shape[0])),

@@ -85,6 +85,36 @@ def check_compression_args(compressor, policy, communication, bucket_bytes):
     return compressor, policy
 
 
+def _words(payload) -> int:
+    return sum(packing.num_words(int(p.shape.num_elements()), p.dtype) for p in payload)
+
+
+def _padded_words(payload, width: int) -> tf.Tensor:
+    words = collectives.allgather.payload_words(payload)
+    return tf.pad(words, [[0, width - int(words.shape[0])]])
+
+
+def _unpack_words(words, like):
+    return collectives.allgather._unpack(words[:_words(like)], like)  # pylint: disable=protected-access
+
+
+class _TwoStageState:
+    """The state template of the reduce-scatter: error feedback adds the owner's residual.
+
+    ``server_residual`` has the gradient's shape (the same on every worker, so the
+    checkpoint rows line up); only this worker's chunk of it is ever nonzero.
+    """
+
+    def __init__(self, compressor):
+        self._compressor = compressor
+
+    def init_state(self, shape, dtype):
+        template = self._compressor.init_state(shape, dtype)
+        if isinstance(self._compressor, ErrorFeedback):
+            template = dict(template, server_residual=tf.zeros(shape, dtype))
+        return template
+
+
 def _step_digits(step) -> tf.Tensor:
     """The low 32 bits of ``step`` as four 8-bit digits and their squares (float32).
 
@@ -164,10 +194,12 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
       compressor: a compressor, registry string or config dict.
       policy: a ``CompressionPolicy`` (default: compress tensors of rank >= 2 with
         at least 1024 elements).
-      communication: "auto" (all-reduce for summable payloads, all-gather
-        otherwise), "allreduce" (summable compressors only), "allgather",
-        "shared_index" (sparsifiers that select indices) or "sparse_allreduce"
-        (sparsifiers with (values, indices) payloads).
+      communication: "auto" (the fewest bytes: all-reduce for summable payloads,
+        the reduce-scatter for quantizers from 3 workers on, all-gather
+        otherwise; see ``collectives.choice``), "allreduce" (summable compressors
+        only), "allgather", "reduce_scatter" (quantizers whose sum can be
+        compressed again), "shared_index" (sparsifiers that select indices) or
+        "sparse_allreduce" (sparsifiers with (values, indices) payloads).
       bucket_bytes: upper bound on the per-worker size of one fused all-gather.
       worker_rank: index of this worker's first replica among all replicas; seeds
         per-worker randomness.
@@ -191,6 +223,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         self._states = weakref.WeakSet()
         self._models = weakref.WeakSet()
         self._exchangers = {}
+        self._auto_choice = None  # (generation, path) once auto has seen the gradients
 
     # -- public --------------------------------------------------------------------
 
@@ -251,17 +284,40 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                 f"{serialize_config(self._compressor)}, policy {self._policy.get_config()}, "
                 f"communication {self._communication}, bucket_bytes {self._bucket_bytes}")
 
+    def _path(self) -> str:
+        """The communication this compressor uses: ``communication``, or auto's choice."""
+        if self._communication != "auto":
+            return self._communication
+        if self._auto_choice is not None and self._auto_choice[0] == self._generation:
+            return self._auto_choice[1]
+        return collectives.choose_communication(self._compressor, self._group_size)[0]
+
+    def _choose(self, tensors, mask):
+        """Settles auto's choice from the compressed gradients' shapes (once per compressor)."""
+        if self._communication != "auto" or (
+                self._auto_choice is not None and self._auto_choice[0] == self._generation):
+            return
+        gradients_ = [(t.shape, t.dtype) for t, m in zip(tensors, mask)
+                      if m and t.shape.num_elements() >= self._group_size]
+        path, figures = collectives.choose_communication(self._compressor, self._group_size,
+                                                         gradients_)
+        self._auto_choice = (self._generation, path)
+        if figures:
+            logging.info("tfgc: communication='auto' chose %s for %r on %d workers; bytes sent "
+                         "per worker and step: %s", path, self._compressor, self._group_size,
+                         ", ".join(f"{k} {v}" for k, v in sorted(figures.items())))
+        else:
+            logging.info("tfgc: communication='auto' chose %s for %r on %d workers", path,
+                         self._compressor, self._group_size)
+
     def _use_allreduce(self) -> bool:
-        if self._communication == "auto":
-            return self._compressor.summable
-        return self._communication == "allreduce"
+        return self._path() == "allreduce"
 
     def _path_name(self) -> str:
-        if self._communication == "shared_index":
-            return "the shared-index all-reduce"
-        if self._communication == "sparse_allreduce":
-            return "the sparse all-reduce"
-        return "all-reduce" if self._use_allreduce() else "all-gather"
+        return {"shared_index": "the shared-index all-reduce",
+                "sparse_allreduce": "the sparse all-reduce",
+                "reduce_scatter": "the reduce-scatter / all-gather",
+                "allreduce": "all-reduce"}.get(self._path(), "all-gather")
 
     # -- exchanges outside the training step ----------------------------------------
 
@@ -427,12 +483,15 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                 results[i] = r
             ok = None
         else:
-            state = state_lib.state_for(ctx.owner, self, compressor,
-                                        repr(serialize_config(compressor)), variables, mask)
+            self._choose(tensors, mask)
+            state = state_lib.state_for(
+                ctx.owner, self, _TwoStageState(compressor) if self._path() == "reduce_scatter"
+                else compressor, repr(serialize_config(compressor)), variables, mask)
             self._states.add(state)
             reduce_fn = {"shared_index": self._shared_index_reduce,
-                         "sparse_allreduce": self._sparse_reduce}.get(self._communication,
-                                                                      self._compressed_reduce)
+                         "sparse_allreduce": self._sparse_reduce,
+                         "reduce_scatter": self._reduce_scatter_reduce}.get(
+                             self._path(), self._compressed_reduce)
             guard = self._generation_guard()
             with ops.device(device), \
                     ops.control_dependencies([guard] if guard is not None else []):
@@ -691,6 +750,159 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         outputs = _commit_or_skip(ok, step_var, compressed, tensors, reduced,
                                   decode_and_commit_one)
         return outputs, ok
+
+    def _reduce_scatter_reduce(self, tensors, variables, mask, state, step_var, launcher, rank,
+                               replica_id, options, wire):
+        """Quantized reduce-scatter then all-gather, error feedback at both stages.
+
+        Each compressed gradient is cut into one chunk per worker
+        (``collectives.chunk_bounds``). Stage 1 compresses every chunk (under error
+        feedback, of v = g + residual, keeping v - decode as the new residual) and
+        sends it to the chunk's owner; the owner combines the N payloads of its
+        chunk with the compressor's ``aggregate`` (signSGD: the majority vote),
+        adds its second residual and compresses the sum again (``recompress``).
+        Stage 2 all-gathers the owners' payloads, the control words riding along;
+        every worker decodes the same payloads, so all end with the same bits.
+        Gradients too small to cut into N chunks, and uncompressed ones, go
+        through the fused dense all-reduce.
+        """
+        compressor = self._compressor
+        error_feedback = isinstance(compressor, ErrorFeedback)
+        base = compressor.inner if error_feedback else compressor
+        shared_scale = hasattr(base, "compress_scaled") and not error_feedback
+        n = self._group_size
+        step = step_var.read_value()
+        dense_pos = [i for i, t in enumerate(tensors)
+                     if not mask[i] or t.shape.num_elements() < n]
+        compressed = [i for i in range(len(tensors)) if i not in dense_pos]
+        if not compressed:
+            return self._dense_only_reduce(tensors, launcher, options, wire), None
+
+        # 1. Cut, and compress every chunk for its owner. State is only read here.
+        bounds, chunks, slots, new_residuals = {}, {}, {}, {}
+        flats = {}
+        for i in compressed:
+            t = tensors[i]
+            bounds[i] = collectives.chunk_plan(compressor, t.shape, n)
+            slots[i] = state.slot(variables[i], replica_id)
+            flats[i] = base.clipped(t) if shared_scale else tf.reshape(t, [-1])
+        scales = {}
+        if shared_scale:
+            # TernGrad's shared scaler: the largest of the workers' (a tiny all-gather).
+            local = tf.stack([tf.reduce_max(tf.abs(flats[i])) for i in compressed])
+            everyone = tf.reshape(launcher._all_gather(local, options), [n, len(compressed)])  # pylint: disable=protected-access
+            wire.gather(_nbytes(local))
+            shared = tf.reduce_max(everyone, axis=0)
+            scales = {i: shared[j] for j, i in enumerate(compressed)}
+        for index, i in enumerate(compressed):
+            chunks[i], parts = [], []
+            residual = tf.reshape(slots[i]["residual"].read_value(), [-1]) \
+                if error_feedback else None
+            for c, (a, b, shape) in enumerate(bounds[i]):
+                cctx = CompressContext(rank=rank, num_workers=n, index=index * (n + 1) + c,
+                                       step=step)
+                x = tf.reshape(flats[i][a:b], shape)
+                if error_feedback:
+                    payload, _, r = base.compress_with_feedback(
+                        x, tf.reshape(residual[a:b], shape), {}, cctx)
+                    parts.append(tf.reshape(r, [-1]))
+                elif shared_scale:
+                    payload = base.compress_scaled(x, scales[i], cctx)
+                else:
+                    payload = base.compress(x, {}, cctx)[0]
+                chunks[i].append(tuple(payload))
+            if error_feedback:
+                new_residuals[i] = tf.reshape(tf.concat(parts, 0), tensors[i].shape)
+
+        # 2. Stage 1: each chunk to its owner, all of a worker's chunks in one message.
+        widths = {i: max(_words(p) for p in chunks[i]) for i in compressed}
+        outgoing = {p: tf.concat([_padded_words(chunks[i][p], widths[i]) for i in compressed], 0)
+                    for p in range(n) if p != rank}
+        received = collectives.scatter_to_owners(self._exchanger(replica_id), n, outgoing)
+        message = sum(widths.values())
+        for i in compressed:
+            sent = sum(_words(chunks[i][p]) for p in range(n) if p != rank)
+            wire.pairwise(4 * sent, _nbytes(tensors[i]), 0)
+        # A rank tag per exchange; padding to the longest chunk counts as sent.
+        wire.pairwise(0, 0, (n - 1) * 4 * (message + 1))
+
+        # 3. The owner combines its chunk and compresses the sum again.
+        second, new_second = {}, {}
+        offset = 0
+        for index, i in enumerate(compressed):
+            a, b, shape = bounds[i][rank]
+            mine = chunks[i][rank]
+            payloads = [mine if w == rank else
+                        _unpack_words(received[w][offset:offset + widths[i]], mine)
+                        for w in range(n)]
+            offset += widths[i]
+            cctx = CompressContext(rank=rank, num_workers=n, index=index * (n + 1) + n,
+                                   step=step)
+            dtype = tensors[i].dtype
+            if shared_scale:
+                total = base.aggregate_shared(payloads, shape, dtype, cctx)
+            else:
+                total = base.aggregate(payloads, shape, dtype, cctx)
+            if error_feedback:
+                server = tf.reshape(slots[i]["server_residual"].read_value(), [-1])
+                payload, _, r = base.compress_with_feedback(
+                    total, tf.reshape(server[a:b], shape), {}, cctx)
+                new_second[i] = tf.reshape(
+                    tf.concat([server[:a], tf.reshape(r, [-1]), server[b:]], 0),
+                    tensors[i].shape)
+            else:
+                payload = base.recompress(total, cctx)
+            second[i] = tuple(payload)
+
+        # 4. Stage 2: every owner's sum to everyone; the control words ride along.
+        control = tf.stack([_local_bad([tensors[i] for i in compressed]),
+                            tf.cast(tf.bitwise.bitwise_and(step, 0x7FFFFFFF), tf.int32)])
+        words = tf.concat([_padded_words(second[i], widths[i]) for i in compressed], 0)
+        gathered, gathered_control = collectives.gather_from_owners(launcher, words, n, options,
+                                                                    control)
+        for i in compressed:
+            wire.gather(4 * _words(second[i]))
+        padding = message - sum(_words(second[i]) for i in compressed)
+        wire.pairwise(_nbytes(control), 0, (n - 1) * (4 * padding + _nbytes(control)))
+
+        dense = [(i, tensors[i]) for i in dense_pos]
+        for _, t in dense:
+            wire.allreduce(_nbytes(t), dense=_nbytes(t))
+        reduced = collectives.fused_all_reduce(launcher, [t for _, t in dense][::-1],
+                                               options)[::-1] if dense else []
+        reduced = {i: r for (i, _), r in zip(dense, reduced)}
+
+        steps_seen = gathered_control[:, 1]
+        ok = _checked(tf.reduce_any(gathered_control[:, 0] != 0),
+                      tf.reduce_all(tf.equal(steps_seen, steps_seen[0])), step, steps_seen)
+
+        # 5. Decode every owner's chunk; commit both residuals, or keep them.
+        offsets = {}
+        offset = 0
+        for i in compressed:
+            offsets[i] = offset
+            offset += widths[i]
+
+        def decode_and_commit_one(i):
+            t = tensors[i]
+            parts = []
+            for w, (_, _, shape) in enumerate(bounds[i]):
+                row = gathered[w, offsets[i]:offsets[i] + widths[i]]
+                payload = _unpack_words(row, chunks[i][w])
+                parts.append(tf.reshape(base.decompress(payload, shape, t.dtype, None), [-1]))
+            if error_feedback:
+                slots[i]["residual"].assign(new_residuals[i])
+                slots[i]["server_residual"].assign(new_second[i])
+            return tf.reshape(tf.concat(parts, 0), t.shape)
+
+        outputs = _commit_or_skip(ok, step_var, compressed, tensors, reduced,
+                                  decode_and_commit_one)
+        return outputs, ok
+
+    def _dense_only_reduce(self, tensors, launcher, options, wire):
+        for t in tensors:
+            wire.allreduce(_nbytes(t), dense=_nbytes(t))
+        return collectives.fused_all_reduce(launcher, list(tensors)[::-1], options)[::-1]
 
     # -- copying -------------------------------------------------------------------
 

@@ -39,6 +39,7 @@ class WireBytes:
         self.payload = 0
         self.allreduce_bytes = 0
         self.gather_bytes = 0
+        self.pairwise_bytes = 0  # sent by pairwise exchanges of static size
         self.dynamic = []  # payload bytes of IndexedSlices, gathered by the stock path
         self.dynamic_sent = []  # bytes sent by exchanges whose sizes are known at run time
 
@@ -57,6 +58,12 @@ class WireBytes:
         self.payload += payload
         self.gather_bytes += payload
 
+    def pairwise(self, payload: int, dense: int, sent: int):
+        """``payload`` bytes encoded for pairwise exchanges that send ``sent`` bytes in all."""
+        self.dense += dense
+        self.payload += payload
+        self.pairwise_bytes += sent
+
     def exchanged(self, payload: int, dense: int, sent):
         """A payload that left through pairwise exchanges, ``sent`` bytes in all (a tensor)."""
         self.dense += dense
@@ -71,7 +78,8 @@ class WireBytes:
 
     @property
     def static_sent(self) -> int:
-        return self._ring_allreduce(self.allreduce_bytes) + (self.n - 1) * self.gather_bytes
+        return (self._ring_allreduce(self.allreduce_bytes) + (self.n - 1) * self.gather_bytes
+                + self.pairwise_bytes)
 
     @property
     def dense_sent(self) -> int:

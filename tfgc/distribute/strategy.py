@@ -64,11 +64,14 @@ class CompressedMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStr
       cluster_resolver: as for ``MultiWorkerMirroredStrategy``.
       communication_options: as for ``MultiWorkerMirroredStrategy``.
       policy: a ``tfgc.CompressionPolicy`` choosing which gradients to compress.
-      communication: "auto", "allreduce" (summable compressors only), "allgather",
-        "shared_index" (top-k: one worker's index set, chosen in rotation, serves
-        every worker, and the values are summed by the dense all-reduce) or
-        "sparse_allreduce" (top-k: every worker's set, merged by recursive doubling
-        with a dense switch).
+      communication: "auto" (the path with the fewest bytes on the wire for this
+        compressor and cluster size, logged once), "allreduce" (summable
+        compressors only), "allgather", "reduce_scatter" (quantizers: each worker
+        owns a chunk, decodes and sums it and compresses the sum again, with error
+        feedback at both stages), "shared_index" (top-k: one worker's index set,
+        chosen in rotation, serves every worker, and the values are summed by the
+        dense all-reduce) or "sparse_allreduce" (top-k: every worker's set, merged
+        by recursive doubling with a dense switch).
       bucket_bytes: largest per-worker size of one fused all-gather.
 
     Invalid arguments raise ``ValueError`` here, before any worker connects.

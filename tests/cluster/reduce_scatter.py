@@ -1,0 +1,103 @@
+"""A cluster worker for the quantized reduce-scatter / all-gather.
+
+    reduce_scatter.py OUT_DIR
+
+For each compressor in SPECS (one strategy, ``communication="reduce_scatter"``, the
+compressor switched between runs, a fresh owner each time) reduces deterministic
+per-worker "gradients" for STEPS steps (1-bit SGD one more, with a NaN on the last
+worker): a [16, 32] and a [3, 10] matrix
+(compressed; the second has fewer rows than 4 workers, so it is cut per element)
+and a [40] vector (dense). Writes every step's results, both residuals of every
+compressed gradient and the byte figures. Then trains the MLP for a few steps
+with 1-bit SGD the same way and saves its weights.
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+
+STEPS = 4
+SPECS = ["onebit", "efsignsgd", "signsgd", "qsgd:levels=7,bucket_size=128", "terngrad"]
+SHAPES = [(16, 32), (3, 10), (40,)]
+
+
+def gradients(rank, step):
+    rng = np.random.RandomState(1000 * step + rank)
+    return [rng.randn(*shape).astype(np.float32) for shape in SHAPES]
+
+
+def main():
+    out_dir = sys.argv[1]
+    import tensorflow as tf
+    import tf_keras as keras
+
+    import tfgc
+    from tfgc import data as data_lib
+    from tfgc import models
+    from tfgc.train import worker_info
+
+    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(
+        compressor=SPECS[0], communication="reduce_scatter",
+        policy=tfgc.CompressionPolicy(min_elements=0))
+    rank, n = worker_info(strategy)
+    with strategy.scope():
+        variables = [tf.Variable(tf.zeros(shape)) for shape in SHAPES]
+
+    arrays, stats = {}, {}
+    for j, spec in enumerate(SPECS):
+        strategy.compressor = spec
+        owner = tf.Module()
+
+        @tf.function
+        def reduce(*grads):
+            def replica_fn(*grads):
+                with tfgc.compress_gradients(variables, owner=owner):
+                    return tf.distribute.get_replica_context().all_reduce(
+                        "sum", [g * 1.0 for g in grads])
+            return strategy.run(replica_fn, args=grads)
+
+        strategy.compression_stats()  # read before, so the figures below are this run's
+        for step in range(STEPS):
+            result = reduce(*[tf.constant(g) for g in gradients(rank, step)])
+            for k, r in enumerate(result):
+                arrays[f"{j}_out{step}_{k}"] = strategy.experimental_local_results(r)[0].numpy()
+        state = strategy.compression_state(owner)
+        if spec == "onebit":
+            # A step with a NaN on the last worker: every output NaN, state untouched.
+            before = [v.numpy() for v in state.variables()]
+            grads = gradients(rank, STEPS)
+            if rank == n - 1:
+                grads[0][3, 4] = np.nan
+            result = reduce(*[tf.constant(g) for g in grads])
+            outs = [strategy.experimental_local_results(r)[0].numpy() for r in result]
+            arrays["nan_outputs_all_nan"] = np.array(bool(np.isnan(outs[0]).all()
+                                                          and np.isnan(outs[1]).all()))
+            arrays["nan_dense_finite"] = np.array(bool(np.isfinite(outs[2]).all()))
+            arrays["nan_state_kept"] = np.array(all(
+                np.array_equal(a, v.numpy()) for a, v in zip(before, state.variables())))
+        for k in range(2):
+            for field, var in state.slot(variables[k], 0).items():
+                if field != "inner":
+                    arrays[f"{j}_{field}{k}"] = var.numpy()
+        stats[spec] = strategy.compression_stats()
+    np.savez(os.path.join(out_dir, f"reduce.w{rank}.npz"), **arrays)
+
+    strategy.compressor = "onebit"
+    ds = data_lib.load_dataset("mnist5k", seed=0)
+    x, y = data_lib.shard(ds.x_train, ds.y_train, rank, n)
+    with strategy.scope():
+        net = models.build_model("mlp", seed=0)
+        net.compile(optimizer=keras.optimizers.SGD(0.05),
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    history = net.fit(data_lib.make_tf_dataset(x, y, 32, repeat=True), epochs=2,
+                      steps_per_epoch=15, verbose=0)
+    np.savez(os.path.join(out_dir, f"fit.w{rank}.npz"), *[w.numpy() for w in net.weights])
+    with open(os.path.join(out_dir, f"results.w{rank}.json"), "w") as f:
+        json.dump({"workers": n, "stats": stats,
+                   "losses": [float(v) for v in history.history["loss"]]}, f)
+
+
+if __name__ == "__main__":
+    main()

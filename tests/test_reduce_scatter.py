@@ -1,0 +1,306 @@
+"""The quantized reduce-scatter / all-gather on real 2-, 3- and 4-worker clusters.
+
+Each worker owns one chunk of every compressed gradient; chunks travel compressed to
+their owner over pairwise exchanges, the owner combines them and compresses the sum
+again, and the owners' sums are all-gathered, with error feedback at both stages.
+One launch per cluster size runs ``tests/cluster/reduce_scatter.py``; its results are
+checked against a replay of the algorithm (the compressors run eagerly here, the
+chunking, owners and residuals are the replay's own), against NumPy models of 1-bit
+SGD and signSGD's majority vote, and against the byte model of the two stages.
+"""
+
+import importlib.util
+import json
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from tfgc.launch import launch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "tests", "cluster", "reduce_scatter.py")
+ENV = {"PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+       "TF_CPP_MIN_LOG_LEVEL": "2"}
+
+_spec = importlib.util.spec_from_file_location("reduce_scatter_worker", SCRIPT)
+worker = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(worker)
+
+COMPRESSED = worker.SHAPES[:2]
+EF_SPECS = ("onebit", "efsignsgd")
+
+
+@pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"{n}workers")
+def cluster(request, tmp_path_factory):
+    n = request.param
+    out = tmp_path_factory.mktemp(f"rs{n}")
+    result = launch([sys.executable, SCRIPT, str(out)], n, env=ENV, timeout=600,
+                    output=open(os.devnull, "w"))
+    assert result.ok, result.message
+    runs = [dict(np.load(out / f"reduce.w{r}.npz")) for r in range(n)]
+    return n, out, runs
+
+
+def replay(n, spec):
+    """The two stages, worker by worker: per step the outputs, at the end both residuals."""
+    import tensorflow as tf
+
+    from tfgc.collectives import chunk_plan
+    from tfgc.compressors import CompressContext, ErrorFeedback, get
+
+    compressor = get(spec)
+    ef = isinstance(compressor, ErrorFeedback)
+    base = compressor.inner if ef else compressor
+    shared = spec == "terngrad"
+    first = [[np.zeros(int(np.prod(s)), np.float32) for s in COMPRESSED] for _ in range(n)]
+    second = [[np.zeros(int(np.prod(s)), np.float32) for s in COMPRESSED] for _ in range(n)]
+    outputs = []
+    for step in range(worker.STEPS):
+        grads = [worker.gradients(w, step) for w in range(n)]
+        outs = []
+        for k, shape in enumerate(COMPRESSED):
+            plan = chunk_plan(compressor, tf.TensorShape(shape), n)
+            flats = [grads[w][k].ravel() for w in range(n)]
+            if shared:
+                flats = [base.clipped(tf.constant(f)).numpy() for f in flats]
+                scale = max(np.abs(f).max() for f in flats)
+            payloads = [[None] * n for _ in range(n)]  # [sender][chunk]
+            for w in range(n):
+                for c, (a, b, cshape) in enumerate(plan):
+                    ctx = CompressContext(rank=w, num_workers=n, index=k * (n + 1) + c, step=step)
+                    x = tf.reshape(tf.constant(flats[w][a:b]), cshape)
+                    if ef:
+                        p, _, r = base.compress_with_feedback(
+                            x, tf.reshape(tf.constant(first[w][k][a:b]), cshape), {}, ctx)
+                        first[w][k][a:b] = r.numpy().ravel()
+                    elif shared:
+                        p = base.compress_scaled(x, tf.constant(scale), ctx)
+                    else:
+                        p = base.compress(x, {}, ctx)[0]
+                    payloads[w][c] = p
+            result = np.zeros(int(np.prod(shape)), np.float32)
+            for c, (a, b, cshape) in enumerate(plan):
+                ctx = CompressContext(rank=c, num_workers=n, index=k * (n + 1) + n, step=step)
+                mine = [payloads[w][c] for w in range(n)]
+                total = base.aggregate_shared(mine, cshape, tf.float32, ctx) if shared \
+                    else base.aggregate(mine, cshape, tf.float32, ctx)
+                if ef:
+                    p, _, r = base.compress_with_feedback(
+                        total, tf.reshape(tf.constant(second[c][k][a:b]), cshape), {}, ctx)
+                    second[c][k][a:b] = r.numpy().ravel()
+                else:
+                    p = base.recompress(total, ctx)
+                result[a:b] = base.decompress(p, cshape, tf.float32, ctx).numpy().ravel()
+            outs.append(result.reshape(shape))
+        outs.append(sum(grads[w][2] for w in range(n)))
+        outputs.append(outs)
+    return outputs, first, second
+
+
+@pytest.mark.parametrize("j, spec", list(enumerate(worker.SPECS)))
+def test_matches_replay_and_workers_agree(cluster, j, spec):
+    n, _, runs = cluster
+    expected, first, second = replay(n, spec)
+    for step, outs in enumerate(expected):
+        for k, want in enumerate(outs):
+            got = runs[0][f"{j}_out{step}_{k}"]
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5,
+                                       err_msg=f"{spec} step {step} tensor {k}")
+            for r in range(1, n):
+                np.testing.assert_array_equal(runs[r][f"{j}_out{step}_{k}"], got)
+    if spec in EF_SPECS:
+        for r in range(n):
+            for k, shape in enumerate(COMPRESSED):
+                np.testing.assert_allclose(runs[r][f"{j}_residual{k}"].ravel(), first[r][k],
+                                           rtol=1e-5, atol=1e-5)
+                np.testing.assert_allclose(runs[r][f"{j}_server_residual{k}"].ravel(),
+                                           second[r][k], rtol=1e-5, atol=1e-5)
+
+
+def onebit_numpy(v):
+    """1-bit SGD of a [rows, cols] matrix: (decoded, residual), per column means."""
+    pos = v >= 0
+    mean1 = np.where(pos, v, 0).sum(0) / np.maximum(pos.sum(0), 1)
+    mean0 = np.where(pos, 0, v).sum(0) / np.maximum((~pos).sum(0), 1)
+    decoded = np.where(pos, mean1, mean0).astype(np.float32)
+    return decoded, v - decoded
+
+
+def test_onebit_matches_numpy_model(cluster):
+    """Rows split among owners, 1-bit with error feedback at both stages, in NumPy."""
+    n, _, runs = cluster
+    j = worker.SPECS.index("onebit")
+    rows, cols = COMPRESSED[0]
+    # Rows dealt as evenly as possible, the first chunks one row longer.
+    base, extra = divmod(rows, n)
+    bounds = np.cumsum([0] + [base + (r < extra) for r in range(n)])
+    e1 = [np.zeros((rows, cols), np.float32) for _ in range(n)]
+    e2 = np.zeros((rows, cols), np.float32)
+    for step in range(worker.STEPS):
+        grads = [worker.gradients(w, step)[0] for w in range(n)]
+        out = np.zeros((rows, cols), np.float32)
+        for c in range(n):
+            a, b = bounds[c], bounds[c + 1]
+            total = np.zeros((b - a, cols), np.float32)
+            for w in range(n):
+                decoded, e1[w][a:b] = onebit_numpy(grads[w][a:b] + e1[w][a:b])
+                total += decoded
+            out[a:b], e2[a:b] = onebit_numpy(total + e2[a:b])
+        np.testing.assert_allclose(runs[0][f"{j}_out{step}_0"], out, rtol=1e-4, atol=1e-5)
+
+
+def test_non_finite_step_leaves_state_alone(cluster):
+    """A NaN on one worker: compressed outputs NaN on every worker, both residuals and the
+    step counter bit for bit as they were (the dense vector is summed as usual)."""
+    n, _, runs = cluster
+    for r in range(n):
+        assert runs[r]["nan_outputs_all_nan"]
+        assert runs[r]["nan_state_kept"]
+        assert runs[r]["nan_dense_finite"]
+
+
+def test_signsgd_is_the_majority_vote(cluster):
+    """The owner counts every worker's vote: exactly sign(sum_w sign(g_w)), as the all-gather."""
+    n, _, runs = cluster
+    j = worker.SPECS.index("signsgd")
+    for step in range(worker.STEPS):
+        grads = [worker.gradients(w, step) for w in range(n)]
+        for k in range(len(COMPRESSED)):
+            vote = np.sign(sum(np.sign(grads[w][k]) for w in range(n)))
+            np.testing.assert_array_equal(runs[0][f"{j}_out{step}_{k}"], vote)
+
+
+def test_terngrad_shares_the_scaler(cluster):
+    """Stage 2 ternarizes each owner's sum: every chunk holds 0 and +-(one value) only."""
+    n, _, runs = cluster
+    j = worker.SPECS.index("terngrad")
+    out = runs[0][f"{j}_out0_0"].ravel()
+    magnitudes = {float(v) for v in np.abs(out) if v != 0}
+    assert 1 <= len(magnitudes) <= n  # one per owner's chunk
+
+
+@pytest.mark.parametrize("spec", EF_SPECS)
+def test_error_feedback_conserves_mass_at_both_stages(cluster, spec):
+    """What was applied, plus every worker's two residuals, is every gradient ever sent."""
+    n, _, runs = cluster
+    j = worker.SPECS.index(spec)
+    for k, shape in enumerate(COMPRESSED):
+        applied = sum(runs[0][f"{j}_out{s}_{k}"].astype(np.float64) for s in range(worker.STEPS))
+        left = sum(runs[r][f"{j}_residual{k}"].astype(np.float64)
+                   + runs[r][f"{j}_server_residual{k}"].astype(np.float64) for r in range(n))
+        total = sum(worker.gradients(r, s)[k].astype(np.float64)
+                    for s in range(worker.STEPS) for r in range(n))
+        np.testing.assert_allclose(applied + left, total, rtol=1e-5, atol=1e-4)
+    # The second residual lives in the worker's own chunk only (a one-row chunk
+    # of 1-bit SGD is sent exactly, so only the large matrix is sure to keep any).
+    import tensorflow as tf
+
+    from tfgc.collectives import chunk_plan
+    from tfgc.compressors import get
+    plan = chunk_plan(get(spec), tf.TensorShape(COMPRESSED[0]), n)
+    for r in range(n):
+        kept = runs[r][f"{j}_server_residual0"].ravel()
+        a, b, _ = plan[r]
+        assert np.any(kept[a:b] != 0)
+        assert not np.any(kept[:a]) and not np.any(kept[b:])
+
+
+def chunk_words(spec, n):
+    """Per tensor, the int32 words of the longest chunk's payload (the padded message width)."""
+    import tensorflow as tf
+
+    from tfgc.collectives import chunk_plan
+    from tfgc.compressors import get
+
+    compressor = get(spec)
+    widths = []
+    for shape in COMPRESSED:
+        plan = chunk_plan(compressor, tf.TensorShape(shape), n)
+        longest = max(int(cshape.num_elements()) for _, _, cshape in plan)
+        rows, cols = max((tuple(cshape.as_list()) for _, _, cshape in plan),
+                         key=lambda s: s[0] * s[1])
+        if spec == "onebit":
+            widths.append(math.ceil(longest / 32) + 2 * cols)
+        elif spec == "signsgd":
+            widths.append(2 * math.ceil(longest / 32))
+        elif spec == "efsignsgd":
+            widths.append(1 + math.ceil(longest / 32))
+        elif spec == "terngrad":
+            widths.append(1 + math.ceil(2 * longest / 32))
+        else:  # qsgd, 4 bits, buckets of 128
+            widths.append(math.ceil(longest / 128) + math.ceil(4 * longest / 32))
+    return widths
+
+
+@pytest.mark.parametrize("spec", worker.SPECS)
+def test_bytes_are_two_compressed_stages(cluster, spec):
+    n, out, _ = cluster
+    with open(out / "results.w0.json") as f:
+        stats = json.load(f)["stats"][spec]
+    width = sum(chunk_words(spec, n))
+    ring = lambda b: 2 * (n - 1) * b // n  # noqa: E731
+    # Stage 1: N-1 messages of the padded chunks and a rank tag; stage 2: the
+    # all-gather of the owners' padded chunks and 2 control words; the dense vector
+    # goes through the ring all-reduce (TernGrad first gathers its 2 scalers).
+    sent = (n - 1) * 4 * (width + 1) + (n - 1) * 4 * (width + 2) + ring(4 * 40)
+    if spec == "terngrad":
+        sent += (n - 1) * 8
+    assert stats["sent_bytes"] == sent
+    dense = 4 * (16 * 32 + 3 * 10 + 40)
+    assert stats["dense_sent_bytes"] == ring(dense)
+    # At most the dense all-reduce of the same gradients, and well under it for
+    # the large matrix (1 to 8 bits for 32): the small ones pay their scales.
+    assert stats["sent_bytes"] < stats["dense_sent_bytes"]
+
+
+def test_fit_ends_identical_on_every_worker(cluster):
+    n, out, _ = cluster
+    first = np.load(out / "fit.w0.npz")
+    for r in range(1, n):
+        other = np.load(out / f"fit.w{r}.npz")
+        for key in first.files:
+            np.testing.assert_array_equal(first[key], other[key])
+    with open(out / "results.w0.json") as f:
+        losses = json.load(f)["losses"]
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("spec", ["topk:ratio=0.01", "ef+topk:ratio=0.01", "randomk", "none",
+                                  "fp16"])
+def test_refused_for_compressors_that_cannot_recompress(spec):
+    from tfgc.distribute.cross_device_ops import check_compression_args
+    with pytest.raises(ValueError, match="`communication`='reduce_scatter'"):
+        check_compression_args(spec, None, "reduce_scatter", 1 << 20)
+
+
+def test_pair_rounds_meet_every_partner_once():
+    from tfgc.collectives import pair_rounds
+    for n in range(1, 10):
+        met = {r: [] for r in range(n)}
+        for matching in pair_rounds(n):
+            for a, b in matching.items():
+                assert matching[b] == a and a != b
+                met[a].append(b)
+        for r in range(n):
+            assert sorted(met[r]) == [p for p in range(n) if p != r]
+        assert len(pair_rounds(n)) == (0 if n == 1 else n - 1 if n % 2 == 0 else n)
+
+
+def test_chunks_cut_at_units():
+    import tensorflow as tf
+
+    from tfgc.collectives import chunk_plan
+    from tfgc.compressors import get
+
+    # 1-bit: whole rows; QSGD: whole buckets, the last chunk takes the remainder.
+    assert [(a, b) for a, b, _ in chunk_plan(get("onebit"), tf.TensorShape([10, 4]), 3)] == \
+        [(0, 16), (16, 28), (28, 40)]
+    assert [(a, b) for a, b, _ in chunk_plan(get("qsgd:bucket_size=128"),
+                                             tf.TensorShape([1000]), 3)] == \
+        [(0, 384), (384, 768), (768, 1000)]
+    # Fewer rows than workers: per element, as one column.
+    plan = chunk_plan(get("onebit"), tf.TensorShape([3, 10]), 4)
+    assert [list(s) for _, _, s in plan] == [[8, 1], [8, 1], [7, 1], [7, 1]]
