@@ -167,8 +167,12 @@ SUMMABLE = ("none", "fp16", "bf16", "randomk")
 RECOMPRESSIBLE = ("onebit", "signsgd", "scaledsign", "qsgd", "terngrad")
 
 
-def chunk_bytes(name, config, shape, workers):
+def chunk_bytes(name, config, shape, workers, second=False):
     """Payload bytes of each worker's chunk on the reduce-scatter.
+
+    ``second``: of the owner's second-stage payload instead (it differs only for
+    TernGrad, whose owner sends exact sums of N codes in ceil(log2(2N + 1)) bits,
+    rounded up to a field width that divides 32, next to the shared scaler).
 
     A gradient is cut into one contiguous chunk per worker at whole units (rows of
     ``shape`` for 1-bit SGD, buckets for QSGD, elements otherwise; elements also
@@ -184,7 +188,11 @@ def chunk_bytes(name, config, shape, workers):
         end = min(n, start + (base + (r < extra)) * unit)
         length = end - start
         chunk = [length // unit, unit] if length % unit == 0 else [length, 1]
-        out.append(expected_tensor_bytes(name, config, chunk)[0])
+        if second and name == "terngrad":
+            bits = next(b for b in (2, 4, 8, 16) if (1 << b) >= 2 * workers + 1)
+            out.append(_words(32) + _words(bits * length))
+        else:
+            out.append(expected_tensor_bytes(name, config, chunk)[0])
         start = end
     return out
 
@@ -227,10 +235,13 @@ def expected_step(compressor_config, variables, min_elements, workers, communica
                 sparse += payload
             elif two_stage:
                 chunks = chunk_bytes(name, config, shape, workers)
+                owned = chunk_bytes(name, config, shape, workers, second=not wrapped)
                 how += f", {workers} chunks of up to {max(chunks)} B, twice"
-                payload = sum(chunks)
+                # A worker encodes every chunk but its own for their owners, and
+                # the second stage of its own.
+                payload = sum(chunks) - chunks[0] + owned[0]
                 chunked += payload
-                width += max(chunks)
+                width += max(chunks) + max(owned)
                 num_chunked += 1
             elif name in SUMMABLE:
                 allreduce += payload
@@ -251,7 +262,7 @@ def expected_step(compressor_config, variables, min_elements, workers, communica
         # in ``gather`` above); TernGrad first gathers one shared scaler per tensor.
         gather -= CONTROL_GATHER
         chunked += CONTROL_GATHER
-        staged = (n_ - 1) * (2 * width + WORD + CONTROL_GATHER)
+        staged = (n_ - 1) * (width + WORD + CONTROL_GATHER)
         if name == "terngrad" and not wrapped:
             chunked += FLOAT * num_chunked
             staged += (n_ - 1) * FLOAT * num_chunked

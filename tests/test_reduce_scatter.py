@@ -85,8 +85,11 @@ def replay(n, spec):
             for c, (a, b, cshape) in enumerate(plan):
                 ctx = CompressContext(rank=c, num_workers=n, index=k * (n + 1) + n, step=step)
                 mine = [payloads[w][c] for w in range(n)]
-                total = base.aggregate_shared(mine, cshape, tf.float32, ctx) if shared \
-                    else base.aggregate(mine, cshape, tf.float32, ctx)
+                if shared:
+                    counts = base.sum_codes(mine, cshape)
+                    result[a:b] = base.decode_counts(counts, cshape, tf.float32, n).numpy().ravel()
+                    continue
+                total = base.aggregate(mine, cshape, tf.float32, ctx)
                 if ef:
                     p, _, r = base.compress_with_feedback(
                         total, tf.reshape(tf.constant(second[c][k][a:b]), cshape), {}, ctx)
@@ -173,13 +176,20 @@ def test_signsgd_is_the_majority_vote(cluster):
             np.testing.assert_array_equal(runs[0][f"{j}_out{step}_{k}"], vote)
 
 
-def test_terngrad_shares_the_scaler(cluster):
-    """Stage 2 ternarizes each owner's sum: every chunk holds 0 and +-(one value) only."""
+def test_terngrad_sums_codes_exactly(cluster):
+    """With the shared scaler s (the largest max |clip(g)|), every output is s times an
+    integer in [-N, N]: the owners add the codes and send the sums whole."""
     n, _, runs = cluster
     j = worker.SPECS.index("terngrad")
-    out = runs[0][f"{j}_out0_0"].ravel()
-    magnitudes = {float(v) for v in np.abs(out) if v != 0}
-    assert 1 <= len(magnitudes) <= n  # one per owner's chunk
+    for step in range(worker.STEPS):
+        for k in range(len(COMPRESSED)):
+            grads = [worker.gradients(w, step)[k].astype(np.float64) for w in range(n)]
+            scale = max(np.abs(np.clip(g, -2.5 * g.std(), 2.5 * g.std())).max() for g in grads)
+            counts = runs[0][f"{j}_out{step}_{k}"] / scale
+            np.testing.assert_allclose(counts, np.round(counts), atol=1e-4)
+            assert np.abs(counts).max() <= n + 1e-4
+            if k == 0:  # 512 elements: sums, not ternary again
+                assert len(np.unique(np.round(counts))) > 3
 
 
 @pytest.mark.parametrize("spec", EF_SPECS)
@@ -206,6 +216,15 @@ def test_error_feedback_conserves_mass_at_both_stages(cluster, spec):
         a, b, _ = plan[r]
         assert np.any(kept[a:b] != 0)
         assert not np.any(kept[:a]) and not np.any(kept[b:])
+
+
+def longest_chunks(spec, n):
+    import tensorflow as tf
+
+    from tfgc.collectives import chunk_plan
+    from tfgc.compressors import get
+    return [max(int(cshape.num_elements()) for _, _, cshape in
+                chunk_plan(get(spec), tf.TensorShape(shape), n)) for shape in COMPRESSED]
 
 
 def chunk_words(spec, n):
@@ -241,11 +260,17 @@ def test_bytes_are_two_compressed_stages(cluster, spec):
     with open(out / "results.w0.json") as f:
         stats = json.load(f)["stats"][spec]
     width = sum(chunk_words(spec, n))
+    second = width
+    if spec == "terngrad":
+        # The owners send exact sums of N codes: ceil(log2(2N + 1)) bits, as 4 here.
+        second = sum(1 + math.ceil(4 * longest / 32) for longest in longest_chunks(spec, n))
     ring = lambda b: 2 * (n - 1) * b // n  # noqa: E731
-    # Stage 1: N-1 messages of the padded chunks and a rank tag; stage 2: the
-    # all-gather of the owners' padded chunks and 2 control words; the dense vector
-    # goes through the ring all-reduce (TernGrad first gathers its 2 scalers).
-    sent = (n - 1) * 4 * (width + 1) + (n - 1) * 4 * (width + 2) + ring(4 * 40)
+    # One bucket per gradient. Stage 1: per bucket, N-1 messages of its padded
+    # chunks and a rank tag; stage 2: the all-gather of the owners' padded chunks,
+    # and 2 control words on the last bucket; the dense vector goes through the
+    # ring all-reduce (TernGrad first gathers its 2 scalers).
+    buckets = len(COMPRESSED)
+    sent = (n - 1) * 4 * (width + buckets) + (n - 1) * 4 * (second + 2) + ring(4 * 40)
     if spec == "terngrad":
         sent += (n - 1) * 8
     assert stats["sent_bytes"] == sent

@@ -21,6 +21,9 @@ import numpy as np
 STEPS = 4
 SPECS = ["onebit", "efsignsgd", "signsgd", "qsgd:levels=7,bucket_size=128", "terngrad"]
 SHAPES = [(16, 32), (3, 10), (40,)]
+# Smaller than any message: each gradient takes a bucket of its own (two rounds of
+# exchanges and two all-gathers per step, the control words on the last).
+BUCKET_BYTES = 4
 
 
 def gradients(rank, step):
@@ -40,7 +43,7 @@ def main():
 
     strategy = tfgc.CompressedMultiWorkerMirroredStrategy(
         compressor=SPECS[0], communication="reduce_scatter",
-        policy=tfgc.CompressionPolicy(min_elements=0))
+        policy=tfgc.CompressionPolicy(min_elements=0), bucket_bytes=BUCKET_BYTES)
     rank, n = worker_info(strategy)
     with strategy.scope():
         variables = [tf.Variable(tf.zeros(shape)) for shape in SHAPES]

@@ -51,11 +51,18 @@ def sent_bytes(path: str, compressor, gradients: Sequence[Tuple[tf.TensorShape, 
     if n < 2:
         return 0
     if path == "reduce_scatter":
-        widths = sum(max(_payload_words(compressor, tf.TensorShape(s), dtype)
-                         for _, _, s in chunk_plan(compressor, tf.TensorShape(shape), n))
-                     for shape, dtype in gradients)
+        plans = [(chunk_plan(compressor, tf.TensorShape(shape), n), dtype)
+                 for shape, dtype in gradients]
+        widths = sum(max(_payload_words(compressor, s, dtype) for _, _, s in plan)
+                     for plan, dtype in plans)
+        second, scalers = widths, 0
+        if hasattr(compressor, "sum_codes"):
+            # TernGrad: a gather of the shared scalers first, and exact sums of codes.
+            second = sum(max(compressor.count_payload_words(s, n) for _, _, s in plan)
+                         for plan, _ in plans)
+            scalers = len(plans)
         # Stage 1 tags each exchange with the sender's rank; stage 2 carries the control.
-        return (n - 1) * 4 * (widths + 1) + (n - 1) * 4 * (widths + _CONTROL_WORDS)
+        return (n - 1) * 4 * (scalers + widths + 1 + second + _CONTROL_WORDS)
     words = sum(_payload_words(compressor, tf.TensorShape(shape), dtype)
                 for shape, dtype in gradients)
     if path == "allreduce":

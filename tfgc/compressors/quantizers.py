@@ -220,11 +220,9 @@ class TernGrad(Compressor):
 
     Wire: 2 bits per element plus one float32 per tensor. On the all-gather each
     worker keeps its own scaler. On the reduce-scatter the workers first agree on
-    the paper's shared scaler, the largest of theirs (``local_scale``, then
-    ``compress_scaled``), so a chunk's owner adds the ternary codes as integers and
-    scales the sum once (``aggregate_shared``); it sends the sum back ternarized
-    against its own maximum, without clipping (``recompress``), which keeps the
-    second stage unbiased.
+    the paper's shared scaler, the largest of theirs (``compress_scaled``), so a chunk's owner adds the ternary codes as integers
+    and sends the exact sums back in ceil(log2(2N + 1)) bits, rounded up to 2, 4,
+    8 or 16 (``sum_codes``): the second stage loses nothing.
     """
 
     name = "terngrad"
@@ -246,10 +244,6 @@ class TernGrad(Compressor):
             g = tf.clip_by_value(g, -bound, bound)
         return g
 
-    def local_scale(self, x):
-        """This worker's scaler: max |clip(x)|, a float32 scalar."""
-        return tf.reduce_max(tf.abs(self.clipped(x)))
-
     def compress_scaled(self, g, scale, ctx):
         """Ternarizes the already clipped ``g`` against ``scale`` >= max |g|.
 
@@ -264,19 +258,46 @@ class TernGrad(Compressor):
         codes = tf.where(g < 0, -level, level) + 1
         return tf.reshape(tf.cast(scale, tf.float32), [1]), packing.pack_codes(codes, 2)
 
-    def aggregate_shared(self, payloads, shape, dtype, ctx):
-        """Sums payloads made with one shared scaler: integer codes first, one scaling."""
-        n = num_elements(shape)
-        counts = None
-        for scale, words in payloads:
-            ones = quantize.dequantize_bucketed(tf.ones_like(scale), words, n, levels=1,
-                                                bucket_size=max(1, n), bits=2)
-            counts = ones if counts is None else counts + ones
-        return tf.reshape(tf.cast(counts * payloads[0][0][0], dtype), shape)
+    @staticmethod
+    def count_bits(num_workers: int) -> int:
+        """Field width of a sum of ``num_workers`` ternary codes (2N + 1 values)."""
+        return _code_bits(2 * num_workers + 1)
 
-    def recompress(self, x, ctx):
-        g = tf.cast(tf.reshape(x, [-1]), tf.float32)
-        return self.compress_scaled(g, tf.reduce_max(tf.abs(g)), ctx)
+    def count_payload_words(self, shape, num_workers: int) -> int:
+        """int32 words of ``sum_codes``'s payload for a chunk of ``shape``."""
+        return 1 + packing.packed_words(num_elements(shape), self.count_bits(num_workers))
+
+    def sum_codes(self, payloads, shape):
+        """The exact sum of N ternary payloads made with one shared scaler.
+
+        With a common scaler s the decoded values are s * t, t in {-1, 0, 1}, so
+        the sum is s times an integer in [-N, N] (Wen et al.'s scaler sharing): it
+        is sent as that integer, in ``count_bits(N)`` bits, next to s, and nothing
+        is lost at the second stage. A code outside {0, 1, 2} fails with
+        InvalidArgument.
+        """
+        n = num_elements(shape)
+        workers = len(payloads)
+        counts = None
+        for _, words in payloads:
+            codes = tf.cast(packing.unpack_codes(words, n, 2), tf.int32)
+            check = tf.debugging.assert_less_equal(
+                codes, 2, message="terngrad payload holds a code outside {0, 1, 2}")
+            with tf.control_dependencies([check]):
+                ternary = codes - 1
+            counts = ternary if counts is None else counts + ternary
+        return payloads[0][0], packing.pack_codes(counts + workers, self.count_bits(workers))
+
+    def decode_counts(self, payload, shape, dtype, num_workers: int):
+        """Decodes ``sum_codes``'s payload: s * count."""
+        scale, words = payload
+        n = num_elements(shape)
+        codes = tf.cast(packing.unpack_codes(words, n, self.count_bits(num_workers)), tf.int32)
+        check = tf.debugging.assert_less_equal(
+            codes, 2 * num_workers, message="terngrad count payload holds a code above 2N")
+        with tf.control_dependencies([check]):
+            counts = tf.cast(codes - num_workers, tf.float32)
+        return tf.reshape(tf.cast(counts * scale[0], dtype), shape)
 
     def compress(self, x, state, ctx):
         g = self.clipped(x)

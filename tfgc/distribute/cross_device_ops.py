@@ -200,7 +200,8 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         only), "allgather", "reduce_scatter" (quantizers whose sum can be
         compressed again), "shared_index" (sparsifiers that select indices) or
         "sparse_allreduce" (sparsifiers with (values, indices) payloads).
-      bucket_bytes: upper bound on the per-worker size of one fused all-gather.
+      bucket_bytes: upper bound on the per-worker size of one fused all-gather, and
+        of one message of the reduce-scatter.
       worker_rank: index of this worker's first replica among all replicas; seeds
         per-worker randomness.
     """
@@ -763,13 +764,14 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         adds its second residual and compresses the sum again (``recompress``).
         Stage 2 all-gathers the owners' payloads, the control words riding along;
         every worker decodes the same payloads, so all end with the same bits.
+        Messages hold up to ``bucket_bytes`` of chunks, last layers first.
         Gradients too small to cut into N chunks, and uncompressed ones, go
         through the fused dense all-reduce.
         """
         compressor = self._compressor
         error_feedback = isinstance(compressor, ErrorFeedback)
         base = compressor.inner if error_feedback else compressor
-        shared_scale = hasattr(base, "compress_scaled") and not error_feedback
+        shared_scale = hasattr(base, "sum_codes") and not error_feedback
         n = self._group_size
         step = step_var.read_value()
         dense_pos = [i for i, t in enumerate(tensors)
@@ -779,7 +781,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             return self._dense_only_reduce(tensors, launcher, options, wire), None
 
         # 1. Cut, and compress every chunk for its owner. State is only read here.
-        bounds, chunks, slots, new_residuals = {}, {}, {}, {}
+        bounds, chunks, slots, new_residuals, new_second = {}, {}, {}, {}, {}
         flats = {}
         for i in compressed:
             t = tensors[i]
@@ -814,56 +816,87 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             if error_feedback:
                 new_residuals[i] = tf.reshape(tf.concat(parts, 0), tensors[i].shape)
 
-        # 2. Stage 1: each chunk to its owner, all of a worker's chunks in one message.
+        # 2. Buckets of at most bucket_bytes per message, the last layers' gradients
+        #    (the first that back-propagation produces) first: a bucket's exchanges
+        #    need only its own gradients, so they can run while earlier layers'
+        #    gradients are still being computed and compressed.
         widths = {i: max(_words(p) for p in chunks[i]) for i in compressed}
-        outgoing = {p: tf.concat([_padded_words(chunks[i][p], widths[i]) for i in compressed], 0)
-                    for p in range(n) if p != rank}
-        received = collectives.scatter_to_owners(self._exchanger(replica_id), n, outgoing)
-        message = sum(widths.values())
-        for i in compressed:
-            sent = sum(_words(chunks[i][p]) for p in range(n) if p != rank)
-            wire.pairwise(4 * sent, _nbytes(tensors[i]), 0)
-        # A rank tag per exchange; padding to the longest chunk counts as sent.
-        wire.pairwise(0, 0, (n - 1) * 4 * (message + 1))
-
-        # 3. The owner combines its chunk and compresses the sum again.
-        second, new_second = {}, {}
-        offset = 0
-        for index, i in enumerate(compressed):
-            a, b, shape = bounds[i][rank]
-            mine = chunks[i][rank]
-            payloads = [mine if w == rank else
-                        _unpack_words(received[w][offset:offset + widths[i]], mine)
-                        for w in range(n)]
-            offset += widths[i]
-            cctx = CompressContext(rank=rank, num_workers=n, index=index * (n + 1) + n,
-                                   step=step)
-            dtype = tensors[i].dtype
-            if shared_scale:
-                total = base.aggregate_shared(payloads, shape, dtype, cctx)
-            else:
-                total = base.aggregate(payloads, shape, dtype, cctx)
-            if error_feedback:
-                server = tf.reshape(slots[i]["server_residual"].read_value(), [-1])
-                payload, _, r = base.compress_with_feedback(
-                    total, tf.reshape(server[a:b], shape), {}, cctx)
-                new_second[i] = tf.reshape(
-                    tf.concat([server[:a], tf.reshape(r, [-1]), server[b:]], 0),
-                    tensors[i].shape)
-            else:
-                payload = base.recompress(total, cctx)
-            second[i] = tuple(payload)
-
-        # 4. Stage 2: every owner's sum to everyone; the control words ride along.
+        if shared_scale:
+            # TernGrad's owners send exact sums of codes, in wider fields.
+            second_like = {i: [(tf.TensorSpec([1], tf.float32), tf.TensorSpec(
+                [base.count_payload_words(shape, n) - 1], tf.int32)) for _, _, shape in bounds[i]]
+                for i in compressed}
+        else:
+            second_like = chunks
+        widths2 = {i: max(_words(p) for p in second_like[i]) for i in compressed}
+        buckets, current = [], []
+        for i in reversed(compressed):
+            if current and 4 * (sum(widths[j] for j in current) + widths[i]) > self._bucket_bytes:
+                buckets.append(current)
+                current = []
+            current.append(i)
+        buckets.append(current)
         control = tf.stack([_local_bad([tensors[i] for i in compressed]),
                             tf.cast(tf.bitwise.bitwise_and(step, 0x7FFFFFFF), tf.int32)])
-        words = tf.concat([_padded_words(second[i], widths[i]) for i in compressed], 0)
-        gathered, gathered_control = collectives.gather_from_owners(launcher, words, n, options,
-                                                                    control)
-        for i in compressed:
-            wire.gather(4 * _words(second[i]))
-        padding = message - sum(_words(second[i]) for i in compressed)
-        wire.pairwise(_nbytes(control), 0, (n - 1) * (4 * padding + _nbytes(control)))
+        gathered, gathered_control = {}, None
+        exchanger = self._exchanger(replica_id)
+        for b, bucket in enumerate(buckets):
+            last = b == len(buckets) - 1
+            # Stage 1: each chunk to its owner, the bucket's chunks in one message.
+            outgoing = {p: tf.concat([_padded_words(chunks[i][p], widths[i]) for i in bucket], 0)
+                        for p in range(n) if p != rank}
+            received = collectives.scatter_to_owners(exchanger, n, outgoing)
+            message = sum(widths[i] for i in bucket)
+            for i in bucket:
+                sent = sum(_words(chunks[i][p]) for p in range(n) if p != rank)
+                wire.pairwise(4 * sent, _nbytes(tensors[i]), 0)
+            # A rank tag per exchange; padding to the longest chunk counts as sent.
+            wire.pairwise(0, 0, (n - 1) * 4 * (message + 1))
+
+            # The owner combines its chunk and compresses the result again.
+            second = {}
+            offset = 0
+            for i in bucket:
+                index = compressed.index(i)
+                a, b_, shape = bounds[i][rank]
+                mine = chunks[i][rank]
+                payloads = [mine if w == rank else
+                            _unpack_words(received[w][offset:offset + widths[i]], mine)
+                            for w in range(n)]
+                offset += widths[i]
+                cctx = CompressContext(rank=rank, num_workers=n, index=index * (n + 1) + n,
+                                       step=step)
+                dtype = tensors[i].dtype
+                if shared_scale:
+                    second[i] = tuple(base.sum_codes(payloads, shape))
+                    continue
+                total = base.aggregate(payloads, shape, dtype, cctx)
+                if error_feedback:
+                    server = tf.reshape(slots[i]["server_residual"].read_value(), [-1])
+                    payload, _, r = base.compress_with_feedback(
+                        total, tf.reshape(server[a:b_], shape), {}, cctx)
+                    new_second[i] = tf.reshape(
+                        tf.concat([server[:a], tf.reshape(r, [-1]), server[b_:]], 0),
+                        tensors[i].shape)
+                else:
+                    payload = base.recompress(total, cctx)
+                second[i] = tuple(payload)
+
+            # Stage 2: every owner's result to everyone; the control words ride on
+            # the last bucket.
+            words = tf.concat([_padded_words(second[i], widths2[i]) for i in bucket], 0)
+            rows, rows_control = collectives.gather_from_owners(
+                launcher, words, n, options, control if last else None)
+            offset = 0
+            for i in bucket:
+                gathered[i] = rows[:, offset:offset + widths2[i]]
+                offset += widths2[i]
+                wire.gather(4 * _words(second[i]))
+            padding = sum(widths2[i] - _words(second[i]) for i in bucket)
+            extra = _nbytes(control) if last else 0
+            wire.pairwise(extra, 0, (n - 1) * (4 * padding + extra))
+            if last:
+                gathered_control = rows_control
 
         dense = [(i, tensors[i]) for i in dense_pos]
         for _, t in dense:
@@ -876,20 +909,17 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         ok = _checked(tf.reduce_any(gathered_control[:, 0] != 0),
                       tf.reduce_all(tf.equal(steps_seen, steps_seen[0])), step, steps_seen)
 
-        # 5. Decode every owner's chunk; commit both residuals, or keep them.
-        offsets = {}
-        offset = 0
-        for i in compressed:
-            offsets[i] = offset
-            offset += widths[i]
-
+        # 3. Decode every owner's chunk; commit both residuals, or keep them.
         def decode_and_commit_one(i):
             t = tensors[i]
             parts = []
             for w, (_, _, shape) in enumerate(bounds[i]):
-                row = gathered[w, offsets[i]:offsets[i] + widths[i]]
-                payload = _unpack_words(row, chunks[i][w])
-                parts.append(tf.reshape(base.decompress(payload, shape, t.dtype, None), [-1]))
+                payload = _unpack_words(gathered[i][w], second_like[i][w])
+                if shared_scale:
+                    part = base.decode_counts(payload, shape, t.dtype, n)
+                else:
+                    part = base.decompress(payload, shape, t.dtype, None)
+                parts.append(tf.reshape(part, [-1]))
             if error_feedback:
                 slots[i]["residual"].assign(new_residuals[i])
                 slots[i]["server_residual"].assign(new_second[i])
