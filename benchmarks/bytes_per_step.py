@@ -174,20 +174,31 @@ def chunk_bytes(name, config, shape, workers, second=False):
     TernGrad, whose owner sends exact sums of N codes in ceil(log2(2N + 1)) bits,
     rounded up to a field width that divides 32, next to the shared scaler).
 
-    A gradient is cut into one contiguous chunk per worker at whole units (rows of
-    ``shape`` for 1-bit SGD, buckets for QSGD, elements otherwise; elements also
-    when there are fewer units than workers), dealt as evenly as possible.
+    A gradient is cut into one chunk per worker, dealt as evenly as possible: 1-bit
+    SGD cuts row blocks of matrices with at least 512 rows per worker (or fewer
+    columns than workers), whole columns otherwise,
+    the others the flat tensor at whole buckets (QSGD) or elements (also when there
+    are fewer buckets than workers).
     """
     n = math.prod(shape)
-    unit = {"onebit": shape[-1], "qsgd": config.get("bucket_size", 512)}.get(name, 1)
-    if -(-n // unit) < workers:
+    if name == "onebit":
+        rows, cols = n // shape[-1], shape[-1]
+        # Row blocks for tall matrices (means at most 1/8 of the bits), else columns.
+        axis = 0 if rows >= 512 * workers or cols < workers else 1
+        view, unit = (rows, cols), 1
+    else:
+        view, axis, unit = (1, n), 1, config.get("bucket_size", 512) if name == "qsgd" else 1
+    if view[axis] < workers:
+        view, axis, unit = (n, 1), 0, 1
+    size = view[axis]
+    if -(-size // unit) < workers:
         unit = 1
-    base, extra = divmod(-(-n // unit), workers)
+    base, extra = divmod(-(-size // unit), workers)
     out, start = [], 0
     for r in range(workers):
-        end = min(n, start + (base + (r < extra)) * unit)
-        length = end - start
-        chunk = [length // unit, unit] if length % unit == 0 else [length, 1]
+        end = min(size, start + (base + (r < extra)) * unit)
+        length = (end - start) * view[1 - axis]
+        chunk = [view[0], end - start] if axis == 1 else [end - start, view[1]]
         if second and name == "terngrad":
             bits = next(b for b in (2, 4, 8, 16) if (1 << b) >= 2 * workers + 1)
             out.append(_words(32) + _words(bits * length))

@@ -98,18 +98,23 @@ RECOMPRESSIBLE = ("onebit", "signsgd", "efsignsgd", "qsgd", "qsgd:levels=7,bucke
 
 
 def chunk_words(spec, rows, cols, workers):
-    """int32 words of each worker's chunk payload of a [rows, cols] kernel (1-bit or QSGD)."""
+    """int32 words of each worker's chunk payload of a [rows, cols] kernel (1-bit or QSGD).
+
+    1-bit SGD cuts whole columns, QSGD whole 512-element buckets of the flat tensor,
+    dealt as evenly as possible (the first chunks one unit larger).
+    """
+    if spec == "onebit":
+        base, extra = divmod(cols, workers)
+        return [math.ceil(rows * (base + (r < extra)) / 32) + 2 * (base + (r < extra))
+                for r in range(workers)]
     total = rows * cols
-    unit = cols if spec == "onebit" else 512
-    units = -(-total // unit)
+    units = -(-total // 512)
     base, extra = divmod(units, workers)
     lengths, start = [], 0
     for r in range(workers):
-        end = min(total, start + (base + (r < extra)) * unit)
+        end = min(total, start + (base + (r < extra)) * 512)
         lengths.append(end - start)
         start = end
-    if spec == "onebit":
-        return [math.ceil(n / 32) + 2 * cols for n in lengths]
     assert spec == "qsgd", spec
     return [math.ceil(n / 512) + math.ceil(8 * n / 32) for n in lengths]
 

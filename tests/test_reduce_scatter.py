@@ -55,49 +55,53 @@ def replay(n, spec):
     ef = isinstance(compressor, ErrorFeedback)
     base = compressor.inner if ef else compressor
     shared = spec == "terngrad"
-    first = [[np.zeros(int(np.prod(s)), np.float32) for s in COMPRESSED] for _ in range(n)]
-    second = [[np.zeros(int(np.prod(s)), np.float32) for s in COMPRESSED] for _ in range(n)]
+    first = [[np.zeros(s, np.float32) for s in COMPRESSED] for _ in range(n)]
+    # The owner's residual: its own chunk, flat (the store pads it to the longest).
+    second = [[None] * len(COMPRESSED) for _ in range(n)]
     outputs = []
     for step in range(worker.STEPS):
         grads = [worker.gradients(w, step) for w in range(n)]
         outs = []
         for k, shape in enumerate(COMPRESSED):
             plan = chunk_plan(compressor, tf.TensorShape(shape), n)
-            flats = [grads[w][k].ravel() for w in range(n)]
+            flats = [grads[w][k] for w in range(n)]
             if shared:
                 flats = [base.clipped(tf.constant(f)).numpy() for f in flats]
                 scale = max(np.abs(f).max() for f in flats)
             payloads = [[None] * n for _ in range(n)]  # [sender][chunk]
             for w in range(n):
-                for c, (a, b, cshape) in enumerate(plan):
+                kept = []
+                for c in range(n):
                     ctx = CompressContext(rank=w, num_workers=n, index=k * (n + 1) + c, step=step)
-                    x = tf.reshape(tf.constant(flats[w][a:b]), cshape)
+                    x = plan.take(tf.constant(flats[w]), c)
                     if ef:
                         p, _, r = base.compress_with_feedback(
-                            x, tf.reshape(tf.constant(first[w][k][a:b]), cshape), {}, ctx)
-                        first[w][k][a:b] = r.numpy().ravel()
+                            x, plan.take(tf.constant(first[w][k]), c), {}, ctx)
+                        kept.append(r)
                     elif shared:
                         p = base.compress_scaled(x, tf.constant(scale), ctx)
                     else:
                         p = base.compress(x, {}, ctx)[0]
                     payloads[w][c] = p
-            result = np.zeros(int(np.prod(shape)), np.float32)
-            for c, (a, b, cshape) in enumerate(plan):
+                if ef:
+                    first[w][k] = plan.join(kept, shape).numpy()
+            parts = []
+            for c, (_, _, cshape) in enumerate(plan.chunks):
                 ctx = CompressContext(rank=c, num_workers=n, index=k * (n + 1) + n, step=step)
                 mine = [payloads[w][c] for w in range(n)]
                 if shared:
-                    counts = base.sum_codes(mine, cshape)
-                    result[a:b] = base.decode_counts(counts, cshape, tf.float32, n).numpy().ravel()
+                    parts.append(base.decode_counts(base.sum_codes(mine, cshape), cshape,
+                                                    tf.float32, n))
                     continue
                 total = base.aggregate(mine, cshape, tf.float32, ctx)
                 if ef:
-                    p, _, r = base.compress_with_feedback(
-                        total, tf.reshape(tf.constant(second[c][k][a:b]), cshape), {}, ctx)
-                    second[c][k][a:b] = r.numpy().ravel()
+                    held = second[c][k] if second[c][k] is not None else np.zeros(cshape, np.float32)
+                    p, _, r = base.compress_with_feedback(total, tf.constant(held), {}, ctx)
+                    second[c][k] = r.numpy()
                 else:
                     p = base.recompress(total, ctx)
-                result[a:b] = base.decompress(p, cshape, tf.float32, ctx).numpy().ravel()
-            outs.append(result.reshape(shape))
+                parts.append(base.decompress(p, cshape, tf.float32, ctx))
+            outs.append(plan.join(parts, shape).numpy())
         outs.append(sum(grads[w][2] for w in range(n)))
         outputs.append(outs)
     return outputs, first, second
@@ -117,10 +121,12 @@ def test_matches_replay_and_workers_agree(cluster, j, spec):
     if spec in EF_SPECS:
         for r in range(n):
             for k, shape in enumerate(COMPRESSED):
-                np.testing.assert_allclose(runs[r][f"{j}_residual{k}"].ravel(), first[r][k],
+                np.testing.assert_allclose(runs[r][f"{j}_residual{k}"], first[r][k],
                                            rtol=1e-5, atol=1e-5)
-                np.testing.assert_allclose(runs[r][f"{j}_server_residual{k}"].ravel(),
-                                           second[r][k], rtol=1e-5, atol=1e-5)
+                held = runs[r][f"{j}_server_residual{k}"]
+                mine = second[r][k].ravel()
+                np.testing.assert_allclose(held[:mine.size], mine, rtol=1e-5, atol=1e-5)
+                assert not np.any(held[mine.size:])  # padding
 
 
 def onebit_numpy(v):
@@ -133,12 +139,12 @@ def onebit_numpy(v):
 
 
 def test_onebit_matches_numpy_model(cluster):
-    """Rows split among owners, 1-bit with error feedback at both stages, in NumPy."""
+    """Columns split among owners, 1-bit with error feedback at both stages, in NumPy."""
     n, _, runs = cluster
     j = worker.SPECS.index("onebit")
     rows, cols = COMPRESSED[0]
-    # Rows dealt as evenly as possible, the first chunks one row longer.
-    base, extra = divmod(rows, n)
+    # Columns dealt as evenly as possible, the first chunks one column wider.
+    base, extra = divmod(cols, n)
     bounds = np.cumsum([0] + [base + (r < extra) for r in range(n)])
     e1 = [np.zeros((rows, cols), np.float32) for _ in range(n)]
     e2 = np.zeros((rows, cols), np.float32)
@@ -147,11 +153,11 @@ def test_onebit_matches_numpy_model(cluster):
         out = np.zeros((rows, cols), np.float32)
         for c in range(n):
             a, b = bounds[c], bounds[c + 1]
-            total = np.zeros((b - a, cols), np.float32)
+            total = np.zeros((rows, b - a), np.float32)
             for w in range(n):
-                decoded, e1[w][a:b] = onebit_numpy(grads[w][a:b] + e1[w][a:b])
+                decoded, e1[w][:, a:b] = onebit_numpy(grads[w][:, a:b] + e1[w][:, a:b])
                 total += decoded
-            out[a:b], e2[a:b] = onebit_numpy(total + e2[a:b])
+            out[:, a:b], e2[:, a:b] = onebit_numpy(total + e2[:, a:b])
         np.testing.assert_allclose(runs[0][f"{j}_out{step}_0"], out, rtol=1e-4, atol=1e-5)
 
 
@@ -195,27 +201,28 @@ def test_terngrad_sums_codes_exactly(cluster):
 @pytest.mark.parametrize("spec", EF_SPECS)
 def test_error_feedback_conserves_mass_at_both_stages(cluster, spec):
     """What was applied, plus every worker's two residuals, is every gradient ever sent."""
-    n, _, runs = cluster
-    j = worker.SPECS.index(spec)
-    for k, shape in enumerate(COMPRESSED):
-        applied = sum(runs[0][f"{j}_out{s}_{k}"].astype(np.float64) for s in range(worker.STEPS))
-        left = sum(runs[r][f"{j}_residual{k}"].astype(np.float64)
-                   + runs[r][f"{j}_server_residual{k}"].astype(np.float64) for r in range(n))
-        total = sum(worker.gradients(r, s)[k].astype(np.float64)
-                    for s in range(worker.STEPS) for r in range(n))
-        np.testing.assert_allclose(applied + left, total, rtol=1e-5, atol=1e-4)
-    # The second residual lives in the worker's own chunk only (a one-row chunk
-    # of 1-bit SGD is sent exactly, so only the large matrix is sure to keep any).
     import tensorflow as tf
 
     from tfgc.collectives import chunk_plan
     from tfgc.compressors import get
-    plan = chunk_plan(get(spec), tf.TensorShape(COMPRESSED[0]), n)
+
+    n, _, runs = cluster
+    j = worker.SPECS.index(spec)
+    for k, shape in enumerate(COMPRESSED):
+        applied = sum(runs[0][f"{j}_out{s}_{k}"].astype(np.float64) for s in range(worker.STEPS))
+        plan = chunk_plan(get(spec), tf.TensorShape(shape), n)
+        # Each owner's residual, padded flat, put back in its chunk's place.
+        held = [runs[r][f"{j}_server_residual{k}"] for r in range(n)]
+        owners = plan.join([h[:int(c.num_elements())] for h, (_, _, c) in zip(held, plan.chunks)],
+                           shape).numpy().astype(np.float64)
+        left = owners + sum(runs[r][f"{j}_residual{k}"].astype(np.float64) for r in range(n))
+        total = sum(worker.gradients(r, s)[k].astype(np.float64)
+                    for s in range(worker.STEPS) for r in range(n))
+        np.testing.assert_allclose(applied + left, total, rtol=1e-5, atol=1e-4)
+    # Every owner keeps something of the large matrix (a chunk of the three-row one
+    # may be sent exactly).
     for r in range(n):
-        kept = runs[r][f"{j}_server_residual0"].ravel()
-        a, b, _ = plan[r]
-        assert np.any(kept[a:b] != 0)
-        assert not np.any(kept[:a]) and not np.any(kept[b:])
+        assert np.any(runs[r][f"{j}_server_residual0"] != 0)
 
 
 def longest_chunks(spec, n):
@@ -224,7 +231,7 @@ def longest_chunks(spec, n):
     from tfgc.collectives import chunk_plan
     from tfgc.compressors import get
     return [max(int(cshape.num_elements()) for _, _, cshape in
-                chunk_plan(get(spec), tf.TensorShape(shape), n)) for shape in COMPRESSED]
+                chunk_plan(get(spec), tf.TensorShape(shape), n).chunks) for shape in COMPRESSED]
 
 
 def chunk_words(spec, n):
@@ -237,7 +244,7 @@ def chunk_words(spec, n):
     compressor = get(spec)
     widths = []
     for shape in COMPRESSED:
-        plan = chunk_plan(compressor, tf.TensorShape(shape), n)
+        plan = chunk_plan(compressor, tf.TensorShape(shape), n).chunks
         longest = max(int(cshape.num_elements()) for _, _, cshape in plan)
         rows, cols = max((tuple(cshape.as_list()) for _, _, cshape in plan),
                          key=lambda s: s[0] * s[1])
@@ -320,12 +327,28 @@ def test_chunks_cut_at_units():
     from tfgc.collectives import chunk_plan
     from tfgc.compressors import get
 
-    # 1-bit: whole rows; QSGD: whole buckets, the last chunk takes the remainder.
-    assert [(a, b) for a, b, _ in chunk_plan(get("onebit"), tf.TensorShape([10, 4]), 3)] == \
-        [(0, 16), (16, 28), (28, 40)]
-    assert [(a, b) for a, b, _ in chunk_plan(get("qsgd:bucket_size=128"),
-                                             tf.TensorShape([1000]), 3)] == \
-        [(0, 384), (384, 768), (768, 1000)]
-    # Fewer rows than workers: per element, as one column.
-    plan = chunk_plan(get("onebit"), tf.TensorShape([3, 10]), 4)
-    assert [list(s) for _, _, s in plan] == [[8, 1], [8, 1], [7, 1], [7, 1]]
+    def cuts(spec, shape, n):
+        plan = chunk_plan(get(spec), tf.TensorShape(shape), n)
+        return plan.axis, [(a, b, s.as_list()) for a, b, s in plan.chunks]
+
+    # 1-bit: whole columns, each keeping its two means over every row.
+    assert cuts("onebit", [10, 4], 3) == (1, [(0, 2, [10, 2]), (2, 3, [10, 1]), (3, 4, [10, 1])])
+    # Fewer columns than workers: row blocks.
+    assert cuts("onebit", [9, 2], 3) == (0, [(0, 3, [3, 2]), (3, 6, [3, 2]), (6, 9, [3, 2])])
+    # QSGD: whole buckets of the flat tensor, the last chunk takes the remainder.
+    assert cuts("qsgd:bucket_size=128", [1000], 3) == \
+        (1, [(0, 384, [1, 384]), (384, 768, [1, 384]), (768, 1000, [1, 232])])
+    # Fewer buckets than workers: per element.
+    assert cuts("qsgd:bucket_size=512", [1000], 3) == \
+        (1, [(0, 334, [1, 334]), (334, 667, [1, 333]), (667, 1000, [1, 333])])
+    # Chunks put back together give the tensor.
+    plan = chunk_plan(get("onebit"), tf.TensorShape([10, 4]), 3)
+    x = tf.reshape(tf.range(40.0), [10, 4])
+    np.testing.assert_array_equal(plan.join([plan.take(x, r) for r in range(3)], [10, 4]), x)
+    np.testing.assert_array_equal(plan.take(x, 1), x[:, 2:3])
+    # Row blocks and flat ranges are cut from the flat tensor.
+    plan = chunk_plan(get("onebit"), tf.TensorShape([2048, 3]), 2)
+    assert plan.axis == 0 and [c.as_list() for _, _, c in plan.chunks] == [[1024, 3], [1024, 3]]
+    x = tf.reshape(tf.range(2048.0 * 3), [2048, 3])
+    np.testing.assert_array_equal(plan.take(x, 1), x[1024:])
+    np.testing.assert_array_equal(plan.join([plan.take(x, r) for r in range(2)], [2048, 3]), x)

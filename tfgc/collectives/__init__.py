@@ -48,5 +48,6 @@ def check_communication(communication, compressor):
 
 
 __all__ = ["COMMUNICATIONS", "PairExchanger", "check_communication", "choose_communication",
-           "chunk_bounds", "chunk_plan", "fused_all_reduce", "gather_from_owners", "gather_payloads", "pair_rounds",
-           "scatter_to_owners", "share_root_indices", "sparse_all_reduce"]
+           "chunk_bounds", "chunk_plan", "fused_all_reduce", "gather_from_owners",
+           "gather_payloads", "pair_rounds", "scatter_to_owners", "share_root_indices",
+           "sparse_all_reduce"]

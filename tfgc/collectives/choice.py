@@ -51,7 +51,7 @@ def sent_bytes(path: str, compressor, gradients: Sequence[Tuple[tf.TensorShape, 
     if n < 2:
         return 0
     if path == "reduce_scatter":
-        plans = [(chunk_plan(compressor, tf.TensorShape(shape), n), dtype)
+        plans = [(chunk_plan(compressor, tf.TensorShape(shape), n).chunks, dtype)
                  for shape, dtype in gradients]
         widths = sum(max(_payload_words(compressor, s, dtype) for _, _, s in plan)
                      for plan, dtype in plans)

@@ -21,7 +21,7 @@ Each element is compressed once per stage: the error does not compound over hops
 and signSGD's owner sees all N votes, so its majority is the paper's.
 """
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import tensorflow as tf
 
@@ -66,24 +66,63 @@ def chunk_bounds(num_elements: int, unit: int, num_ranks: int) -> List[Tuple[int
     return bounds
 
 
-def chunk_plan(compressor, shape: tf.TensorShape,
-               num_ranks: int) -> List[Tuple[int, int, tf.TensorShape]]:
-    """Each rank's chunk of a gradient: ``(start, end, chunk shape)``.
+class ChunkPlan(NamedTuple):
+    """How a gradient is cut into one chunk per rank.
 
-    Chunks are cut at the compressor's ``chunk_unit`` (whole rows for 1-bit SGD,
-    whole buckets for QSGD), or per element when there are fewer units than ranks.
-    A chunk is shaped ``[rows, unit]`` so per-column quantizers see its columns.
+    The gradient is viewed as a ``view`` = [rows, cols] matrix and cut along
+    ``axis`` into contiguous ranges, ``chunks[r]`` = (start, end, chunk shape).
+    """
+
+    view: Tuple[int, int]
+    axis: int
+    chunks: List[Tuple[int, int, tf.TensorShape]]
+
+    @property
+    def _contiguous(self) -> bool:
+        # Row blocks, and ranges of a flat view, are contiguous in memory: they are
+        # cut from the flat tensor, which TensorFlow slices without copying.
+        return self.axis == 0 or self.view[0] == 1
+
+    def _flat_range(self, rank: int):
+        a, b, _ = self.chunks[rank]
+        stride = self.view[1] if self.axis == 0 else 1
+        return a * stride, b * stride
+
+    def take(self, x, rank: int):
+        """Rank ``rank``'s chunk of ``x`` (any tensor of the gradient's size)."""
+        a, b, chunk = self.chunks[rank]
+        if self._contiguous:
+            start, end = self._flat_range(rank)
+            return tf.reshape(tf.reshape(x, [-1])[start:end], chunk)
+        return tf.reshape(x, self.view)[:, a:b]
+
+    def join(self, parts, shape):
+        """The gradient of ``shape`` from its chunks, in rank order."""
+        if self._contiguous:
+            return tf.reshape(tf.concat([tf.reshape(p, [-1]) for p in parts], 0), shape)
+        parts = [tf.reshape(p, c) for p, (_, _, c) in zip(parts, self.chunks)]
+        return tf.reshape(tf.concat(parts, 1), shape)
+
+
+def chunk_plan(compressor, shape: tf.TensorShape, num_ranks: int) -> ChunkPlan:
+    """Each rank's chunk of a gradient, from the compressor's ``chunk_layout``.
+
+    The cut falls at multiples of the layout's unit (whole buckets for QSGD), or
+    anywhere when there are fewer units than ranks; a gradient too narrow to cut
+    along its axis is cut per element, as one column.
     """
     total = shape.num_elements()
-    unit = compressor.chunk_unit(shape)
-    if -(-total // unit) < num_ranks:
+    view, axis, unit = compressor.chunk_layout(shape, num_ranks)
+    if view[axis] < num_ranks:
+        view, axis, unit = (total, 1), 0, 1
+    length = view[axis]
+    if -(-length // unit) < num_ranks:
         unit = 1
-    plan = []
-    for a, b in chunk_bounds(total, unit, num_ranks):
-        length = b - a
-        plan.append((a, b, tf.TensorShape([length // unit, unit] if length % unit == 0
-                                          else [length, 1])))
-    return plan
+    chunks = []
+    for a, b in chunk_bounds(length, unit, num_ranks):
+        chunk = [view[0], b - a] if axis == 1 else [b - a, view[1]]
+        chunks.append((a, b, tf.TensorShape(chunk)))
+    return ChunkPlan(tuple(view), axis, chunks)
 
 
 def scatter_to_owners(ex: PairExchanger, num_ranks: int,

@@ -149,13 +149,19 @@ class Compressor(abc.ABC):
         """How many indices ``select_indices`` returns for a gradient of ``shape``."""
         raise NotImplementedError(f"{type(self).__name__} does not select indices")
 
-    def chunk_unit(self, shape: tf.TensorShape) -> int:
-        """Elements per indivisible unit when a gradient is cut into chunks.
+    def chunk_layout(self, shape: tf.TensorShape, num_ranks: int):
+        """How the reduce-scatter cuts a gradient into one chunk per worker.
 
-        The reduce-scatter cuts each flattened gradient into one contiguous chunk
-        per worker at multiples of this (a row for per-column quantizers, a bucket
-        for bucketed ones), so a chunk is quantized as the whole tensor would be.
+        Returns ``(view, axis, unit)``: the gradient is viewed as a ``view`` =
+        [rows, cols] matrix and cut along ``axis`` at multiples of ``unit``. The
+        default views it flat, [1, n], and cuts at whole buckets
+        (``chunk_unit``), so a chunk is quantized as the whole tensor would be.
         """
+        del num_ranks
+        return (1, num_elements(shape)), 1, self.chunk_unit(shape)
+
+    def chunk_unit(self, shape: tf.TensorShape) -> int:
+        """Elements per indivisible unit of a flat chunk (a bucket for bucketed quantizers)."""
         del shape
         return 1
 

@@ -54,8 +54,8 @@ class ErrorFeedback(Compressor):
         return self.inner.recompressible and not tf.nest.flatten(
             self.inner.init_state(tf.TensorShape([1]), tf.float32))
 
-    def chunk_unit(self, shape):
-        return self.inner.chunk_unit(shape)
+    def chunk_layout(self, shape, num_ranks):
+        return self.inner.chunk_layout(shape, num_ranks)
 
     def select_indices(self, v, ctx):
         return self.inner.select_indices(v, ctx)

@@ -15,6 +15,11 @@ from tfgc.ops import quantize
 from tfgc.ops import sign_bits
 
 
+# A 1-bit row block carries 2 float32 per column (64 bits) next to 1 bit per
+# element: with at least this many rows per worker its means cost at most 1/8.
+_ROW_BLOCK_ROWS = 512
+
+
 class OneBit(Compressor):
     """1-bit SGD (Seide, Fu, Droppo, Li & Yu, Interspeech 2014).
 
@@ -33,9 +38,14 @@ class OneBit(Compressor):
     requires_error_feedback = True
     recompressible = True
 
-    def chunk_unit(self, shape):
-        # Chunks are whole rows, so each column's two means stay per column.
-        return as_columns(shape)[1]
+    def chunk_layout(self, shape, num_ranks):
+        # A row block is contiguous (no copy to cut or join), but sends its own two
+        # means per column: 64 N / rows of its bits. Tall matrices, where that is
+        # at most 1/8, are cut into row blocks; the others into whole columns, which
+        # keep their means and add nothing, at the price of strided copies.
+        rows, cols = as_columns(shape)
+        by_rows = rows >= _ROW_BLOCK_ROWS * num_ranks or cols < num_ranks
+        return (rows, cols), (0 if by_rows else 1), 1
 
     def _quantize(self, v):
         """Returns the payload and v - decode(payload), which the kernel computes in passing."""
@@ -206,6 +216,14 @@ class QSGD(Compressor):
             bits=self.bits, dtype=dtype)
         return tf.reshape(values, shape)
 
+    def aggregate(self, payloads, shape, dtype, ctx):
+        # Every worker's payload decoded and added in one pass (the fused kernel), in
+        # float32 and rank order: bit for bit the default's sum for float32.
+        total = quantize.dequantize_bucketed_sum(
+            tf.stack([p[0] for p in payloads]), tf.stack([p[1] for p in payloads]),
+            num_elements(shape), levels=self.levels, bucket_size=self.bucket_size, bits=self.bits)
+        return tf.reshape(tf.cast(total, dtype), shape)
+
 
 class TernGrad(Compressor):
     """TernGrad (Wen, Xu, Yan, Wu, Wang, Chen & Li, NIPS 2017).
@@ -220,9 +238,10 @@ class TernGrad(Compressor):
 
     Wire: 2 bits per element plus one float32 per tensor. On the all-gather each
     worker keeps its own scaler. On the reduce-scatter the workers first agree on
-    the paper's shared scaler, the largest of theirs (``compress_scaled``), so a chunk's owner adds the ternary codes as integers
-    and sends the exact sums back in ceil(log2(2N + 1)) bits, rounded up to 2, 4,
-    8 or 16 (``sum_codes``): the second stage loses nothing.
+    the paper's shared scaler, the largest of theirs (``compress_scaled``), so a
+    chunk's owner adds the ternary codes as integers and sends the exact sums back
+    in ceil(log2(2N + 1)) bits, rounded up to 2, 4, 8 or 16 (``sum_codes``): the
+    second stage loses nothing.
     """
 
     name = "terngrad"

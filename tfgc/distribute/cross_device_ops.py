@@ -101,17 +101,20 @@ def _unpack_words(words, like):
 class _TwoStageState:
     """The state template of the reduce-scatter: error feedback adds the owner's residual.
 
-    ``server_residual`` has the gradient's shape (the same on every worker, so the
-    checkpoint rows line up); only this worker's chunk of it is ever nonzero.
+    ``server_residual`` holds this worker's chunk, flat, padded to the longest
+    chunk (the same length on every worker, so the checkpoint rows line up).
     """
 
-    def __init__(self, compressor):
+    def __init__(self, compressor, num_ranks: int):
         self._compressor = compressor
+        self._num_ranks = num_ranks
 
     def init_state(self, shape, dtype):
         template = self._compressor.init_state(shape, dtype)
         if isinstance(self._compressor, ErrorFeedback):
-            template = dict(template, server_residual=tf.zeros(shape, dtype))
+            width = max(int(c.num_elements()) for _, _, c in
+                        collectives.chunk_plan(self._compressor, shape, self._num_ranks).chunks)
+            template = dict(template, server_residual=tf.zeros([width], dtype))
         return template
 
 
@@ -486,7 +489,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         else:
             self._choose(tensors, mask)
             state = state_lib.state_for(
-                ctx.owner, self, _TwoStageState(compressor) if self._path() == "reduce_scatter"
+                ctx.owner, self, _TwoStageState(compressor, n) if self._path() == "reduce_scatter"
                 else compressor, repr(serialize_config(compressor)), variables, mask)
             self._states.add(state)
             reduce_fn = {"shared_index": self._shared_index_reduce,
@@ -757,11 +760,13 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         """Quantized reduce-scatter then all-gather, error feedback at both stages.
 
         Each compressed gradient is cut into one chunk per worker
-        (``collectives.chunk_bounds``). Stage 1 compresses every chunk (under error
+        (``collectives.chunk_plan``). Stage 1 compresses every chunk (under error
         feedback, of v = g + residual, keeping v - decode as the new residual) and
         sends it to the chunk's owner; the owner combines the N payloads of its
         chunk with the compressor's ``aggregate`` (signSGD: the majority vote),
         adds its second residual and compresses the sum again (``recompress``).
+        TernGrad first agrees on a shared scaler, and its owners send the exact
+        sums of the ternary codes (``sum_codes``).
         Stage 2 all-gathers the owners' payloads, the control words riding along;
         every worker decodes the same payloads, so all end with the same bits.
         Messages hold up to ``bucket_bytes`` of chunks, last layers first.
@@ -781,11 +786,11 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             return self._dense_only_reduce(tensors, launcher, options, wire), None
 
         # 1. Cut, and compress every chunk for its owner. State is only read here.
-        bounds, chunks, slots, new_residuals, new_second = {}, {}, {}, {}, {}
+        plans, chunks, slots, new_residuals, new_second = {}, {}, {}, {}, {}
         flats = {}
         for i in compressed:
             t = tensors[i]
-            bounds[i] = collectives.chunk_plan(compressor, t.shape, n)
+            plans[i] = collectives.chunk_plan(compressor, t.shape, n)
             slots[i] = state.slot(variables[i], replica_id)
             flats[i] = base.clipped(t) if shared_scale else tf.reshape(t, [-1])
         scales = {}
@@ -798,23 +803,23 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             scales = {i: shared[j] for j, i in enumerate(compressed)}
         for index, i in enumerate(compressed):
             chunks[i], parts = [], []
-            residual = tf.reshape(slots[i]["residual"].read_value(), [-1]) \
-                if error_feedback else None
-            for c, (a, b, shape) in enumerate(bounds[i]):
+            plan = plans[i]
+            residual = slots[i]["residual"].read_value() if error_feedback else None
+            for c in range(n):
                 cctx = CompressContext(rank=rank, num_workers=n, index=index * (n + 1) + c,
                                        step=step)
-                x = tf.reshape(flats[i][a:b], shape)
+                x = plan.take(flats[i], c)
                 if error_feedback:
-                    payload, _, r = base.compress_with_feedback(
-                        x, tf.reshape(residual[a:b], shape), {}, cctx)
-                    parts.append(tf.reshape(r, [-1]))
+                    payload, _, r = base.compress_with_feedback(x, plan.take(residual, c), {},
+                                                                cctx)
+                    parts.append(r)
                 elif shared_scale:
                     payload = base.compress_scaled(x, scales[i], cctx)
                 else:
                     payload = base.compress(x, {}, cctx)[0]
                 chunks[i].append(tuple(payload))
             if error_feedback:
-                new_residuals[i] = tf.reshape(tf.concat(parts, 0), tensors[i].shape)
+                new_residuals[i] = plan.join(parts, tensors[i].shape)
 
         # 2. Buckets of at most bucket_bytes per message, the last layers' gradients
         #    (the first that back-propagation produces) first: a bucket's exchanges
@@ -824,7 +829,8 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         if shared_scale:
             # TernGrad's owners send exact sums of codes, in wider fields.
             second_like = {i: [(tf.TensorSpec([1], tf.float32), tf.TensorSpec(
-                [base.count_payload_words(shape, n) - 1], tf.int32)) for _, _, shape in bounds[i]]
+                [base.count_payload_words(shape, n) - 1], tf.int32))
+                for _, _, shape in plans[i].chunks]
                 for i in compressed}
         else:
             second_like = chunks
@@ -858,7 +864,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             offset = 0
             for i in bucket:
                 index = compressed.index(i)
-                a, b_, shape = bounds[i][rank]
+                shape = plans[i].chunks[rank][2]
                 mine = chunks[i][rank]
                 payloads = [mine if w == rank else
                             _unpack_words(received[w][offset:offset + widths[i]], mine)
@@ -872,12 +878,12 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                     continue
                 total = base.aggregate(payloads, shape, dtype, cctx)
                 if error_feedback:
-                    server = tf.reshape(slots[i]["server_residual"].read_value(), [-1])
+                    server = slots[i]["server_residual"].read_value()
+                    size = shape.num_elements()
                     payload, _, r = base.compress_with_feedback(
-                        total, tf.reshape(server[a:b_], shape), {}, cctx)
-                    new_second[i] = tf.reshape(
-                        tf.concat([server[:a], tf.reshape(r, [-1]), server[b_:]], 0),
-                        tensors[i].shape)
+                        total, tf.reshape(server[:size], shape), {}, cctx)
+                    new_second[i] = tf.pad(tf.reshape(r, [-1]),
+                                           [[0, int(server.shape[0]) - size]])
                 else:
                     payload = base.recompress(total, cctx)
                 second[i] = tuple(payload)
@@ -913,17 +919,20 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         def decode_and_commit_one(i):
             t = tensors[i]
             parts = []
-            for w, (_, _, shape) in enumerate(bounds[i]):
+            index = compressed.index(i)
+            for w, (_, _, shape) in enumerate(plans[i].chunks):
                 payload = _unpack_words(gathered[i][w], second_like[i][w])
                 if shared_scale:
                     part = base.decode_counts(payload, shape, t.dtype, n)
                 else:
-                    part = base.decompress(payload, shape, t.dtype, None)
-                parts.append(tf.reshape(part, [-1]))
+                    cctx = CompressContext(rank=w, num_workers=n, index=index * (n + 1) + n,
+                                           step=step)
+                    part = base.decompress(payload, shape, t.dtype, cctx)
+                parts.append(part)
             if error_feedback:
                 slots[i]["residual"].assign(new_residuals[i])
                 slots[i]["server_residual"].assign(new_second[i])
-            return tf.reshape(tf.concat(parts, 0), t.shape)
+            return plans[i].join(parts, t.shape)
 
         outputs = _commit_or_skip(ok, step_var, compressed, tensors, reduced,
                                   decode_and_commit_one)

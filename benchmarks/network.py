@@ -1,0 +1,1291 @@
+"""Network: step time and bytes on the wire over bandwidth-limited links (needs root).
+
+    sudo python benchmarks/network.py                       # the default sweep (see below)
+    sudo python benchmarks/network.py --workers 2 --rates 100mbit --configs none@auto --steps 10
+    sudo python benchmarks/network.py --models wide_mlp cnn --rates 100mbit 10gbit \\
+        --configs "qsgd:levels=7,bucket_size=128@allgather" "ef+topk:ratio=0.01@auto"
+
+The benchmark builds a small shaped cluster on this one machine, as root: one network
+namespace per worker (``tfgcb<pid>-w<i>``), each joined by a veth pair to a bridge that
+lives in a separate "switch" namespace (``tfgcb<pid>-sw``), and
+``tc qdisc ... tbf rate R burst 64kb latency 50ms`` on BOTH ends of every link (the
+worker's ``eth0`` and its peer on the bridge), so every byte a worker sends or receives
+crosses a link of rate R. Workers get the private addresses 10.77.0.<i+1>/24, which
+exist only inside these namespaces; nothing in the host's own namespace is touched.
+
+Each run starts one cluster (a process per worker, started with ``ip netns exec`` and a
+TF_CONFIG naming the namespaces' addresses; ``tfgc.launch`` cannot place workers in
+different namespaces, so this script starts them itself) and trains for ``--warmup`` +
+``--steps`` batches. A Keras callback times every batch; the median of the timed steps
+is the step time. The same callback reads the worker's veth counters
+(``/sys/class/net/eth0/statistics/tx_bytes``, inside its namespace) before the first
+and after the last timed step: the bytes each worker really sent per step, TCP/IP and
+gRPC framing included, next to the strategy's own ``sent_bytes`` accounting.
+
+Every configuration is compared with the stock ``tf.distribute.MultiWorkerMirroredStrategy``
+at the same (model, rate, workers), run in the same sweep. Configurations are
+``SPEC@COMMUNICATION`` (compressor spec and the strategy's ``communication``
+argument). A configuration that fails (for example a ``communication`` this version of
+tfgc does not know) is recorded as "failed: <reason>" and the sweep goes on; one
+whose strategy cannot even be constructed is not started again.
+
+Default sweep (the issue's goal set): the wide MLP 784-2048-2048-10 (5.8M parameters)
+on 4 workers at 100 Mbit/s, 1 Gbit/s and 10 Gbit/s; stock, qsgd 4-bit and onebit over
+both allgather and reduce_scatter, ef+topk 0.1 % and 1 %; plus a bytes-vs-N sweep at
+10 Gbit/s with 2, 4 and 8 workers and a few steps. Outputs: a Markdown table on stdout
+and in ``benchmarks/results/network.md``, raw figures in ``network.json``, and a plot
+``network.svg`` (written by hand: no plotting dependency).
+
+Clean-up: namespaces (and with them the veths and the bridge) are deleted on every exit
+path: normal end, exception, SIGINT/SIGTERM/SIGHUP (try/finally plus signal handlers).
+At start, namespaces left by an earlier run of this script that was killed outright
+(prefix ``tfgcb``, owner process gone) are removed. Each run is bounded by
+``--timeout``; on timeout or failure the process groups of all its workers are killed.
+Without root, ``ip``, ``tc`` or network-namespace support the script prints why and
+exits 0 ("skipped").
+
+The driver never imports TensorFlow; workers are this script run again with ``--worker``.
+"""
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from xml.sax.saxutils import escape
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402  (also puts the repo root on sys.path)
+
+DEFAULT_OUT = os.path.join(_common.RESULTS_DIR, "network")
+NS_PREFIX = "tfgcb"
+SUBNET = "10.77.0"  # workers are SUBNET.1 ... SUBNET.N, /24, inside our namespaces only
+WORKER_DEV = "eth0"  # the worker's end of its veth pair (names are per namespace)
+BRIDGE = "br0"
+TBF = ("burst", "64kb", "latency", "50ms")
+BASE_PORT = 20000
+QSGD4 = "qsgd:levels=7,bucket_size=128"
+DEFAULT_CONFIGS = [
+    f"{QSGD4}@allgather", f"{QSGD4}@reduce_scatter",
+    "onebit@allgather", "onebit@reduce_scatter",
+    "ef+topk:ratio=0.001@auto", "ef+topk:ratio=0.01@auto",
+]
+STOCK = "stock"
+ARGUMENT_ERRORS = ("ValueError", "TypeError", "KeyError")
+MODELS = ("wide_mlp", "cnn", "mlp")
+WIDE_MLP_UNITS = (2048, 2048)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", choices=MODELS, default=["wide_mlp"],
+                   help="wide_mlp: 784-2048-2048-10 (defined here); cnn, mlp: tfgc.models")
+    p.add_argument("--rates", nargs="+", default=["100mbit", "1gbit", "10gbit"],
+                   help="link rates in tc's syntax (default: 100mbit 1gbit 10gbit)")
+    p.add_argument("--workers", type=int, nargs="+", default=[4],
+                   help="cluster sizes of the step-time sweep (default: 4)")
+    p.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, metavar="SPEC@COMM",
+                   help="tfgc configurations, compressor spec @ communication ('@auto' if "
+                        "left out); the stock strategy always runs too")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per run (default 20)")
+    p.add_argument("--warmup", type=int, default=5,
+                   help="leading steps left out (tracing, connection set-up; default 5)")
+    p.add_argument("--bytes_workers", type=int, nargs="*", default=[2, 4, 8],
+                   help="cluster sizes of the bytes-vs-N sweep (default: 2 4 8; none: skip it)")
+    p.add_argument("--bytes_rate", default="10gbit",
+                   help="link rate of the bytes-vs-N sweep (default 10gbit)")
+    p.add_argument("--bytes_steps", type=int, default=3,
+                   help="timed steps per bytes-sweep run (default 3, after 2 warm-up steps)")
+    p.add_argument("--dataset", choices=["fashion_mnist", "synthetic"], default="fashion_mnist",
+                   help="fashion_mnist (falls back to synthetic, noted in the output, when "
+                        "not installed) or synthetic")
+    p.add_argument("--batch_size", type=int, default=32, help="per worker (default 32)")
+    p.add_argument("--learning_rate", type=float, default=0.01)
+    p.add_argument("--min_elements", type=int, default=1024,
+                   help="compression policy: smaller gradients are sent dense")
+    p.add_argument("--threads", type=int, default=-1,
+                   help="intra/inter-op threads per worker; -1 (default): cores // workers")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds per run (one cluster); its workers are killed after that")
+    p.add_argument("--out", default=DEFAULT_OUT,
+                   help=f"output prefix: writes PREFIX.md, .json and .svg (default {DEFAULT_OUT})")
+    # Worker-only arguments.
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--config", help=argparse.SUPPRESS)
+    p.add_argument("--result_prefix", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return args
+    if args.steps < 1 or args.warmup < 0 or args.bytes_steps < 1:
+        p.error("--steps and --bytes_steps must be >= 1, --warmup >= 0")
+    if min(args.workers) < 2 or (args.bytes_workers and min(args.bytes_workers) < 2):
+        p.error("--workers and --bytes_workers need at least 2 workers (a link to shape)")
+    if max(args.workers + (args.bytes_workers or [])) > 200:
+        p.error(f"at most 200 workers fit in {SUBNET}.0/24 as addressed here")
+    for rate in args.rates + [args.bytes_rate]:
+        try:
+            rate_bps(rate)
+        except ValueError as exc:
+            p.error(str(exc))
+    for c in args.configs:
+        try:
+            split_config(c)
+        except ValueError as exc:
+            p.error(str(exc))
+    args.rates = list(dict.fromkeys(args.rates))
+    args.models = list(dict.fromkeys(args.models))
+    args.workers = list(dict.fromkeys(args.workers))
+    args.bytes_workers = list(dict.fromkeys(args.bytes_workers or []))
+    args.configs = [c for c in dict.fromkeys(args.configs) if c != STOCK]
+    return args
+
+
+_RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)([kmgt]?)bit$")
+
+
+def rate_bps(rate):
+    """'100mbit' -> 1e8 (bits per second, tc's decimal units)."""
+    m = _RATE_RE.match(rate.strip().lower())
+    if not m:
+        raise ValueError(f"link rate {rate!r}: use tc's syntax, e.g. 100mbit, 1gbit, 10gbit")
+    return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2)]
+
+
+def rate_label(rate):
+    """'100mbit' (or 1e8) -> '100 Mbit/s'."""
+    bps = rate if isinstance(rate, (int, float)) else rate_bps(rate)
+    for unit, scale in (("Tbit/s", 1e12), ("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bps >= scale:
+            return f"{bps / scale:g} {unit}"
+    return f"{bps:g} bit/s"
+
+
+def split_config(config):
+    """'qsgd:levels=7@allgather' -> ('qsgd:levels=7', 'allgather'); no '@': 'auto'.
+
+    The communication may end in ':bucket_mb=M' (the strategy's ``bucket_bytes``,
+    in MiB), e.g. 'onebit@reduce_scatter:bucket_mb=4'; ``split_options`` reads it.
+    """
+    if config == STOCK:
+        return None, None
+    spec, sep, comm = config.rpartition("@")
+    if not sep:
+        spec, comm = config, "auto"
+    if not spec or not comm:
+        raise ValueError(f"configuration {config!r}: expected SPEC@COMMUNICATION, "
+                         "e.g. 'qsgd:levels=7@allgather'")
+    return spec, comm
+
+
+def split_options(comm):
+    """'reduce_scatter:bucket_mb=4' -> ('reduce_scatter', {'bucket_bytes': 4 << 20})."""
+    comm, sep, rest = comm.partition(":")
+    options = {}
+    if sep:
+        key, eq, value = rest.partition("=")
+        if key != "bucket_mb" or not eq or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"communication {comm + sep + rest!r}: the only option is "
+                             "':bucket_mb=M' with M a positive integer")
+        options["bucket_bytes"] = int(value) << 20
+    return comm, options
+
+
+# ---------------------------------------------------------------------------------
+# Worker: one cluster member inside its namespace.
+
+def build_wide_mlp(keras, input_shape, num_classes, seed=0):
+    """784-2048-2048-10, seeded: a model whose gradients (23 MB) dominate its step."""
+    init = keras.initializers
+    layers = [keras.Input(shape=tuple(input_shape), name="image"),
+              keras.layers.Flatten(name="flatten")]
+    for i, units in enumerate(WIDE_MLP_UNITS):
+        layers.append(keras.layers.Dense(
+            units, activation="relu", name=f"dense_{i}_{units}",
+            kernel_initializer=init.GlorotUniform(seed=seed * 101 + i + 1)))
+    layers.append(keras.layers.Dense(
+        num_classes, name="logits",
+        kernel_initializer=init.GlorotUniform(seed=seed * 101 + len(WIDE_MLP_UNITS) + 1)))
+    return keras.Sequential(layers, name="wide_mlp")
+
+
+def _read_counters(dev):
+    base = f"/sys/class/net/{dev}/statistics/"
+    out = {}
+    for name in ("tx_bytes", "rx_bytes", "tx_packets", "rx_packets"):
+        with open(base + name) as f:
+            out[name] = int(f.read())
+    return out
+
+
+def _cpu_busy_s():
+    """CPU seconds all processes on the machine have used since boot (/proc/stat).
+
+    user + nice + system only: interrupt and softirq time (where the kernel moves
+    our own packets through the veths and the tbf queues) belongs to no process,
+    and steal is the hypervisor's.
+    """
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:4]]
+    return sum(v) / os.sysconf("SC_CLK_TCK")
+
+
+def worker_main(args):
+    rank = int(os.environ.get("TFGC_WORKER_INDEX", "0"))
+    prefix = f"{args.result_prefix}.w{rank}"
+    phase = ["import"]  # what the worker was doing, for the driver's failure report
+    try:
+        _worker(args, prefix, phase)
+    except BaseException as exc:  # noqa: BLE001  (reported, then re-raised)
+        # One line for the driver's table; the traceback still goes to the log.
+        text = (str(exc).strip().splitlines() or [""])[0]
+        reason = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+        with open(prefix + ".err.json", "w") as f:
+            json.dump({"rank": rank, "phase": phase[0], "reason": reason[:300]}, f)
+        raise
+
+
+def _worker(args, prefix, phase):
+    t_start = time.perf_counter()
+    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+    import numpy as np
+    import tensorflow as tf
+    import tf_keras as keras
+
+    threads = args.threads
+    if threads:
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+        tf.config.threading.set_inter_op_parallelism_threads(threads)
+
+    import tfgc
+    from tfgc import data as data_lib
+    from tfgc import models
+    from tfgc.train import make_optimizer, worker_info
+
+    phase[0] = "strategy"
+    spec, comm = split_config(args.config)
+    if spec is None:
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    else:
+        comm, options = split_options(comm)
+        strategy = tfgc.CompressedMultiWorkerMirroredStrategy(
+            compressor=spec, communication=comm,
+            policy=tfgc.CompressionPolicy(min_elements=args.min_elements), **options)
+    rank, num_workers = worker_info(strategy)
+    t_strategy = time.perf_counter()
+
+    phase[0] = "data"
+    dataset_note = ""
+    try:
+        ds = data_lib.load_dataset(args.dataset, seed=0)
+    except data_lib.DatasetNotFoundError as exc:
+        ds = data_lib.load_dataset("synthetic", synthetic_examples=16384, seed=0)
+        dataset_note = f"{args.dataset} not installed, used synthetic ({exc})"
+    x, y = data_lib.shard(ds.x_train, ds.y_train, rank, num_workers)
+    train_ds = data_lib.make_tf_dataset(x, y, args.batch_size, seed=rank, repeat=True)
+
+    phase[0] = "model"
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        if args.model == "wide_mlp":
+            net = build_wide_mlp(keras, ds.x_train.shape[1:], ds.num_classes, seed=0)
+        else:
+            net = models.build_model(args.model, input_shape=ds.x_train.shape[1:],
+                                     num_classes=ds.num_classes, seed=0)
+        net.compile(optimizer=make_optimizer("momentum", args.learning_rate),
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    params = int(sum(np.prod(v.shape) for v in net.trainable_variables))
+    dense_bytes = int(sum(np.prod(v.shape) * v.dtype.size for v in net.trainable_variables))
+
+    has_stats = hasattr(strategy, "compression_stats")
+    total = args.warmup + args.steps
+    dev = WORKER_DEV
+
+    class Probe(keras.callbacks.Callback):
+        """Times each batch; reads the link counters around the timed steps."""
+
+        def __init__(self):
+            super().__init__()
+            self.durations = []
+            self.begin = self.end = None
+            self._t = None
+
+        def _snapshot(self):
+            # The machine's busy time and this process's CPU time: the driver
+            # subtracts all workers' from the machine's to see other load.
+            snap = {"counters": _read_counters(dev), "time": time.perf_counter(),
+                    "machine_cpu_s": _cpu_busy_s(), "own_cpu_s": time.process_time()}
+            if has_stats:
+                s = strategy.compression_stats()
+                snap["stats"] = {k: s[k] for k in ("steps", "total_sent_bytes",
+                                                    "total_payload_bytes")}
+            return snap
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch == args.warmup:
+                self.begin = self._snapshot()
+            self._t = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.durations.append(time.perf_counter() - self._t)
+            if batch == total - 1:
+                self.end = self._snapshot()
+
+    phase[0] = "train"
+    probe = Probe()
+    t_fit = time.perf_counter()
+    history = net.fit(train_ds, epochs=1, steps_per_epoch=total, callbacks=[probe],
+                      verbose=0)
+    fit_s = time.perf_counter() - t_fit
+
+    timed_ms = [d * 1e3 for d in probe.durations[args.warmup:]]
+    b, e = probe.begin, probe.end
+    steps = len(timed_ms)
+    diff = {k: e["counters"][k] - b["counters"][k] for k in b["counters"]}
+    result = {
+        "rank": rank, "workers": num_workers, "model": args.model, "config": args.config,
+        "dataset": ds.name, "dataset_note": dataset_note, "params": params,
+        "dense_bytes": dense_bytes, "steps": steps, "warmup": args.warmup,
+        "threads": threads,
+        "median_ms": float(np.median(timed_ms)),
+        "mean_ms": float(np.mean(timed_ms)),
+        "p10_ms": float(np.percentile(timed_ms, 10)),
+        "p90_ms": float(np.percentile(timed_ms, 90)),
+        "timed_window_s": e["time"] - b["time"],
+        "machine_cpu_s": e["machine_cpu_s"] - b["machine_cpu_s"],
+        "own_cpu_s": e["own_cpu_s"] - b["own_cpu_s"],
+        "warmup_ms": [d * 1e3 for d in probe.durations[:args.warmup]],
+        "durations_ms": timed_ms,
+        "veth": {k: v / steps for k, v in diff.items()},
+        "startup_s": t_strategy - t_start, "fit_s": fit_s,
+        "final_loss": float(history.history["loss"][-1]),
+    }
+    # What the strategy itself says this worker sends per step.
+    ring = 2 * (num_workers - 1) * dense_bytes // num_workers
+    if has_stats:
+        s = strategy.compression_stats()
+        reductions = e["stats"]["steps"] - b["stats"]["steps"]
+        result["strategy_sent_per_step"] = (
+            (e["stats"]["total_sent_bytes"] - b["stats"]["total_sent_bytes"]) / reductions
+            if reductions else float("nan"))
+        result["strategy_reductions"] = reductions
+        result["compression_stats"] = s
+        result["dense_sent_per_step"] = s["dense_sent_bytes"]
+        result["strategy_sent_source"] = "compression_stats"
+    else:
+        # The stock strategy keeps no account; its ring all-reduce sends 2(N-1)/N.
+        result["strategy_sent_per_step"] = ring
+        result["dense_sent_per_step"] = ring
+        result["strategy_sent_source"] = "ring formula 2(N-1)/N x gradient bytes"
+    with open(prefix + ".json", "w") as f:
+        json.dump(result, f)
+
+
+# ---------------------------------------------------------------------------------
+# The shaped cluster: namespaces, veths, a bridge, tbf.
+
+class NetError(RuntimeError):
+    pass
+
+
+class Interrupted(BaseException):
+    """SIGINT/SIGTERM/SIGHUP: unwinds through every finally, then the driver exits."""
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _ip(*argv, ns=None, check=True):
+    cmd = ["ip"] + (["-n", ns] if ns else []) + list(argv)
+    return _run(cmd, check)
+
+
+def _tc(*argv, ns, check=True):
+    return _run(["ip", "netns", "exec", ns, "tc"] + list(argv), check)
+
+
+def _run(cmd, check):
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise NetError(f"`{' '.join(cmd)}` could not run: {exc}") from None
+    if check and proc.returncode != 0:
+        raise NetError(f"`{' '.join(cmd)}` failed (exit {proc.returncode}): "
+                       f"{proc.stderr.strip() or proc.stdout.strip()}")
+    return proc
+
+
+def list_namespaces():
+    proc = _ip("netns", "list", check=False)
+    return [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
+
+
+def namespace_pids(ns):
+    proc = _ip("netns", "pids", ns, check=False)
+    return [int(p) for p in proc.stdout.split() if p.isdigit()]
+
+
+def delete_namespace(ns):
+    """Kills what still runs inside ``ns`` (only our workers can), then deletes it."""
+    for pid in namespace_pids(ns):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    _ip("netns", "del", ns, check=False)
+
+
+def _owner_alive(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read().decode(errors="replace")
+    except OSError:
+        return False
+    return os.path.basename(__file__) in cmdline
+
+
+def clean_leftovers():
+    """Deletes namespaces of earlier runs whose driver is gone; returns their names."""
+    removed, kept = [], []
+    for ns in list_namespaces():
+        m = re.match(rf"^{NS_PREFIX}(\d+)-", ns)
+        if not ns.startswith(NS_PREFIX):
+            continue
+        if m and int(m.group(1)) != os.getpid() and _owner_alive(int(m.group(1))):
+            kept.append(ns)  # another sweep is running right now: leave it alone
+            continue
+        delete_namespace(ns)
+        removed.append(ns)
+    return removed, kept
+
+
+def preflight():
+    """None if this process can build a shaped cluster, else why not."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, veth pairs and tc); run it with sudo"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` not found (install iproute2)"
+    ns = f"{NS_PREFIX}{os.getpid()}-probe"
+    try:
+        _ip("netns", "add", ns)
+        _ip("link", "set", "lo", "up", ns=ns)
+        _ip("link", "add", BRIDGE, "type", "bridge", ns=ns)
+        _ip("link", "add", "p0", "type", "veth", "peer", "name", "p1", ns=ns)
+        _tc("qdisc", "add", "dev", "p0", "root", "tbf", "rate", "100mbit", *TBF, ns=ns)
+    except NetError as exc:
+        return f"cannot build a shaped cluster here: {exc}"
+    finally:
+        _ip("netns", "del", ns, check=False)
+    return None
+
+
+class Cluster:
+    """N worker namespaces on a bridge in a switch namespace, every link shaped."""
+
+    def __init__(self, n):
+        self.n = n
+        base = f"{NS_PREFIX}{os.getpid()}"
+        self.switch = f"{base}-sw"
+        self.workers = [f"{base}-w{i}" for i in range(n)]
+        self.addresses = [f"{SUBNET}.{i + 1}" for i in range(n)]
+        self.rate = None
+        self.created = []
+
+    def up(self):
+        for ns in [self.switch] + self.workers:
+            _ip("netns", "add", ns)
+            self.created.append(ns)
+            _ip("link", "set", "lo", "up", ns=ns)
+        _ip("link", "add", BRIDGE, "type", "bridge", ns=self.switch)
+        _ip("link", "set", BRIDGE, "up", ns=self.switch)
+        for i, ns in enumerate(self.workers):
+            port = f"vw{i}"
+            _ip("link", "add", port, "type", "veth", "peer", "name", WORKER_DEV, "netns", ns,
+                ns=self.switch)
+            _ip("link", "set", port, "master", BRIDGE, ns=self.switch)
+            _ip("link", "set", port, "up", ns=self.switch)
+            _ip("addr", "add", f"{self.addresses[i]}/24", "dev", WORKER_DEV, ns=ns)
+            _ip("link", "set", WORKER_DEV, "up", ns=ns)
+        return self
+
+    def links(self):
+        """(namespace, device) of both ends of every worker's link."""
+        for i, ns in enumerate(self.workers):
+            yield ns, WORKER_DEV
+            yield self.switch, f"vw{i}"
+
+    def set_rate(self, rate):
+        if rate == self.rate:
+            return
+        for ns, dev in self.links():
+            _tc("qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, *TBF, ns=ns)
+        self.rate = rate
+
+    def reap(self):
+        """Kills anything still running in the worker namespaces (between runs)."""
+        for ns in self.workers:
+            for pid in namespace_pids(ns):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    def down(self):
+        for ns in reversed(self.created):
+            delete_namespace(ns)
+        self.created = []
+
+
+# ---------------------------------------------------------------------------------
+# One run: start the workers in their namespaces, supervise, collect.
+
+def worker_env(cluster, index, port):
+    env = dict(os.environ)
+    for k in list(env):
+        # gRPC honours proxy variables; our addresses must never go through one.
+        if k.lower() in ("http_proxy", "https_proxy", "grpc_proxy", "all_proxy"):
+            del env[k]
+    env.update(_common.worker_env())
+    addresses = [f"{a}:{port}" for a in cluster.addresses]
+    env.update({
+        "TF_CONFIG": json.dumps({"cluster": {"worker": addresses},
+                                 "task": {"type": "worker", "index": index}}),
+        "TFGC_WORKER_INDEX": str(index),
+        "TFGC_NUM_WORKERS": str(cluster.n),
+        "PYTHONUNBUFFERED": "1",
+        "TF_USE_LEGACY_KERAS": "1",
+    })
+    return env
+
+
+def _kill_groups(procs, grace=3.0):
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            pass
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.05)
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _failure_reason(run_dir, index, code, logs):
+    """One line saying why worker ``index`` failed, and the phase it failed in."""
+    # Oldest first: the first worker to fail usually brought the others down.
+    err_files = sorted((f for f in os.listdir(run_dir) if f.endswith(".err.json")),
+                       key=lambda f: os.path.getmtime(os.path.join(run_dir, f)))
+    errs = []
+    for name in err_files:
+        try:
+            with open(os.path.join(run_dir, name)) as f:
+                errs.append(json.load(f))
+        except (OSError, ValueError):
+            pass
+    mine = [e for e in errs if e.get("rank") == index] or errs
+    if mine:
+        return mine[0]["reason"], mine[0].get("phase")
+    try:
+        with open(logs[index], errors="replace") as f:
+            lines = [ln.strip() for ln in f.read().splitlines() if ln.strip()]
+    except OSError:
+        lines = []
+    named = [ln for ln in lines if re.match(r"^[\w.]+(Error|Exception)\b", ln)]
+    what = (f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}")
+    if named:
+        return f"{named[-1][:250]} ({what})", None
+    return f"worker {index} {what}" + (f": {lines[-1][:200]}" if lines else ""), None
+
+
+def run_once(cluster, run, args, run_dir, port):
+    """Runs one configuration on ``cluster``; returns per-worker results or raises."""
+    os.makedirs(run_dir, exist_ok=True)
+    prefix = os.path.join(run_dir, "result")
+    threads = args.threads if args.threads >= 0 else max(1, (os.cpu_count() or 1) // cluster.n)
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker",
+           "--model", run["model"], "--config", run["config"], "--result_prefix", prefix,
+           "--dataset", args.dataset, "--batch_size", str(args.batch_size),
+           "--steps", str(run["steps"]), "--warmup", str(run["warmup"]),
+           "--threads", str(threads), "--min_elements", str(args.min_elements),
+           "--learning_rate", str(args.learning_rate)]
+    logs = [os.path.join(run_dir, f"w{i}.log") for i in range(cluster.n)]
+    procs = []
+    files = []
+    try:
+        for i, ns in enumerate(cluster.workers):
+            log = open(logs[i], "w")
+            files.append(log)
+            procs.append(subprocess.Popen(
+                ["ip", "netns", "exec", ns] + cmd, env=worker_env(cluster, i, port),
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True, cwd=_common.REPO_ROOT))
+        deadline = time.monotonic() + args.timeout
+        while True:
+            codes = [p.poll() for p in procs]
+            bad = [i for i, c in enumerate(codes) if c not in (None, 0)]
+            if bad:
+                # The first to fail with a reason of its own, else the first seen.
+                time.sleep(0.5)  # let it finish writing its .err.json
+                reason, phase = _failure_reason(run_dir, bad[0], codes[bad[0]], logs)
+                raise RunFailed(reason, phase)
+            if all(c == 0 for c in codes):
+                break
+            if time.monotonic() > deadline:
+                raise RunFailed(f"timed out after {args.timeout:g} s (--timeout); "
+                                "killed all workers", "timeout")
+            time.sleep(0.2)
+    finally:
+        _kill_groups(procs)
+        for f in files:
+            f.close()
+        cluster.reap()
+    results = []
+    for i in range(cluster.n):
+        path = f"{prefix}.w{i}.json"
+        if not os.path.exists(path):
+            raise RunFailed(f"worker {i} exited 0 but wrote no result", None)
+        with open(path) as f:
+            results.append(json.load(f))
+    return results
+
+
+class RunFailed(Exception):
+    def __init__(self, reason, phase):
+        super().__init__(reason)
+        self.reason = reason
+        self.phase = phase
+
+
+def summarize_run(run, workers):
+    """Figures of one run from its workers' results."""
+    w0 = workers[0]
+    tx = [w["veth"]["tx_bytes"] for w in workers]
+    rx = [w["veth"]["rx_bytes"] for w in workers]
+    strat = [w["strategy_sent_per_step"] for w in workers]
+    # CPU that other processes took during the timed steps, in cores: the machine's
+    # busy time less what all workers used, over worker 0's timed window.
+    window = w0["timed_window_s"]
+    others = (w0["machine_cpu_s"] - sum(w["own_cpu_s"] for w in workers)) / window
+    run.update({
+        "status": "ok",
+        "workers_cpu_cores": sum(w["own_cpu_s"] for w in workers) / window,
+        "other_cpu_cores": max(0.0, others),
+        "dataset": w0["dataset"], "dataset_note": w0["dataset_note"],
+        "params": w0["params"], "dense_bytes": w0["dense_bytes"],
+        "median_ms": w0["median_ms"], "p10_ms": w0["p10_ms"], "p90_ms": w0["p90_ms"],
+        "median_ms_per_worker": [w["median_ms"] for w in workers],
+        "veth_tx_per_step": sum(tx) / len(tx), "veth_tx_per_step_max": max(tx),
+        "veth_tx_per_step_per_worker": tx,
+        "veth_rx_per_step": sum(rx) / len(rx),
+        "strategy_sent_per_step": sum(strat) / len(strat),
+        "strategy_sent_source": w0["strategy_sent_source"],
+        "dense_sent_per_step": w0["dense_sent_per_step"],
+        "startup_s": max(w["startup_s"] for w in workers),
+        "final_loss": w0["final_loss"],
+        "threads": w0["threads"],
+        "durations_ms": w0["durations_ms"],
+        "warmup_ms": w0["warmup_ms"],
+    })
+    if "compression_stats" in w0:
+        run["compression_stats"] = w0["compression_stats"]
+        run["strategy_reductions"] = w0["strategy_reductions"]
+
+
+# ---------------------------------------------------------------------------------
+# The sweep.
+
+def plan_runs(args):
+    """Every run, grouped by cluster size so each group shares one set of namespaces."""
+    configs = [STOCK] + args.configs
+    runs = []
+    seen = set()
+    for n in args.workers:
+        for model in args.models:
+            for rate in args.rates:
+                for c in configs:
+                    runs.append({"kind": "main", "model": model, "rate": rate, "workers": n,
+                                 "config": c, "steps": args.steps, "warmup": args.warmup})
+                    seen.add((model, rate, n, c))
+    for n in args.bytes_workers or []:
+        for model in args.models:
+            for c in configs:
+                if (model, args.bytes_rate, n, c) in seen:
+                    continue  # the main sweep already measures it
+                seen.add((model, args.bytes_rate, n, c))
+                runs.append({"kind": "bytes", "model": model, "rate": args.bytes_rate,
+                             "workers": n, "config": c, "steps": args.bytes_steps,
+                             "warmup": min(args.warmup, 2)})
+    order = list(dict.fromkeys(r["workers"] for r in runs))
+    runs.sort(key=lambda r: order.index(r["workers"]))  # stable within a group
+    return runs
+
+
+_STATE = {"cleaning": False, "pending": None, "stdout_broken": False}
+
+
+def say(text=""):
+    """print(), except that a closed stdout (``| head``) must not stop the sweep."""
+    if _STATE["stdout_broken"]:
+        return
+    try:
+        print(text, flush=True)
+    except (BrokenPipeError, OSError, ValueError):
+        _STATE["stdout_broken"] = True
+
+
+def _on_signal(signum, frame):  # noqa: ARG001
+    if _STATE["cleaning"]:
+        _STATE["pending"] = signum  # finish cleaning up first, exit afterwards
+        return
+    raise Interrupted(signum)
+
+
+def driver_main(args, argv):
+    """Signal handlers and the last-resort clean-up around the whole sweep."""
+    previous = {sig: signal.signal(sig, _on_signal)
+                for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    holder = {"cluster": None, "ready": False}
+    try:
+        status = _drive(args, argv, holder)
+    except Interrupted as exc:  # before the sweep started (preflight, clean-up)
+        status = 128 + exc.signum
+        say(f"\ninterrupted by {signal.Signals(exc.signum).name}")
+    finally:
+        _STATE["cleaning"] = True
+        if holder["ready"]:  # past the preflight: namespaces may exist
+            if holder["cluster"] is not None:
+                holder["cluster"].down()
+            for ns in list_namespaces():
+                if ns.startswith(f"{NS_PREFIX}{os.getpid()}-"):
+                    delete_namespace(ns)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if _STATE["pending"] and not status:
+        status = 128 + _STATE["pending"]
+    return status
+
+
+def _drive(args, argv, holder):
+    reason = preflight()
+    if reason:
+        say(f"network benchmark skipped: {reason}")
+        return 0
+    holder["ready"] = True
+    removed, kept = clean_leftovers()
+    if removed:
+        say(f"removed {len(removed)} namespace(s) left by an earlier run: {' '.join(removed)}")
+    if kept:
+        say(f"note: namespaces of another running sweep left alone: {' '.join(kept)}")
+
+    runs = plan_runs(args)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    scratch = _common.scratch_dir("tfgc_network_")
+    main_runs = sum(r["kind"] == "main" for r in runs)
+    command = "python benchmarks/network.py" + "".join(
+        " " + (a if re.match(r"^[\w./=:-]+$", a) else json.dumps(a)) for a in argv)
+    say(f"network benchmark: {len(runs)} runs ({main_runs} step-time runs: "
+        f"{len(args.models)} model(s) x {len(args.rates)} rate(s) x {len(args.workers)} "
+        f"cluster size(s) x {1 + len(args.configs)} configurations incl. stock; "
+        f"{len(runs) - main_runs} more for bytes vs N at {args.bytes_rate})")
+    say(f"each run: {args.warmup} warm-up + {args.steps} timed steps "
+        f"({min(args.warmup, 2)} + {args.bytes_steps} in the bytes sweep), timeout "
+        f"{args.timeout:g} s; worker logs under {scratch}")
+
+    report = {
+        "benchmark": "network", "command": command,
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "cpu_count": os.cpu_count(),
+        "config": {k: getattr(args, k) for k in (
+            "models", "rates", "workers", "configs", "steps", "warmup", "bytes_workers",
+            "bytes_rate", "bytes_steps", "dataset", "batch_size", "learning_rate",
+            "min_elements", "threads", "timeout")},
+        "link": f"tbf rate R {' '.join(TBF)} on both ends of each worker's veth; bridge in "
+                "a switch namespace",
+        "runs": runs, "complete": False,
+    }
+    broken = {}  # config -> reason, for configurations whose strategy cannot be built
+    started = time.monotonic()
+    status = 0
+    try:
+        for k, run in enumerate(runs):
+            cluster = holder["cluster"]
+            if cluster is None or cluster.n != run["workers"]:
+                if cluster is not None:
+                    cluster.down()
+                cluster = holder["cluster"] = Cluster(run["workers"])
+                cluster.up()
+            label = (f"[{k + 1:{len(str(len(runs)))}d}/{len(runs)}] {run['model']} "
+                     f"N={run['workers']} {run['rate']:>7} {run['config']}")
+            if run["config"] in broken:
+                run.update(status="failed", reason=broken[run["config"]] + " (not run again)")
+                say(f"{label}: failed: {run['reason']}")
+                continue
+            cluster.set_rate(run["rate"])
+            t0 = time.monotonic()
+            try:
+                workers = run_once(cluster, run, args, os.path.join(scratch, f"run{k:03d}"),
+                                   BASE_PORT + k % 10000)
+                summarize_run(run, workers)
+            except RunFailed as exc:
+                run.update(status="failed", reason=exc.reason, phase=exc.phase)
+                # The constructor refused its arguments: it will everywhere. (A peer
+                # that died while the strategy connected is not this configuration's fault.)
+                if exc.phase == "strategy" and exc.reason.split(":")[0] in ARGUMENT_ERRORS:
+                    broken[run["config"]] = exc.reason
+            except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError) as exc:
+                # A worker result this driver cannot read: record it, keep sweeping.
+                run.update(status="failed", reason=f"driver: {type(exc).__name__}: {exc}")
+            run["wall_s"] = time.monotonic() - t0
+            add_speedups(runs)
+            done = k + 1
+            eta = (time.monotonic() - started) / done * (len(runs) - done)
+            if run["status"] == "ok":
+                sp = run.get("speedup")
+                say(f"{label}: {run['median_ms']:8.1f} ms"
+                    + (f"  x{sp:.2f}" if sp else "")
+                    + f"  veth {fmt_bytes(run['veth_tx_per_step'])}/step"
+                    f"  (strategy {fmt_bytes(run['strategy_sent_per_step'])})"
+                    f"  other load {run['other_cpu_cores']:.1f} cores"
+                    f"  {run['wall_s']:.0f} s, ~{eta / 60:.0f} min left")
+            else:
+                say(f"{label}: failed: {run['reason']}  ({run['wall_s']:.0f} s)")
+            _common.write_json(args.out + ".json", report)  # partial results survive
+        report["complete"] = True
+    except Interrupted as exc:
+        _STATE["cleaning"] = True  # a further signal must not cut the write-up short
+        status = 128 + exc.signum
+        say(f"\ninterrupted by {signal.Signals(exc.signum).name}: stopping")
+    except NetError as exc:
+        _STATE["cleaning"] = True
+        status = 1
+        say(f"\nerror building the shaped cluster: {exc}")
+    if holder["cluster"] is not None:
+        holder["cluster"].down()
+        holder["cluster"] = None
+
+    report["wall_s"] = time.monotonic() - started
+    if any(r.get("status") for r in runs):
+        add_speedups(runs)
+        md = render_markdown(report, args)
+        with open(args.out + ".md", "w") as f:
+            f.write(md)
+        _common.write_json(args.out + ".json", report)
+        with open(args.out + ".svg", "w") as f:
+            f.write(render_svg(report, args))
+        say()
+        say(md)
+        say(f"wrote {args.out}.md, {args.out}.json, {args.out}.svg "
+            f"(total {report['wall_s'] / 60:.1f} min)")
+    return status
+
+
+def add_speedups(runs):
+    stock = {(r["model"], r["rate"], r["workers"]): r for r in runs
+             if r["config"] == STOCK and r.get("status") == "ok"}
+    for r in runs:
+        base = stock.get((r["model"], r["rate"], r["workers"]))
+        if r.get("status") == "ok" and base:
+            r["speedup"] = base["median_ms"] / r["median_ms"]
+
+
+# ---------------------------------------------------------------------------------
+# Output: Markdown and SVG.
+
+def fmt_bytes(b):
+    if b is None or (isinstance(b, float) and math.isnan(b)):
+        return "–"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(b) >= scale:
+            return f"{b / scale:.3g} {unit}" if abs(b) < 100 * scale else f"{b / scale:.0f} {unit}"
+    return f"{b:.0f} B"
+
+
+def fmt_ms(ms):
+    return f"{ms:.0f}" if ms >= 100 else f"{ms:.1f}"
+
+
+BUSY_SHARE = 0.25  # other processes took more than this share of the cores: flagged
+
+
+def _busy(run):
+    return bool(run) and run.get("status") == "ok" and \
+        run["other_cpu_cores"] > BUSY_SHARE * (os.cpu_count() or 1)
+
+
+def _find(runs, model, rate, n, config, kinds=("main",)):
+    for r in runs:
+        if (r["model"], r["rate"], r["workers"], r["config"]) == (model, rate, n, config) \
+                and r["kind"] in kinds and r.get("status"):
+            return r
+    return None
+
+
+def _table(header, align, rows):
+    out = ["| " + " | ".join(header) + " |",
+           "|" + "|".join(":---" if a == "l" else "---:" for a in align) + "|"]
+    out += ["| " + " | ".join(row) + " |" for row in rows]
+    return out
+
+
+def _failed_row(cells_runs, ncols):
+    """If every run of a row failed for one reason: a row that says so, else None."""
+    done = [r for r in cells_runs if r is not None]
+    if done and all(r["status"] == "failed" for r in done):
+        reasons = list(dict.fromkeys(r["reason"].replace(" (not run again)", "")
+                                     for r in done))
+        if len(reasons) == 1:
+            return [f"failed: {_cell(reasons[0])}"] + ["–"] * (ncols - 1)
+    return None
+
+
+def _cell(text):
+    return text.replace("|", "\\|")
+
+
+def render_markdown(report, args):
+    runs = report["runs"]
+    ok = [r for r in runs if r.get("status") == "ok"]
+    configs = [STOCK] + args.configs
+    rates = sorted(args.rates, key=rate_bps, reverse=True)  # fastest first
+    fast, slow = rates[0], rates[-1]
+    lines = ["# Bandwidth-limited cluster: step time and bytes on the wire", ""]
+    lines.append(f"Command: `{report['command']}`  ")
+    lines.append(f"Started {report['started']} on {report['cpu_count']} cores; "
+                 f"{report['wall_s'] / 60:.1f} min in all"
+                 + ("" if report["complete"] else " (**interrupted: incomplete**)") + ".  ")
+    lines.append(f"Links: `{report['link']}`. Workers at {SUBNET}.1..N, one network "
+                 "namespace each.  ")
+    datasets = sorted({r["dataset"] for r in ok})
+    notes = sorted({r["dataset_note"] for r in ok if r.get("dataset_note")})
+    models_desc = []
+    for m in args.models:
+        r = next((x for x in ok if x["model"] == m), None)
+        if r:
+            arch = " (784-2048-2048-10)" if m == "wide_mlp" else ""
+            models_desc.append(f"{m}{arch}: {r['params']:,} parameters, "
+                               f"{fmt_bytes(r['dense_bytes'])} of gradients")
+    lines.append(f"Data: {', '.join(datasets) or '–'}"
+                 + (" (real)" if datasets == ["fashion_mnist"] else "")
+                 + (f" ({'; '.join(notes)})" if notes else "")
+                 + f", batch {args.batch_size} per worker, momentum SGD. "
+                 + "; ".join(models_desc) + ".  ")
+    lines.append(f"Step time: median of worker 0's {args.steps} timed batches after "
+                 f"{args.warmup} warm-up batches. Speed-up: stock median / this median at the "
+                 "same model, rate and N. Bytes: per worker and step, MB = 10^6 bytes. "
+                 "`veth sent`: the worker's link counter (tx_bytes of its veth, mean over "
+                 "workers), everything on the wire; `strategy`: "
+                 "`compression_stats()` sent_bytes (for stock: the ring formula "
+                 "2(N-1)/N x gradient bytes).")
+    lines.append("")
+
+    groups = list(dict.fromkeys((r["model"], r["workers"]) for r in runs if r["kind"] == "main"))
+    for model, n in groups:
+        lines += [f"## {model}, {n} workers", ""]
+        header = ["configuration"] + [f"{rate_label(r)} ms" for r in rates]
+        if len(rates) > 1:
+            header.append(f"compute floor ({rate_label(fast)}) / {rate_label(slow)}")
+        header += [f"speed-up {rate_label(r)}" for r in rates]
+        rows = []
+        flagged = False
+        for c in configs:
+            cell_runs = [_find(runs, model, r, n, c) for r in rates]
+            failed = _failed_row(cell_runs, len(header) - 1)
+            if failed:
+                rows.append([f"`{c}`"] + failed)
+                continue
+            row = [f"`{c}`"]
+            for r in cell_runs:
+                row.append("–" if r is None else
+                           fmt_ms(r["median_ms"]) + ("†" if _busy(r) else "")
+                           if r["status"] == "ok" else "failed")
+                flagged |= _busy(r)
+            if len(rates) > 1:
+                f_, s_ = cell_runs[0], cell_runs[-1]
+                if f_ and s_ and f_["status"] == s_["status"] == "ok":
+                    row.append(f"{fmt_ms(f_['median_ms'])} / {fmt_ms(s_['median_ms'])} ms "
+                               f"({100 * f_['median_ms'] / s_['median_ms']:.0f} %)")
+                else:
+                    row.append("–")
+            for r in cell_runs:
+                row.append(f"{r['speedup']:.2f}×" if r and r.get("speedup") else "–")
+            rows.append(row)
+        lines += _table(header, ["l"] + ["r"] * (len(header) - 1), rows)
+        lines.append("")
+        if flagged:
+            lines += [f"† other processes took more than {BUSY_SHARE:.0%} of the "
+                      f"{os.cpu_count()} cores during the timed steps (`other_cpu_cores` in "
+                      "the JSON): that figure is slowed by load that is not the benchmark's.", ""]
+
+        header = ["configuration"] + [f"veth sent {rate_label(r)}" for r in rates] + \
+                 ["strategy sent", "veth / strategy", "dense ring"]
+        rows = []
+        for c in configs:
+            cell_runs = [_find(runs, model, r, n, c) for r in rates]
+            failed = _failed_row(cell_runs, len(header) - 1)
+            if failed:
+                rows.append([f"`{c}`"] + failed)
+                continue
+            row = [f"`{c}`"]
+            for r in cell_runs:
+                row.append("–" if r is None else
+                           fmt_bytes(r["veth_tx_per_step"]) if r["status"] == "ok" else "failed")
+            ref = next((r for r in cell_runs if r and r["status"] == "ok"), None)
+            if ref:
+                strat = ref["strategy_sent_per_step"]
+                row += [fmt_bytes(strat) + (" (formula)" if ref["config"] == STOCK else ""),
+                        f"{ref['veth_tx_per_step'] / strat:.2f}" if strat else "–",
+                        fmt_bytes(ref["dense_sent_per_step"])]
+            else:
+                row += ["–"] * 3
+            rows.append(row)
+        lines += _table(header, ["l"] + ["r"] * (len(header) - 1), rows)
+        lines.append("")
+
+    # Bytes vs N, at the bytes rate, from every run there (main or bytes sweep).
+    ns = sorted({r["workers"] for r in runs if r["rate"] == args.bytes_rate})
+    if len(ns) > 1 or args.bytes_workers:
+        for model in args.models:
+            lines += [f"## Bytes per worker per step vs N: {model}, {rate_label(args.bytes_rate)}",
+                      "", "veth sent / strategy's figure; timed steps: "
+                      f"{args.bytes_steps} (bytes sweep) or {args.steps} (step-time sweep).", ""]
+            header = ["configuration"] + [f"N={n}" for n in ns]
+            rows = []
+            for c in configs:
+                cell_runs = [_find(runs, model, args.bytes_rate, n, c, ("main", "bytes"))
+                             for n in ns]
+                failed = _failed_row(cell_runs, len(header) - 1)
+                if failed:
+                    rows.append([f"`{c}`"] + failed)
+                    continue
+                row = [f"`{c}`"]
+                for r in cell_runs:
+                    if r is None:
+                        row.append("–")
+                    elif r["status"] != "ok":
+                        row.append("failed")
+                    else:
+                        row.append(f"{fmt_bytes(r['veth_tx_per_step'])} / "
+                                   f"{fmt_bytes(r['strategy_sent_per_step'])}")
+                rows.append(row)
+            lines += _table(header, ["l"] + ["r"] * len(ns), rows)
+            lines.append("")
+
+    failures = [r for r in runs if r.get("status") == "failed"]
+    if failures:
+        lines += ["## Failed runs", ""]
+        for r in failures:
+            lines.append(f"- `{r['config']}`, {r['model']}, N={r['workers']}, {r['rate']}: "
+                         f"failed: {r['reason']}")
+        lines.append("")
+    missing = [r for r in runs if not r.get("status")]
+    if missing:
+        lines.append(f"{len(missing)} planned run(s) did not happen (interrupted).")
+        lines.append("")
+    return "\n".join(lines)
+
+
+PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2",
+           "#17becf", "#7f7f7f", "#bcbd22", "#393b79", "#637939"]
+DASHES = ["", "6,3", "2,3", "8,3,2,3", "1,2"]
+
+
+def _nice_max(v):
+    if v <= 0:
+        return 1.0
+    exp = 10 ** math.floor(math.log10(v))
+    for m in (1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10):
+        if m * exp >= v:
+            return m * exp
+    return 10 * exp
+
+
+class _Panel:
+    """A plot area with linear or log axes, drawing into a list of SVG elements."""
+
+    def __init__(self, out, x0, y0, w, h, xlim, ylim, xlog=False, ylog=False):
+        self.out, self.x0, self.y0, self.w, self.h = out, x0, y0, w, h
+        self.xlim, self.ylim, self.xlog, self.ylog = xlim, ylim, xlog, ylog
+
+    def _t(self, v, lim, log):
+        lo, hi = lim
+        if log:
+            v, lo, hi = math.log10(v), math.log10(lo), math.log10(hi)
+        return (v - lo) / (hi - lo) if hi != lo else 0.5
+
+    def px(self, x):
+        return self.x0 + self.w * self._t(x, self.xlim, self.xlog)
+
+    def py(self, y):
+        return self.y0 + self.h * (1 - self._t(y, self.ylim, self.ylog))
+
+    def frame(self, title, xlabel, ylabel, xticks, yticks):
+        o = self.out
+        o.append(f'<rect x="{self.x0}" y="{self.y0}" width="{self.w}" height="{self.h}" '
+                 'fill="none" stroke="#333"/>')
+        for v, text in xticks:
+            x = self.px(v)
+            o.append(f'<line x1="{x:.1f}" y1="{self.y0}" x2="{x:.1f}" y2="{self.y0 + self.h}" '
+                     'stroke="#ddd"/>')
+            o.append(f'<text x="{x:.1f}" y="{self.y0 + self.h + 16}" text-anchor="middle">'
+                     f'{escape(text)}</text>')
+        for v, text in yticks:
+            y = self.py(v)
+            o.append(f'<line x1="{self.x0}" y1="{y:.1f}" x2="{self.x0 + self.w}" y2="{y:.1f}" '
+                     'stroke="#ddd"/>')
+            o.append(f'<text x="{self.x0 - 6}" y="{y + 4:.1f}" text-anchor="end">'
+                     f'{escape(text)}</text>')
+        o.append(f'<text x="{self.x0 + self.w / 2}" y="{self.y0 - 10}" text-anchor="middle" '
+                 f'font-weight="bold">{escape(title)}</text>')
+        o.append(f'<text x="{self.x0 + self.w / 2}" y="{self.y0 + self.h + 36}" '
+                 f'text-anchor="middle">{escape(xlabel)}</text>')
+        cy = self.y0 + self.h / 2
+        o.append(f'<text x="{self.x0 - 58}" y="{cy}" text-anchor="middle" '
+                 f'transform="rotate(-90 {self.x0 - 58} {cy})">{escape(ylabel)}</text>')
+
+    def series(self, points, color, dash="", hollow=False, ringed=()):
+        """A line through ``points``; the points whose index is in ``ringed`` get a grey ring."""
+        pts = [(self.px(x), self.py(y)) for x, y in points]
+        for i in ringed:
+            x, y = pts[i]
+            self.out.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="7.5" fill="none" '
+                            'stroke="#888" stroke-width="1.5"/>')
+        if len(pts) > 1:
+            d = " ".join(f"{x:.1f},{y:.1f}" for x, y in pts)
+            o = f'<polyline points="{d}" fill="none" stroke="{color}" stroke-width="2"'
+            self.out.append(o + (f' stroke-dasharray="{dash}"' if dash else "") + "/>")
+        for x, y in pts:
+            fill = "white" if hollow else color
+            self.out.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3.5" fill="{fill}" '
+                            f'stroke="{color}" stroke-width="1.5"/>')
+
+
+def render_svg(report, args):
+    """Per model: speed-up vs link rate, and bytes per worker per step vs N."""
+    runs = [r for r in report["runs"] if r.get("status") == "ok"]
+    configs = [STOCK] + args.configs
+    color = {c: PALETTE[i % len(PALETTE)] for i, c in enumerate(configs)}
+    pw, ph, left, gap, top = 420, 260, 80, 130, 50
+    row_h = ph + 100
+    width = left + 2 * pw + gap + 30
+    body = []
+    models = [m for m in args.models if any(r["model"] == m for r in runs)] or args.models[:1]
+    for mi, model in enumerate(models):
+        y0 = top + mi * row_h
+        # Panel 1: speed-up vs link rate (log x), one line per config, dash per N.
+        mine = [r for r in runs if r["model"] == model and r["kind"] == "main"]
+        rates = sorted({rate_bps(r["rate"]) for r in mine} or {1e8, 1e10})
+        xlim = (rates[0] / 2, rates[-1] * 2)
+        sp = [r["speedup"] for r in mine if r.get("speedup")]
+        ymax = _nice_max(max(sp + [1.0]) * 1.08)
+        p = _Panel(body, left, y0, pw, ph, xlim, (0, ymax), xlog=True)
+        step = _nice_max(ymax / 6)
+        yt = [(i * step, f"{i * step:g}×") for i in range(int(ymax / step + 1e-9) + 1)]
+        xt = [(b, rate_label(b)) for b in rates]
+        ns = sorted({r["workers"] for r in mine})
+        p.frame(f"{model}: speed-up vs stock"
+                + (f", N={ns[0]}" if len(ns) == 1 else ", N: " + " ".join(map(str, ns))),
+                "link rate (log scale)", "speed-up (stock = 1×)", xt, yt)
+        y1 = p.py(1.0)
+        body.append(f'<line x1="{left}" y1="{y1:.1f}" x2="{left + pw}" y2="{y1:.1f}" '
+                    'stroke="#000" stroke-width="1" stroke-dasharray="4,4"/>')
+        stock = {(r["rate"], r["workers"]): r for r in mine if r["config"] == STOCK}
+        for ni, n in enumerate(ns):
+            for c in configs:
+                got = sorted(((rate_bps(r["rate"]), r["speedup"]), _busy(r) or _busy(
+                    stock.get((r["rate"], n)))) for r in mine
+                    if r["config"] == c and r["workers"] == n and r.get("speedup"))
+                if got:
+                    p.series([pt for pt, _ in got], color[c], DASHES[ni % len(DASHES)],
+                             ringed=[i for i, (_, busy) in enumerate(got) if busy])
+        # Panel 2: bytes per worker per step vs N (log-log).
+        at = [r for r in runs if r["model"] == model and r["rate"] == args.bytes_rate]
+        nvals = sorted({r["workers"] for r in at}) or [2, 4, 8]
+        vals = [r[k] for r in at for k in ("veth_tx_per_step", "strategy_sent_per_step")
+                if r.get(k) and r[k] > 0]
+        lo = 10 ** math.floor(math.log10(min(vals))) if vals else 1e3
+        hi = 10 ** math.ceil(math.log10(max(vals))) if vals else 1e8
+        if hi <= lo:
+            hi = lo * 10
+        x0 = left + pw + gap
+        q = _Panel(body, x0, y0, pw, ph, (nvals[0] / 1.3, nvals[-1] * 1.3), (lo, hi),
+                   xlog=True, ylog=True)
+        yt = [(10 ** e, fmt_bytes(10 ** e).replace(".0", ""))
+              for e in range(int(math.log10(lo)), int(math.log10(hi)) + 1)]
+        q.frame(f"{model}: bytes per worker per step, {rate_label(args.bytes_rate)}",
+                "workers N (log scale)", "bytes sent per worker per step",
+                [(n, str(n)) for n in nvals], yt)
+        for c in configs:
+            mine_c = sorted(((r["workers"], r) for r in at if r["config"] == c),
+                            key=lambda t: t[0])
+            veth = [(n, r["veth_tx_per_step"]) for n, r in mine_c if r["veth_tx_per_step"] > 0]
+            strat = [(n, r["strategy_sent_per_step"]) for n, r in mine_c
+                     if r["strategy_sent_per_step"] and r["strategy_sent_per_step"] > 0]
+            if veth:
+                q.series(veth, color[c])
+                # (bytes do not depend on the CPU load: no rings here)
+            if strat:
+                q.series(strat, color[c], "4,3", hollow=True)
+
+    # Legend below the panels: colours per configuration, then line styles.
+    ly = top + len(models) * row_h - 20
+    legend = []
+    for i, c in enumerate(configs):
+        col, rowi = i % 2, i // 2
+        x, y = left + col * (pw + gap), ly + rowi * 20
+        legend.append(f'<line x1="{x}" y1="{y - 4}" x2="{x + 28}" y2="{y - 4}" '
+                      f'stroke="{color[c]}" stroke-width="3"/>')
+        label = c if any(r["config"] == c for r in runs) else f"{c} (no data: failed)"
+        legend.append(f'<text x="{x + 36}" y="{y}">{escape(label)}</text>')
+    ly += ((len(configs) + 1) // 2) * 20 + 10
+    notes = ["left: median step time of stock / of the configuration at the same rate and N; "
+             "dashed black line = stock",
+             "right: solid, filled = veth tx_bytes per worker (measured); dashed, hollow = "
+             "the strategy's sent_bytes (stock: ring formula)"]
+    if any(_busy(r) for r in runs):
+        notes.append(f"grey ring: stock's or the configuration's step time was measured while "
+                     f"other processes took more than {BUSY_SHARE:.0%} of the cores (noisy)")
+    all_ns = sorted({r["workers"] for r in runs if r["kind"] == "main"})
+    if len(all_ns) > 1:
+        notes.append("left, line style per N: " + ", ".join(
+            f"N={n} {'solid' if not DASHES[i % len(DASHES)] else 'dash ' + DASHES[i % len(DASHES)]}"
+            for i, n in enumerate(all_ns)))
+    for i, text in enumerate(notes):
+        legend.append(f'<text x="{left}" y="{ly + i * 18}" fill="#444">{escape(text)}</text>')
+    height = ly + len(notes) * 18 + 10
+    title = (f"tfgc over shaped links ({report['started']}"
+             + ("" if report["complete"] else ", incomplete") + ")")
+    head = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+            f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="12">',
+            f'<rect width="{width}" height="{height}" fill="white"/>',
+            f'<text x="{left}" y="20" font-size="14" font-weight="bold">{escape(title)}</text>']
+    return "\n".join(head + body + legend + ["</svg>", ""])
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    if args.worker:
+        worker_main(args)
+        return 0
+    return driver_main(args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
