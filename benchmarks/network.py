@@ -959,6 +959,16 @@ def _cell(text):
     return text.replace("|", "\\|")
 
 
+def _config_rows(configs, cells_for, ncols, fill):
+    """One row per configuration: its name, then ``fill(its runs)``, or why it failed."""
+    rows = []
+    for c in configs:
+        cell_runs = cells_for(c)
+        failed = _failed_row(cell_runs, ncols)
+        rows.append([f"`{c}`"] + (failed if failed else fill(cell_runs)))
+    return rows
+
+
 def render_markdown(report, args):
     runs = report["runs"]
     ok = [r for r in runs if r.get("status") == "ok"]
@@ -1002,20 +1012,15 @@ def render_markdown(report, args):
         if len(rates) > 1:
             header.append(f"compute floor ({rate_label(fast)}) / {rate_label(slow)}")
         header += [f"speed-up {rate_label(r)}" for r in rates]
-        rows = []
-        flagged = False
-        for c in configs:
-            cell_runs = [_find(runs, model, r, n, c) for r in rates]
-            failed = _failed_row(cell_runs, len(header) - 1)
-            if failed:
-                rows.append([f"`{c}`"] + failed)
-                continue
-            row = [f"`{c}`"]
+        flagged = []
+
+        def times(cell_runs):
+            row = []
             for r in cell_runs:
                 row.append("–" if r is None else
                            fmt_ms(r["median_ms"]) + ("†" if _busy(r) else "")
                            if r["status"] == "ok" else "failed")
-                flagged |= _busy(r)
+                flagged.append(_busy(r))
             if len(rates) > 1:
                 f_, s_ = cell_runs[0], cell_runs[-1]
                 if f_ and s_ and f_["status"] == s_["status"] == "ok":
@@ -1025,27 +1030,24 @@ def render_markdown(report, args):
                     row.append("–")
             for r in cell_runs:
                 row.append(f"{r['speedup']:.2f}×" if r and r.get("speedup") else "–")
-            rows.append(row)
+            return row
+
+        at_rates = lambda c: [_find(runs, model, r, n, c) for r in rates]  # noqa: E731
+        rows = _config_rows(configs, at_rates, len(header) - 1, times)
         lines += _table(header, ["l"] + ["r"] * (len(header) - 1), rows)
         lines.append("")
-        if flagged:
+        if any(flagged):
             lines += [f"† other processes took more than {BUSY_SHARE:.0%} of the "
                       f"{os.cpu_count()} cores during the timed steps (`other_cpu_cores` in "
                       "the JSON): that figure is slowed by load that is not the benchmark's.", ""]
 
         header = ["configuration"] + [f"veth sent {rate_label(r)}" for r in rates] + \
                  ["strategy sent", "veth / strategy", "dense ring"]
-        rows = []
-        for c in configs:
-            cell_runs = [_find(runs, model, r, n, c) for r in rates]
-            failed = _failed_row(cell_runs, len(header) - 1)
-            if failed:
-                rows.append([f"`{c}`"] + failed)
-                continue
-            row = [f"`{c}`"]
-            for r in cell_runs:
-                row.append("–" if r is None else
-                           fmt_bytes(r["veth_tx_per_step"]) if r["status"] == "ok" else "failed")
+
+        def sent(cell_runs):
+            row = ["–" if r is None else
+                   fmt_bytes(r["veth_tx_per_step"]) if r["status"] == "ok" else "failed"
+                   for r in cell_runs]
             ref = next((r for r in cell_runs if r and r["status"] == "ok"), None)
             if ref:
                 strat = ref["strategy_sent_per_step"]
@@ -1054,7 +1056,9 @@ def render_markdown(report, args):
                         fmt_bytes(ref["dense_sent_per_step"])]
             else:
                 row += ["–"] * 3
-            rows.append(row)
+            return row
+
+        rows = _config_rows(configs, at_rates, len(header) - 1, sent)
         lines += _table(header, ["l"] + ["r"] * (len(header) - 1), rows)
         lines.append("")
 
@@ -1066,24 +1070,16 @@ def render_markdown(report, args):
                       "", "veth sent / strategy's figure; timed steps: "
                       f"{args.bytes_steps} (bytes sweep) or {args.steps} (step-time sweep).", ""]
             header = ["configuration"] + [f"N={n}" for n in ns]
-            rows = []
-            for c in configs:
-                cell_runs = [_find(runs, model, args.bytes_rate, n, c, ("main", "bytes"))
-                             for n in ns]
-                failed = _failed_row(cell_runs, len(header) - 1)
-                if failed:
-                    rows.append([f"`{c}`"] + failed)
-                    continue
-                row = [f"`{c}`"]
-                for r in cell_runs:
-                    if r is None:
-                        row.append("–")
-                    elif r["status"] != "ok":
-                        row.append("failed")
-                    else:
-                        row.append(f"{fmt_bytes(r['veth_tx_per_step'])} / "
-                                   f"{fmt_bytes(r['strategy_sent_per_step'])}")
-                rows.append(row)
+
+            def per_n(cell_runs):
+                return ["–" if r is None else "failed" if r["status"] != "ok" else
+                        f"{fmt_bytes(r['veth_tx_per_step'])} / "
+                        f"{fmt_bytes(r['strategy_sent_per_step'])}" for r in cell_runs]
+
+            rows = _config_rows(
+                configs, lambda c, model=model: [
+                    _find(runs, model, args.bytes_rate, n, c, ("main", "bytes")) for n in ns],
+                len(header) - 1, per_n)
             lines += _table(header, ["l"] + ["r"] * len(ns), rows)
             lines.append("")
 

@@ -9,7 +9,6 @@ chunking, owners and residuals are the replay's own), against NumPy models of 1-
 SGD and signSGD's majority vote, and against the byte model of the two stages.
 """
 
-import importlib.util
 import json
 import math
 import os
@@ -20,14 +19,9 @@ import pytest
 
 from tfgc.launch import launch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(REPO, "tests", "cluster", "reduce_scatter.py")
-ENV = {"PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-       "TF_CPP_MIN_LOG_LEVEL": "2"}
+from cluster_scripts import ENV, cluster_script
 
-_spec = importlib.util.spec_from_file_location("reduce_scatter_worker", SCRIPT)
-worker = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(worker)
+SCRIPT, worker = cluster_script("reduce_scatter")
 
 COMPRESSED = worker.SHAPES[:2]
 EF_SPECS = ("onebit", "efsignsgd")

@@ -9,7 +9,6 @@ NumPy replay of each algorithm (error feedback included):
 One launch per path and cluster size runs ``tests/cluster/sparse_paths.py``.
 """
 
-import importlib.util
 import json
 import os
 import sys
@@ -19,14 +18,9 @@ import pytest
 
 from tfgc.launch import launch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(REPO, "tests", "cluster", "sparse_paths.py")
-ENV = {"PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-       "TF_CPP_MIN_LOG_LEVEL": "2"}
+from cluster_scripts import ENV, cluster_script
 
-_spec = importlib.util.spec_from_file_location("shared_index_worker", SCRIPT)
-worker = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(worker)
+SCRIPT, worker = cluster_script("sparse_paths")
 
 
 def top_k(v, k):
