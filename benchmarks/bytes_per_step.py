@@ -48,9 +48,10 @@ def parse_args(argv=None):
     p.add_argument("--communication", default="auto",
                    choices=["auto", "allgather", "reduce_scatter", "shared_index",
                             "sparse_allreduce"],
-                   help="how payloads cross the wire (auto: the reduce-scatter for quantizers "
-                        "from 3 workers on; reduce_scatter: quantizers only; shared_index and "
-                        "sparse_allreduce: top-k compressors only; the sparse all-reduce's "
+                   help="how payloads cross the wire (auto: the reduce-scatter for signsgd, "
+                        "qsgd and terngrad from 3 or 4 workers on; reduce_scatter: quantizers "
+                        "only; shared_index and sparse_allreduce: top-k compressors only; the "
+                        "sparse all-reduce's "
                         "bytes depend on how the workers' index sets overlap, so only its "
                         "payload has a formula)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per cluster")
@@ -163,7 +164,7 @@ def expected_tensor_bytes(name, config, shape):
 # float32 in the all-reduce.
 CONTROL_GATHER, CONTROL_ALLREDUCE = 8, 36
 SUMMABLE = ("none", "fp16", "bf16", "randomk")
-# Quantizers that can take the reduce-scatter; "auto" sends them there from 3 workers on.
+# Quantizers that can take the reduce-scatter.
 RECOMPRESSIBLE = ("onebit", "signsgd", "scaledsign", "qsgd", "terngrad")
 
 
@@ -219,8 +220,12 @@ def expected_step(compressor_config, variables, min_elements, workers, communica
     cfg = _unwrap(compressor_config)
     name, config = cfg["name"], cfg["config"]
     wrapped = compressor_config["name"] == "ef"
+    # Auto takes the reduce-scatter from 3 workers on (TernGrad from 4) for the
+    # quantizers whose second stage needs no error feedback.
     two_stage = name in RECOMPRESSIBLE and (
-        communication == "reduce_scatter" or (communication == "auto" and workers >= 3))
+        communication == "reduce_scatter"
+        or (communication == "auto" and not wrapped
+            and workers >= (4 if name == "terngrad" else 3)))
     dense_total = allreduce = gather = sparse = 0
     # Reduce-scatter: every chunk's payload, and the width of the padded messages.
     chunked = width = 0

@@ -490,7 +490,9 @@ def test_timeout_covers_restarts(tmp_path):
     assert 1 <= result.restarts < 100
     # Either the deadline hit while a cluster ran, or right after a failure.
     assert result.timed_out or "--timeout of 2 s has run out" in result.message
-    assert len(_starts(tmp_path, 1)) == result.restarts + 1
+    # restarts + 1 clusters were started; on a loaded machine the deadline can kill
+    # the last one before its worker 1 has written down that it started.
+    assert result.restarts <= len(_starts(tmp_path, 1)) <= result.restarts + 1
     assert _wait_gone(_all_pids(tmp_path)) == []
 
 

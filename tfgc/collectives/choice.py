@@ -8,7 +8,8 @@ the step is traced):
 * reduce-scatter / all-gather: (N-1) chunk payloads out in stage 1 and (N-1) in
   stage 2, each padded to the longest chunk, about 2(N-1)/N * P plus the per-chunk
   scales. It wins from N = 3 on; at N = 2 it ties with the all-gather on bytes and
-  quantizes twice, so the all-gather is kept.
+  quantizes twice, so the all-gather is kept. Auto takes it only for compressors
+  whose second stage needs no error feedback (``auto_reduce_scatter``).
 
 Auto chooses among paths that compute the same estimator as the all-gather (or, for
 the reduce-scatter, the paper's two-stage one). It never picks the shared-index
@@ -23,6 +24,7 @@ from typing import Dict, Sequence, Tuple
 import tensorflow as tf
 
 from tfgc.collectives.reduce_scatter import chunk_plan
+from tfgc.compressors.error_feedback import ErrorFeedback
 from tfgc.ops import packing
 
 # Control words that ride on the gathers: a finite flag and the step counter.
@@ -70,6 +72,18 @@ def sent_bytes(path: str, compressor, gradients: Sequence[Tuple[tf.TensorShape, 
     return (n - 1) * 4 * (words + _CONTROL_WORDS)
 
 
+def auto_reduce_scatter(compressor) -> bool:
+    """Whether auto may send ``compressor`` over the reduce-scatter.
+
+    Only where the second stage keeps the compressor's estimator: exact (signSGD's
+    vote, TernGrad's sums of codes) or unbiased (QSGD). Under error feedback the
+    owner's second residual delays more of every gradient, and with heavy-ball
+    momentum that cost 9 points of accuracy for 1-bit SGD on 4 workers (see the
+    README); those compressors take the reduce-scatter only when asked for.
+    """
+    return compressor.recompressible and not isinstance(compressor, ErrorFeedback)
+
+
 def choose_communication(compressor, num_ranks: int, gradients=None) -> Tuple[str, Dict[str, int]]:
     """Auto's path for ``compressor`` on ``num_ranks`` workers, and the bytes it compared.
 
@@ -78,7 +92,7 @@ def choose_communication(compressor, num_ranks: int, gradients=None) -> Tuple[st
     """
     if compressor.summable:
         return "allreduce", {}
-    if not compressor.recompressible or num_ranks < 3:
+    if not auto_reduce_scatter(compressor) or num_ranks < 3:
         return "allgather", {}
     if not gradients:
         return "reduce_scatter", {}

@@ -198,8 +198,8 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
       policy: a ``CompressionPolicy`` (default: compress tensors of rank >= 2 with
         at least 1024 elements).
       communication: "auto" (the fewest bytes: all-reduce for summable payloads,
-        the reduce-scatter for quantizers from 3 workers on, all-gather
-        otherwise; see ``collectives.choice``), "allreduce" (summable compressors
+        the reduce-scatter from 3 workers on for quantizers whose second stage
+        needs no error feedback, all-gather otherwise; see ``collectives.choice``), "allreduce" (summable compressors
         only), "allgather", "reduce_scatter" (quantizers whose sum can be
         compressed again), "shared_index" (sparsifiers that select indices) or
         "sparse_allreduce" (sparsifiers with (values, indices) payloads).
