@@ -1,7 +1,10 @@
 """What the cluster tests share: the repository, the workers' environment, the scripts."""
 
 import importlib.util
+import json
 import os
+
+import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {"PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
@@ -15,3 +18,19 @@ def cluster_script(name):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return path, module
+
+
+def assert_fit_identical_and_learning(out, num_workers):
+    """After ``brief_fit``: every worker's weights equal worker 0's, and the loss went down.
+
+    Returns worker 0's results JSON.
+    """
+    first = np.load(out / "fit.w0.npz")
+    for r in range(1, num_workers):
+        other = np.load(out / f"fit.w{r}.npz")
+        for key in first.files:
+            np.testing.assert_array_equal(first[key], other[key])
+    with open(out / "results.w0.json") as f:
+        results = json.load(f)
+    assert results["losses"][-1] < results["losses"][0]
+    return results

@@ -19,7 +19,7 @@ import pytest
 
 from tfgc.launch import launch
 
-from cluster_scripts import ENV, cluster_script
+from cluster_scripts import ENV, assert_fit_identical_and_learning, cluster_script
 
 SCRIPT, worker = cluster_script("reduce_scatter")
 
@@ -284,14 +284,7 @@ def test_bytes_are_two_compressed_stages(cluster, spec):
 
 def test_fit_ends_identical_on_every_worker(cluster):
     n, out, _ = cluster
-    first = np.load(out / "fit.w0.npz")
-    for r in range(1, n):
-        other = np.load(out / f"fit.w{r}.npz")
-        for key in first.files:
-            np.testing.assert_array_equal(first[key], other[key])
-    with open(out / "results.w0.json") as f:
-        losses = json.load(f)["losses"]
-    assert losses[-1] < losses[0]
+    assert_fit_identical_and_learning(out, n)
 
 
 @pytest.mark.parametrize("spec", ["topk:ratio=0.01", "ef+topk:ratio=0.01", "randomk", "none",
