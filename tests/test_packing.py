@@ -42,6 +42,6 @@ def test_payload_words_concatenate_and_split_back():
                tf.constant([0.5, 1.5, 2.5], tf.float16))
     w = allgather.payload_words(payload)
     assert w.shape == [3 + 3 + 2]
-    back = allgather._unpack(w, payload)
+    back = allgather.unpack_payload_words(w, payload)
     for a, b in zip(back, payload):
         np.testing.assert_array_equal(a.numpy(), b.numpy())

@@ -12,8 +12,20 @@ def payload_words(payload: Sequence[tf.Tensor]) -> tf.Tensor:
     return tf.concat([packing.to_words(t) for t in payload], axis=0)
 
 
-def _unpack(words: tf.Tensor, like: Sequence[tf.Tensor]) -> Tuple[tf.Tensor, ...]:
-    """Splits one worker's word vector back into tensors shaped like ``like``."""
+def num_payload_words(payload: Sequence[tf.Tensor]) -> int:
+    """Length of ``payload_words(payload)``; ``payload`` may hold tensors or TensorSpecs."""
+    return sum(packing.num_words(int(t.shape.num_elements()), t.dtype) for t in payload)
+
+
+def padded_payload_words(payload: Sequence[tf.Tensor], width: int) -> tf.Tensor:
+    """``payload_words(payload)`` padded with zeros to ``width`` words."""
+    words = payload_words(payload)
+    return tf.pad(words, [[0, width - int(words.shape[0])]])
+
+
+def unpack_payload_words(words: tf.Tensor, like) -> Tuple[tf.Tensor, ...]:
+    """Splits a word vector (padding after the payload is ignored) into tensors shaped like
+    ``like`` (tensors or TensorSpecs)."""
     out, offset = [], 0
     for t in like:
         n = int(t.shape.num_elements())
@@ -72,7 +84,8 @@ def gather_payloads(launcher, payloads: List[Sequence[tf.Tensor]], num_workers: 
         offset = 0
         for i in bucket:
             per_worker = gathered[:, offset:offset + sizes[i]]
-            results[i] = [_unpack(per_worker[r], payloads[i]) for r in range(num_workers)]
+            results[i] = [unpack_payload_words(per_worker[r], payloads[i])
+                          for r in range(num_workers)]
             offset += sizes[i]
         if b == 0 and control is not None:
             gathered_control = gathered[:, offset:]

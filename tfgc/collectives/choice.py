@@ -3,7 +3,8 @@
 Per worker and step, for payloads of P bytes in all (static shapes, so known when
 the step is traced):
 
-* all-reduce (summable payloads): 2(N-1)/N * P, the ring;
+* all-reduce (summable payloads): 2(N-1)/N * P, the ring, never more than the
+  all-gather, so summable compressors take it without a count;
 * all-gather: (N-1) * P;
 * reduce-scatter / all-gather: (N-1) chunk payloads out in stage 1 and (N-1) in
   stage 2, each padded to the longest chunk, about 2(N-1)/N * P plus the per-chunk
@@ -23,9 +24,9 @@ from typing import Dict, Sequence, Tuple
 
 import tensorflow as tf
 
+from tfgc.collectives.allgather import num_payload_words
 from tfgc.collectives.reduce_scatter import chunk_plan
 from tfgc.compressors.error_feedback import ErrorFeedback
-from tfgc.ops import packing
 
 # Control words that ride on the gathers: a finite flag and the step counter.
 _CONTROL_WORDS = 2
@@ -43,12 +44,13 @@ def _cached_words(compressor, dims: Tuple[int, ...], dtype_name: str) -> int:
     with tf.Graph().as_default():
         payload, _ = compressor.compress(tf.zeros(shape, dtype),
                                          compressor.init_state(shape, dtype), CompressContext())
-        return sum(packing.num_words(int(p.shape.num_elements()), p.dtype) for p in payload)
+        return num_payload_words(payload)
 
 
 def sent_bytes(path: str, compressor, gradients: Sequence[Tuple[tf.TensorShape, tf.DType]],
                num_ranks: int) -> int:
-    """Bytes one worker sends per step on ``path`` for compressed gradients of these shapes."""
+    """Bytes one worker sends per step on ``path`` ("allgather" or "reduce_scatter") for
+    compressed gradients of these shapes."""
     n = num_ranks
     if n < 2:
         return 0
@@ -65,10 +67,10 @@ def sent_bytes(path: str, compressor, gradients: Sequence[Tuple[tf.TensorShape, 
             scalers = len(plans)
         # Stage 1 tags each exchange with the sender's rank; stage 2 carries the control.
         return (n - 1) * 4 * (scalers + widths + 1 + second + _CONTROL_WORDS)
+    if path != "allgather":
+        raise ValueError(f"no byte count for path {path!r}")
     words = sum(_payload_words(compressor, tf.TensorShape(shape), dtype)
                 for shape, dtype in gradients)
-    if path == "allreduce":
-        return 2 * (n - 1) * 4 * words // n
     return (n - 1) * 4 * (words + _CONTROL_WORDS)
 
 

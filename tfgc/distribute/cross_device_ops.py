@@ -45,12 +45,13 @@ from tensorflow.python.framework import ops
 from tensorflow.python.util import nest
 
 from tfgc import collectives
+from tfgc.collectives.allgather import (num_payload_words, padded_payload_words,
+                                        unpack_payload_words)
 from tfgc.compressors import CompressContext, ErrorFeedback, get as get_compressor, serialize_config
 from tfgc.distribute import gradients
 from tfgc.distribute import state as state_lib
 from tfgc.distribute.policy import CompressionPolicy
 from tfgc.distribute.stats import CompressionStats, WireBytes
-from tfgc.ops import packing
 
 # The settings string every worker sends before its first compressed step.
 _SETTINGS_WORDS = 256
@@ -63,11 +64,12 @@ def _nbytes(t) -> int:
     return int(t.shape.num_elements()) * t.dtype.size
 
 
+
 def _payload_bytes(payload, gathered: bool) -> int:
     """Bytes a payload occupies on the wire (int32 words when gathered)."""
     if not gathered:
         return sum(_nbytes(p) for p in payload)
-    return sum(4 * packing.num_words(int(p.shape.num_elements()), p.dtype) for p in payload)
+    return 4 * num_payload_words(payload)
 
 
 def check_compression_args(compressor, policy, communication, bucket_bytes):
@@ -83,19 +85,6 @@ def check_compression_args(compressor, policy, communication, bucket_bytes):
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
         raise ValueError(f"`bucket_bytes` must be a positive integer, got {bucket_bytes!r}")
     return compressor, policy
-
-
-def _words(payload) -> int:
-    return sum(packing.num_words(int(p.shape.num_elements()), p.dtype) for p in payload)
-
-
-def _padded_words(payload, width: int) -> tf.Tensor:
-    words = collectives.allgather.payload_words(payload)
-    return tf.pad(words, [[0, width - int(words.shape[0])]])
-
-
-def _unpack_words(words, like):
-    return collectives.allgather._unpack(words[:_words(like)], like)  # pylint: disable=protected-access
 
 
 class _TwoStageState:
@@ -199,9 +188,10 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         at least 1024 elements).
       communication: "auto" (the fewest bytes: all-reduce for summable payloads,
         the reduce-scatter from 3 workers on for quantizers whose second stage
-        needs no error feedback, all-gather otherwise; see ``collectives.choice``), "allreduce" (summable compressors
-        only), "allgather", "reduce_scatter" (quantizers whose sum can be
-        compressed again), "shared_index" (sparsifiers that select indices) or
+        needs no error feedback, all-gather otherwise; see
+        ``collectives.choice``), "allreduce" (summable compressors only),
+        "allgather", "reduce_scatter" (quantizers whose sum can be compressed
+        again), "shared_index" (sparsifiers that select indices) or
         "sparse_allreduce" (sparsifiers with (values, indices) payloads).
       bucket_bytes: upper bound on the per-worker size of one fused all-gather, and
         of one message of the reduce-scatter.
@@ -738,12 +728,8 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         any_bad, steps_agree = _digits_agree(control_sum, n)
         ok = _checked(any_bad, steps_agree, step, step)
 
-        dense = [(i, t) for i, t in enumerate(tensors) if i not in slots]
-        for _, t in dense:
-            wire.allreduce(_nbytes(t), dense=_nbytes(t))
-        reduced = collectives.fused_all_reduce(launcher, [t for _, t in dense][::-1],
-                                               options)[::-1] if dense else []
-        reduced = {i: r for (i, _), r in zip(dense, reduced)}
+        reduced = self._reduce_dense(tensors, [i for i in range(len(tensors)) if i not in slots],
+                                     launcher, options, wire)
 
         def decode_and_commit_one(i):
             t = tensors[i]
@@ -783,7 +769,11 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                      if not mask[i] or t.shape.num_elements() < n]
         compressed = [i for i in range(len(tensors)) if i not in dense_pos]
         if not compressed:
-            return self._dense_only_reduce(tensors, launcher, options, wire), None
+            reduced = self._reduce_dense(tensors, dense_pos, launcher, options, wire)
+            return [reduced[i] for i in dense_pos], None
+
+        # Each gradient's place among the compressed ones seeds its contexts.
+        position = {i: index for index, i in enumerate(compressed)}
 
         # 1. Cut, and compress every chunk for its owner. State is only read here.
         plans, chunks, slots, new_residuals, new_second = {}, {}, {}, {}, {}
@@ -825,7 +815,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         #    (the first that back-propagation produces) first: a bucket's exchanges
         #    need only its own gradients, so they can run while earlier layers'
         #    gradients are still being computed and compressed.
-        widths = {i: max(_words(p) for p in chunks[i]) for i in compressed}
+        widths = {i: max(num_payload_words(p) for p in chunks[i]) for i in compressed}
         if shared_scale:
             # TernGrad's owners send exact sums of codes, in wider fields.
             second_like = {i: [(tf.TensorSpec([1], tf.float32), tf.TensorSpec(
@@ -834,7 +824,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                 for i in compressed}
         else:
             second_like = chunks
-        widths2 = {i: max(_words(p) for p in second_like[i]) for i in compressed}
+        widths2 = {i: max(num_payload_words(p) for p in second_like[i]) for i in compressed}
         buckets, current = [], []
         for i in reversed(compressed):
             if current and 4 * (sum(widths[j] for j in current) + widths[i]) > self._bucket_bytes:
@@ -849,12 +839,13 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         for b, bucket in enumerate(buckets):
             last = b == len(buckets) - 1
             # Stage 1: each chunk to its owner, the bucket's chunks in one message.
-            outgoing = {p: tf.concat([_padded_words(chunks[i][p], widths[i]) for i in bucket], 0)
+            outgoing = {p: tf.concat([padded_payload_words(chunks[i][p], widths[i])
+                                      for i in bucket], 0)
                         for p in range(n) if p != rank}
             received = collectives.scatter_to_owners(exchanger, n, outgoing)
             message = sum(widths[i] for i in bucket)
             for i in bucket:
-                sent = sum(_words(chunks[i][p]) for p in range(n) if p != rank)
+                sent = sum(num_payload_words(chunks[i][p]) for p in range(n) if p != rank)
                 wire.pairwise(4 * sent, _nbytes(tensors[i]), 0)
             # A rank tag per exchange; padding to the longest chunk counts as sent.
             wire.pairwise(0, 0, (n - 1) * 4 * (message + 1))
@@ -863,11 +854,11 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             second = {}
             offset = 0
             for i in bucket:
-                index = compressed.index(i)
+                index = position[i]
                 shape = plans[i].chunks[rank][2]
                 mine = chunks[i][rank]
                 payloads = [mine if w == rank else
-                            _unpack_words(received[w][offset:offset + widths[i]], mine)
+                            unpack_payload_words(received[w][offset:offset + widths[i]], mine)
                             for w in range(n)]
                 offset += widths[i]
                 cctx = CompressContext(rank=rank, num_workers=n, index=index * (n + 1) + n,
@@ -890,26 +881,21 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
 
             # Stage 2: every owner's result to everyone; the control words ride on
             # the last bucket.
-            words = tf.concat([_padded_words(second[i], widths2[i]) for i in bucket], 0)
+            words = tf.concat([padded_payload_words(second[i], widths2[i]) for i in bucket], 0)
             rows, rows_control = collectives.gather_from_owners(
                 launcher, words, n, options, control if last else None)
             offset = 0
             for i in bucket:
                 gathered[i] = rows[:, offset:offset + widths2[i]]
                 offset += widths2[i]
-                wire.gather(4 * _words(second[i]))
-            padding = sum(widths2[i] - _words(second[i]) for i in bucket)
+                wire.gather(4 * num_payload_words(second[i]))
+            padding = sum(widths2[i] - num_payload_words(second[i]) for i in bucket)
             extra = _nbytes(control) if last else 0
             wire.pairwise(extra, 0, (n - 1) * (4 * padding + extra))
             if last:
                 gathered_control = rows_control
 
-        dense = [(i, tensors[i]) for i in dense_pos]
-        for _, t in dense:
-            wire.allreduce(_nbytes(t), dense=_nbytes(t))
-        reduced = collectives.fused_all_reduce(launcher, [t for _, t in dense][::-1],
-                                               options)[::-1] if dense else []
-        reduced = {i: r for (i, _), r in zip(dense, reduced)}
+        reduced = self._reduce_dense(tensors, dense_pos, launcher, options, wire)
 
         steps_seen = gathered_control[:, 1]
         ok = _checked(tf.reduce_any(gathered_control[:, 0] != 0),
@@ -919,9 +905,9 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         def decode_and_commit_one(i):
             t = tensors[i]
             parts = []
-            index = compressed.index(i)
+            index = position[i]
             for w, (_, _, shape) in enumerate(plans[i].chunks):
-                payload = _unpack_words(gathered[i][w], second_like[i][w])
+                payload = unpack_payload_words(gathered[i][w], second_like[i][w])
                 if shared_scale:
                     part = base.decode_counts(payload, shape, t.dtype, n)
                 else:
@@ -938,10 +924,15 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                                   decode_and_commit_one)
         return outputs, ok
 
-    def _dense_only_reduce(self, tensors, launcher, options, wire):
-        for t in tensors:
+    @staticmethod
+    def _reduce_dense(tensors, positions, launcher, options, wire):
+        """The gradients at ``positions``, summed exactly by one fused all-reduce, by position."""
+        dense = [tensors[i] for i in positions]
+        for t in dense:
             wire.allreduce(_nbytes(t), dense=_nbytes(t))
-        return collectives.fused_all_reduce(launcher, list(tensors)[::-1], options)[::-1]
+        reduced = collectives.fused_all_reduce(launcher, dense[::-1], options)[::-1] \
+            if dense else []
+        return dict(zip(positions, reduced))
 
     # -- copying -------------------------------------------------------------------
 
