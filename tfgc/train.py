@@ -26,7 +26,9 @@ flags.DEFINE_enum("dataset", "fashion_mnist", ["fashion_mnist", "mnist5k", "synt
 flags.DEFINE_integer("epochs", 2, "Epochs over each worker's shard.", lower_bound=1)
 flags.DEFINE_integer("batch_size", 64, "Batch size per worker.", lower_bound=1)
 flags.DEFINE_float("learning_rate", 0.05, "Learning rate.", lower_bound=0.0)
-flags.DEFINE_enum("optimizer", "momentum", ["sgd", "momentum", "adam"], "Optimizer.")
+flags.DEFINE_enum("optimizer", "momentum", ["sgd", "momentum", "adam"],
+                  "Optimizer. 'momentum' is SGD with momentum 0.9, or plain SGD when the "
+                  "compressor applies the momentum itself (dgc).")
 flags.DEFINE_integer("workers", 1, "Workers to launch locally when TF_CONFIG is not set.",
                      lower_bound=1)
 flags.DEFINE_bool("baseline", False, "Use stock tf.distribute.MultiWorkerMirroredStrategy.")
@@ -63,11 +65,15 @@ def worker_info(strategy):
             multi_worker_util.worker_count(spec, resolver.task_type))
 
 
-def make_optimizer(name, learning_rate):
+def make_optimizer(name, learning_rate, compressor=None):
+    """The Keras optimizer ``name``; momentum SGD leaves its momentum to a compressor
+    that applies it on the workers (DGC's momentum correction)."""
     import tf_keras as keras
     if name == "sgd":
         return keras.optimizers.SGD(learning_rate)
     if name == "momentum":
+        if compressor is not None and compressor.applied_momentum:
+            return keras.optimizers.SGD(learning_rate)
         return keras.optimizers.SGD(learning_rate, momentum=0.9)
     return keras.optimizers.Adam(learning_rate)
 
@@ -129,7 +135,8 @@ def train_and_evaluate(strategy, *, model="mlp", dataset="mnist5k", epochs=1, ba
     with strategy.scope():
         net = models.build_model(model, input_shape=ds.x_train.shape[1:],
                                  num_classes=ds.num_classes, seed=seed)
-        net.compile(optimizer=make_optimizer(optimizer, learning_rate),
+        net.compile(optimizer=make_optimizer(optimizer, learning_rate,
+                                             getattr(strategy, "compressor", None)),
                     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                     metrics=["accuracy"])
 

@@ -6,7 +6,7 @@ builds a fresh model, so its train function is traced with that compressor.
 
 Writes, per compressor i, OUT_DIR/<i>.w<rank>.npz (final weights) and
 OUT_DIR/<i>.w<rank>.json (results), and OUT_DIR/extras.w<rank>.json for the checks
-selected with --retrace, --custom-loop and --eager-reduce.
+selected with --retrace, --custom-loop, --eager-reduce and --dgc.
 """
 
 import argparse
@@ -171,6 +171,45 @@ def custom_loop_check(strategy, ds, extras, out_dir):
         float(np.max(np.abs(a - b.numpy()))) for a, b in zip(final, replica.trainable_variables))
 
 
+def dgc_check(strategy, ds, extras):
+    """DGC at density 1 trains as dense momentum SGD; DGC under a momentum optimizer stops.
+
+    The trainer compiles plain SGD when the compressor applies the momentum (DGC's
+    momentum correction); the dense run's Keras SGD applies momentum 0.9 itself.
+    """
+    import tf_keras as keras
+
+    from tfgc import data as data_lib
+    from tfgc import models
+    from tfgc.train import train_and_evaluate
+
+    weights = {}
+    for spec in ("none", "dgc:ratio=1.0"):
+        strategy.compressor = spec
+        _, net = train_and_evaluate(strategy, model="mlp", data=ds, epochs=1, batch_size=32,
+                                    learning_rate=0.05, optimizer="momentum", seed=0,
+                                    steps_per_epoch=20, verbose=0)
+        extras[f"optimizer_momentum[{spec}]"] = float(net.optimizer.momentum)
+        weights[spec] = [w.numpy() for w in net.weights]
+    extras["dgc_dense_max_diff"] = max(float(np.max(np.abs(a - b))) for a, b in
+                                       zip(weights["none"], weights["dgc:ratio=1.0"]))
+    extras["dgc_dense_max_change"] = max(float(np.max(np.abs(a))) for a in weights["none"])
+
+    strategy.compressor = "dgc:ratio=0.01"
+    rank, n = _rank(strategy)
+    x, y = data_lib.shard(ds.x_train, ds.y_train, rank, n)
+    with strategy.scope():
+        net = models.build_model("mlp", seed=3)
+        net.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    try:
+        net.fit(data_lib.make_tf_dataset(x, y, 32, repeat=True), epochs=1, steps_per_epoch=2,
+                verbose=0)
+        extras["dgc_double_momentum_error"] = ""
+    except ValueError as exc:
+        extras["dgc_double_momentum_error"] = str(exc)
+
+
 def eager_reduce_check(strategy, extras):
     """Cross-replica reductions: exact by default, compressed inside compress_gradients."""
     import tensorflow as tf
@@ -226,6 +265,7 @@ def main():
     parser.add_argument("--retrace", action="store_true")
     parser.add_argument("--custom-loop", action="store_true")
     parser.add_argument("--eager-reduce", action="store_true")
+    parser.add_argument("--dgc", action="store_true")
     args = parser.parse_args()
 
     import tfgc
@@ -241,6 +281,8 @@ def main():
         custom_loop_check(strategy, ds, extras, args.out_dir)
     if args.eager_reduce:
         eager_reduce_check(strategy, extras)
+    if args.dgc:
+        dgc_check(strategy, ds, extras)
     save(args.out_dir, "extras", _rank(strategy)[0], extras)
 
 

@@ -91,6 +91,13 @@ class Compressor(abc.ABC):
     # inner compressor, static payload shapes) can run on the two-stage
     # reduce-scatter / all-gather (``communication="reduce_scatter"``).
     recompressible: bool = False
+    # Compressors that keep their own residual (DGC) refuse an ErrorFeedback wrapper.
+    keeps_residual: bool = False
+    # Momentum this compressor applies on the workers (DGC's momentum correction).
+    # The cross-device ops then apply it to the gradients sent dense too, and stop
+    # with a message if the optimizer would apply momentum a second time.
+    applied_momentum: float = 0.0
+    nesterov: bool = False
 
     # -- serialization -------------------------------------------------------------
 
@@ -121,6 +128,16 @@ class Compressor(abc.ABC):
         """Initial state for one gradient of ``shape`` and ``dtype``: a dict of tensors."""
         del shape, dtype
         return {}
+
+    def stages(self):
+        """A schedule of compressors by step, ``[(first step, compressor)]``; [] for none.
+
+        DGC's warm-up raises the sparsity stage by stage. Payload sizes are static,
+        so each stage is a compressor of its own; the cross-device ops run the one
+        whose stage the step counter is in (the same on every worker). Stages share
+        this compressor's state layout.
+        """
+        return []
 
     # -- the algorithm ----------------------------------------------------------------
 

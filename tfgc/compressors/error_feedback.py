@@ -35,6 +35,9 @@ class ErrorFeedback(Compressor):
         inner = registry.get(compressor, wrap_error_feedback=False)
         if isinstance(inner, ErrorFeedback):
             raise ValueError("`compressor` is already wrapped in ErrorFeedback")
+        if inner.keeps_residual:
+            raise ValueError(f"`compressor` {inner.name!r} keeps its own residual; use it "
+                             "without error feedback (no `ef+`)")
         self.inner = inner
 
     @property

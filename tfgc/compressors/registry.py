@@ -17,6 +17,7 @@ from typing import Any, Dict, Type
 
 from tfgc.compressors.base import Compressor
 from tfgc.compressors.casts import BF16, FP16, Identity
+from tfgc.compressors.dgc import DGC
 from tfgc.compressors.error_feedback import ErrorFeedback
 from tfgc.compressors.quantizers import QSGD, OneBit, ScaledSign, SignSGD, TernGrad
 from tfgc.compressors.sparse import RandomK, TopK
@@ -38,7 +39,7 @@ def register(cls: Type[Compressor]) -> Type[Compressor]:
 
 
 for _cls in (Identity, FP16, BF16, TopK, RandomK, OneBit, SignSGD, ScaledSign, QSGD, TernGrad,
-             ErrorFeedback):
+             ErrorFeedback, DGC):
     register(_cls)
 
 

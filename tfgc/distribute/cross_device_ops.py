@@ -175,6 +175,63 @@ def _commit_or_skip(ok, step_var, compressed, tensors, reduced, decode_and_commi
     return [decoded[i] if i in decoded else reduced[i] for i in range(len(tensors))]
 
 
+def _dense_momentum(compressor, state, variables, mask, reduced, ok, replica_id):
+    """The compressor's momentum on the gradients sent dense, after their all-reduce.
+
+    A compressor that applies momentum on the workers (DGC) takes it away from the
+    optimizer, so the gradients it does not compress get it here: u <- m u + r, and
+    u goes on (Nesterov: r + m u). The buffer keeps its value when any gradient of
+    the step is non-finite, as the compressed ones' state does.
+    """
+    m = compressor.applied_momentum
+    dense = [i for i, compressed in enumerate(mask)
+             if not compressed and state.has_slot(variables[i])]
+    if not dense:
+        return reduced
+    finite = tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(reduced[i]))
+                                     for i in dense]))
+    if ok is not None:
+        finite = tf.logical_and(finite, ok)
+    out, updates = list(reduced), []
+    for i in dense:
+        buffer = state.slot(variables[i], replica_id)["momentum"]
+        old = buffer.read_value()
+        new = old * tf.cast(m, old.dtype) + reduced[i]
+        out[i] = reduced[i] + tf.cast(m, old.dtype) * new if compressor.nesterov else new
+        updates.append(buffer.assign(tf.where(finite, new, old)))
+    with ops.control_dependencies(updates):
+        return [tf.identity(r) for r in out]
+
+
+def _optimizer_momentum(optimizer):
+    """(class name, the momentum it applies to gradients, whether it keeps moments)."""
+    inner = getattr(optimizer, "inner_optimizer", None) or optimizer  # LossScaleOptimizer
+    name = type(inner).__name__
+    value = getattr(inner, "momentum", 0.0)
+    try:
+        with ops.init_scope():
+            value = float(tf.get_static_value(value) if tf.is_tensor(value) else value)
+    except (TypeError, ValueError):
+        value = 0.0
+    return name, value, hasattr(inner, "beta_1")
+
+
+def _check_momentum(owner, compressor):
+    """Stops a compressor's momentum correction from meeting the optimizer's momentum."""
+    name, value, moments = _optimizer_momentum(owner)
+    m = compressor.applied_momentum
+    fix = (f"compile with SGD(momentum=0.0) (the compressor's momentum replaces the "
+           f"optimizer's), or pass momentum=0 to the compressor to keep {name}'s own")
+    if value:
+        raise ValueError(
+            f"compressor {compressor.name!r} applies momentum {m} on the workers (momentum "
+            f"correction) and the optimizer {name} applies momentum {value} again: {fix}")
+    if moments:
+        raise ValueError(
+            f"compressor {compressor.name!r} applies momentum {m} on the workers (momentum "
+            f"correction), and {name} keeps moment estimates of its own: {fix}")
+
+
 class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
     """Cross-device ops that compress gradients on their way through collectives.
 
@@ -467,15 +524,22 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         mask = [self._policy.should_compress(t, compressor) for t in tensors]
         wire = WireBytes(n)
 
+        if compressor.applied_momentum:
+            _check_momentum(ctx.owner, compressor)
         if not any(mask):
             # Nothing worth compressing (biases only, float64): the stock path.
             reduced = super()._all_reduce(reduce_util.ReduceOp.SUM, tensors, replica_id, options) \
                 if tensors else []
             for t in tensors:
                 wire.allreduce(_nbytes(t), dense=_nbytes(t))
-            for i, r in zip(tensor_pos, reduced):
-                results[i] = r
             ok = None
+            if compressor.applied_momentum and tensors:
+                state = state_lib.state_for(ctx.owner, self, compressor,
+                                            repr(serialize_config(compressor)), variables, mask)
+                self._states.add(state)
+                with ops.device(device):
+                    reduced = _dense_momentum(compressor, state, variables, mask, reduced, ok,
+                                              replica_id)
         else:
             self._choose(tensors, mask)
             state = state_lib.state_for(
@@ -490,10 +554,18 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             with ops.device(device), \
                     ops.control_dependencies([guard] if guard is not None else []):
                 step_var = state.step(replica_id)
-                reduced, ok = reduce_fn(tensors, variables, mask, state, step_var, launcher, rank,
-                                        replica_id, options, wire)
-            for i, r in zip(tensor_pos, reduced):
-                results[i] = r
+                args = (tensors, variables, mask, state, step_var, launcher, rank, replica_id,
+                        options)
+                stages = compressor.stages()
+                if stages:
+                    reduced, ok = self._staged_reduce(stages, reduce_fn, args, wire)
+                else:
+                    reduced, ok = reduce_fn(compressor, *args, wire)
+                if compressor.applied_momentum:
+                    reduced = _dense_momentum(compressor, state, variables, mask, reduced, ok,
+                                              replica_id)
+        for i, r in zip(tensor_pos, reduced):
+            results[i] = r
 
         if slices_pos:
             # Embedding gradients (IndexedSlices) keep the stock gather-based path.
@@ -507,7 +579,13 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
 
         if replica_id == 0:
             self._stats.record(wire, ok)
-            if not tf.executing_eagerly():
+            if not tf.executing_eagerly() and wire.dynamic_payload:
+                logging.log_first_n(
+                    logging.INFO,
+                    "tfgc: %d of %d gradients compressed with %r over %s, in %d stages by step; "
+                    "per worker and step: %d bytes of gradients", 4, sum(mask), len(flat),
+                    compressor, self._path_name(), len(compressor.stages()), wire.dense)
+            elif not tf.executing_eagerly():
                 logging.log_first_n(
                     logging.INFO,
                     "tfgc: %d of %d gradients compressed with %r over %s; per worker and step: "
@@ -517,7 +595,36 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                     wire.payload, wire.static_sent, wire.dense_sent)
         return results
 
-    def _compress_each(self, tensors, variables, compressed, state, step, rank, replica_id):
+    def _staged_reduce(self, stages, reduce_fn, args, wire):
+        """Runs the stage of ``stages`` that the step counter is in (DGC's warm-up).
+
+        Each stage is its own branch of a ``tf.switch_case`` with its own static
+        payload sizes and collectives; the counter is the same on every worker, so
+        all take the same branch. The branch reports its byte figures.
+        """
+        step_var = args[4]
+        step = step_var.read_value()
+        index = tf.add_n([tf.cast(step >= first, tf.int32) for first, _ in stages[1:]])
+        dense = []
+
+        def branch(stage_compressor):
+            def run():
+                w = WireBytes(self._group_size)
+                outs, ok = reduce_fn(stage_compressor, *args, w)
+                dense.append(w.dense)
+                sent = tf.constant(w.static_sent, tf.int64)
+                if w.dynamic_sent:
+                    sent += tf.add_n(w.dynamic_sent)
+                ok = tf.constant(True) if ok is None else ok
+                return list(outs), ok, tf.constant(w.payload, tf.int64), sent
+            return run
+
+        outs, ok, payload, sent = tf.switch_case(index, [branch(c) for _, c in stages])
+        wire.staged(dense[-1], payload, sent)
+        return list(outs), ok
+
+    def _compress_each(self, compressor, tensors, variables, compressed, state, step, rank,
+                       replica_id):
         """Compresses each gradient in ``compressed`` with its state, writing nothing.
 
         Returns dicts by position: payloads, contexts, state slots, new states.
@@ -528,13 +635,12 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                                    step=step)
             slots[i] = state.slot(variables[i], replica_id)
             current = tf.nest.map_structure(lambda v: v.read_value(), slots[i])
-            payload, new_states[i] = self._compressor.compress(tensors[i], current, cctx)
+            payload, new_states[i] = compressor.compress(tensors[i], current, cctx)
             payloads[i], contexts[i] = tuple(payload), cctx
         return payloads, contexts, slots, new_states
 
-    def _compressed_reduce(self, tensors, variables, mask, state, step_var, launcher, rank,
-                           replica_id, options, wire):
-        compressor = self._compressor
+    def _compressed_reduce(self, compressor, tensors, variables, mask, state, step_var, launcher,
+                           rank, replica_id, options, wire):
         n = self._group_size
         use_allreduce = self._use_allreduce()
         step = step_var.read_value()
@@ -542,8 +648,8 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         # 1. Compress. State is read now and written only once every worker's
         #    gradients are known to be finite.
         payloads, contexts, slots, new_states = self._compress_each(
-            tensors, variables, [i for i, m in enumerate(mask) if m], state, step, rank,
-            replica_id)
+            compressor, tensors, variables, [i for i, m in enumerate(mask) if m], state, step,
+            rank, replica_id)
         has_state = any(tf.nest.flatten(s) for s in slots.values())
         # Stateless compressors that carry every inf/NaN through need no check.
         checked = has_state or not compressor.passes_non_finite
@@ -614,8 +720,8 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                                   decode_and_commit_one)
         return outputs, ok
 
-    def _shared_index_reduce(self, tensors, variables, mask, state, step_var, launcher, rank,
-                             replica_id, options, wire):
+    def _shared_index_reduce(self, compressor, tensors, variables, mask, state, step_var, launcher,
+                             rank, replica_id, options, wire):
         """Importance-weighted pruning's shared index set (Cheng & Xu 2019), with top-k.
 
         Each step a root, chosen in rotation (step mod N, the same on every worker),
@@ -626,7 +732,6 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         through the plain fused all-reduce with the dense tensors. Under error
         feedback the new residual is v with the sent entries zeroed.
         """
-        compressor = self._compressor
         error_feedback = isinstance(compressor, ErrorFeedback)
         n = self._group_size
         step = step_var.read_value()
@@ -695,8 +800,8 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                 self._options)
         return self._exchangers[replica_id]
 
-    def _sparse_reduce(self, tensors, variables, mask, state, step_var, launcher, rank,
-                       replica_id, options, wire):
+    def _sparse_reduce(self, compressor, tensors, variables, mask, state, step_var, launcher,
+                       rank, replica_id, options, wire):
         """Top-k payloads summed by the sparse all-reduce with a dense switch.
 
         Every compressed gradient's (values, indices) go into one index space (each
@@ -708,7 +813,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         step = step_var.read_value()
         compressed = [i for i, m in enumerate(mask) if m]
         payloads, _, slots, new_states = self._compress_each(
-            tensors, variables, compressed, state, step, rank, replica_id)
+            compressor, tensors, variables, compressed, state, step, rank, replica_id)
         all_idx, all_val, offsets, length = [], [], {}, 0
         for i in compressed:
             values, indices = payloads[i]
@@ -741,8 +846,8 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                                   decode_and_commit_one)
         return outputs, ok
 
-    def _reduce_scatter_reduce(self, tensors, variables, mask, state, step_var, launcher, rank,
-                               replica_id, options, wire):
+    def _reduce_scatter_reduce(self, compressor, tensors, variables, mask, state, step_var, launcher,
+                               rank, replica_id, options, wire):
         """Quantized reduce-scatter then all-gather, error feedback at both stages.
 
         Each compressed gradient is cut into one chunk per worker
@@ -759,7 +864,6 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         Gradients too small to cut into N chunks, and uncompressed ones, go
         through the fused dense all-reduce.
         """
-        compressor = self._compressor
         error_feedback = isinstance(compressor, ErrorFeedback)
         base = compressor.inner if error_feedback else compressor
         shared_scale = hasattr(base, "sum_codes") and not error_feedback

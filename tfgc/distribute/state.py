@@ -85,6 +85,8 @@ class CompressionState(trackable.Trackable):
         self._vars: Dict[str, Tuple[str, tf.TensorShape, tf.DType]] = {}
         # var_key -> per local replica: (template nest, {field path: variable}).
         self._slots: Dict[str, List[Tuple[object, Dict[str, tf.Variable]]]] = {}
+        # Keys of the variables sent dense whose slot holds only a momentum buffer.
+        self._dense = set()
         self._steps: List[tf.Variable] = []
         # (checkpoint name, field) -> per local replica value restored before its slot existed.
         self._pending: Dict[Tuple[str, str], List[np.ndarray]] = {}
@@ -125,13 +127,21 @@ class CompressionState(trackable.Trackable):
             if self._compressor_key is not None and self._compressor_key != compressor_key:
                 self._migrate(compressor, compressor_key)
             self._compressor_key = compressor_key
+            dense_momentum = bool(getattr(compressor, "applied_momentum", 0.0))
             for var, compress in zip(variables, compress_mask):
                 key = var_key(var)
                 if key not in self._vars:
                     name = f"{len(self._vars)}:{var.name}"
                     self._vars[key] = (name, tf.TensorShape(var.shape), var.dtype.base_dtype)
-                if compress and key not in self._slots:
+                if key in self._slots:
+                    continue
+                if compress:
                     self._slots[key] = self._create(compressor, key)
+                elif dense_momentum and var.dtype.is_floating:
+                    # A compressor that applies momentum applies it to the gradients
+                    # sent dense too, after their all-reduce (``dense_momentum``).
+                    self._dense.add(key)
+                    self._slots[key] = self._create(DENSE_MOMENTUM, key)
 
     def _create(self, compressor, key, carry=None):
         name, shape, dtype = self._vars[key]
@@ -155,12 +165,20 @@ class CompressionState(trackable.Trackable):
         """Rebuilds every slot for a new compressor, carrying residuals over."""
         logging.info("tfgc: compressor changed from %s to %s; carrying residuals over",
                      self._compressor_key, compressor_key)
-        old = self._slots
-        self._slots = {}
+        old, old_dense = self._slots, self._dense
+        self._slots, self._dense = {}, set()
+        dense_momentum = bool(getattr(compressor, "applied_momentum", 0.0))
         dropped = set()
         for key, per_replica in old.items():
             carry = [fields for _, fields in per_replica]
-            self._slots[key] = self._create(compressor, key, carry=carry)
+            if key in old_dense:
+                if not dense_momentum:
+                    dropped |= set(carry[0])
+                    continue
+                self._dense.add(key)
+                self._slots[key] = self._create(DENSE_MOMENTUM, key, carry=carry)
+            else:
+                self._slots[key] = self._create(compressor, key, carry=carry)
             dropped |= set(carry[0]) - set(self._slots[key][0][1])
         if dropped:
             # The new compressor keeps no such field: what it held is not sent.
@@ -190,6 +208,9 @@ class CompressionState(trackable.Trackable):
         leaves = [fields[path] for path, _ in flatten_fields(template)]
         return tf.nest.pack_sequence_as(template, leaves) if leaves else template
 
+    def has_slot(self, var) -> bool:
+        return var_key(var) in self._slots
+
     def step(self, replica_id: int) -> tf.Variable:
         return self._steps[replica_id]
 
@@ -201,7 +222,8 @@ class CompressionState(trackable.Trackable):
         return out
 
     def num_slots(self) -> int:
-        return len(self._slots)
+        """How many variables have compressor state (momentum-only slots not counted)."""
+        return len(self._slots) - len(self._dense)
 
     def residual_norms(self, replica_id: int = 0) -> Dict[str, float]:
         """The l2 norm of every state field of this replica, by ``"<i>:<variable>/<field>"``."""
@@ -297,6 +319,17 @@ class CompressionState(trackable.Trackable):
         logging.info("tfgc: restored the compression state of %d field(s) from %d replica(s) "
                      "(%s)", len(meta["fields"]), saved_replicas, meta.get("compressor"))
         return None
+
+
+class _DenseMomentum:
+    """The state of a gradient sent dense under a compressor that applies momentum."""
+
+    @staticmethod
+    def init_state(shape, dtype):
+        return {"momentum": tf.zeros(shape, dtype)}
+
+
+DENSE_MOMENTUM = _DenseMomentum()
 
 
 def var_key(var) -> str:

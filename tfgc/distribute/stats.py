@@ -42,6 +42,7 @@ class WireBytes:
         self.pairwise_bytes = 0  # sent by pairwise exchanges of static size
         self.dynamic = []  # payload bytes of IndexedSlices, gathered by the stock path
         self.dynamic_sent = []  # bytes sent by exchanges whose sizes are known at run time
+        self.dynamic_payload = []  # payload bytes known at run time, already counted in sent
 
     def _ring_allreduce(self, nbytes: int) -> int:
         return 2 * (self.n - 1) * nbytes // self.n
@@ -69,6 +70,12 @@ class WireBytes:
         self.dense += dense
         self.payload += payload
         self.dynamic_sent.append(tf.cast(sent, tf.int64))
+
+    def staged(self, dense: int, payload, sent):
+        """A reduction whose stage is chosen at run time: its payload and sent bytes (tensors)."""
+        self.dense += dense
+        self.dynamic_payload.append(payload)
+        self.dynamic_sent.append(sent)
 
     def indexed_slices(self, slices, dense_nbytes: int):
         values = tf.cast(tf.size(slices.values, out_type=tf.int64), tf.int64) * slices.values.dtype.size
@@ -114,7 +121,8 @@ class CompressionStats:
             sent = wire.static_sent + (wire.n - 1) * dynamic + exchanged
             values = {
                 "dense_bytes": tf.constant(wire.dense, tf.int64),
-                "payload_bytes": wire.payload + dynamic,
+                "payload_bytes": wire.payload + dynamic + (
+                    tf.add_n(wire.dynamic_payload) if wire.dynamic_payload else 0),
                 # Every exchange is symmetric: a worker receives what it sends.
                 "sent_bytes": sent,
                 "received_bytes": sent,

@@ -1,0 +1,189 @@
+"""Deep Gradient Compression (Lin, Han, Mao, Wang & Dally, ICLR 2018).
+
+Per worker and per gradient, with velocity u and accumulator v (both zero at first),
+momentum m and density d:
+
+  1. local gradient clipping: g <- g * min(1, c / ||g||) with c = clip_norm / sqrt(N);
+  2. momentum correction: u <- m u + g; v <- v + u (Nesterov: u <- m (u + g);
+     v <- v + u + g);
+  3. sparsification: send the k = ceil(d n) entries of v of largest magnitude, the
+     threshold estimated from a sample; v <- v with the sent entries zeroed;
+  4. momentum factor masking: u <- u with the sent entries zeroed;
+  5. warm-up: d is 1/4, 1/16, 1/64, ... (each stage a quarter of the one before) for
+     ``warmup_steps`` steps each, until the next would fall below ``ratio``.
+
+The workers' sparse v are summed and the optimizer applies the sum with *no further
+momentum*: DGC moves the momentum from the optimizer to the workers, so that what
+waits in v has already been through it. The optimizer must therefore be plain SGD;
+the strategy stops with a message if it applies momentum of its own (see
+``applied_momentum``). Gradients that are not compressed (biases and other small
+tensors, which ``CompressionPolicy`` sends dense) get the same momentum after their
+all-reduce, so every variable trains with momentum m. With ratio = 1 nothing is
+masked and DGC is dense momentum SGD.
+
+Choices where the paper leaves room, taken from the authors' code
+(synxlin/deep-gradient-compression, ``dgc/memory.py`` and ``dgc/compression.py``):
+clipping is per tensor (the code's ``clip_grad_norm_`` on each gradient); the
+threshold comes from a sample of ``sample_ratio`` of the entries, lowered by 0.8 while
+fewer than 0.8 k pass and refined to the exact top k when more than 1.3 k pass
+(``tfgc.ops.sparsify``). The code then sends the first k of the selected entries by
+position; tfgc sends the k largest and keeps the others in v, and pads a selection
+short of k with zeros, so every payload holds exactly k entries. The warm-up counts
+steps, not epochs: pass ``warmup_steps`` = steps per epoch for the paper's schedule
+(one epoch per stage in the authors' configurations).
+"""
+
+import math
+
+import tensorflow as tf
+
+from tfgc.compressors.base import check_int, check_ratio, num_elements
+from tfgc.compressors.sparse import TopK, _k_for
+from tfgc.ops import sparsify
+
+# The paper's warm-up divides the density by 4 per stage, starting at 25 %.
+_WARMUP_FIRST, _WARMUP_FACTOR = 0.25, 4.0
+_SEED = 0xD6C
+
+
+class DGC(TopK):
+    """Deep Gradient Compression: momentum correction, clipping, masking, warm-up.
+
+    Args:
+      ratio: density after warm-up, in (0, 1]. Default 0.001 (the paper's 99.9 %
+        sparsity).
+      momentum: momentum m applied on the workers (momentum correction), in [0, 1).
+        Default 0.9. Compile the model with plain SGD (``momentum=0``); pass 0 here
+        to keep an optimizer's own momentum (then DGC sparsifies the accumulated
+        gradient, without momentum correction).
+      nesterov: Nesterov momentum, as the authors' code formulates it.
+      clip_norm: local gradient clipping: each worker clips each gradient's l2 norm
+        to ``clip_norm / sqrt(N)`` before accumulating. 0 (the default) disables it.
+      momentum_masking: zero u where v was sent (momentum factor masking).
+      sample_ratio: fraction of the entries sampled to estimate the threshold, in
+        (0, 1]; 1 selects the exact top k. Default 0.01, the authors' code.
+      warmup_steps: steps per warm-up stage; 0 (the default) starts at ``ratio``.
+
+    Wire: k float values and k int32 indices per gradient, as top-k.
+    """
+
+    name = "dgc"
+    selects_indices = False
+    keeps_residual = True
+
+    def __init__(self, ratio: float = 0.001, momentum: float = 0.9, nesterov: bool = False,
+                 clip_norm: float = 0.0, momentum_masking: bool = True,
+                 sample_ratio: float = 0.01, warmup_steps: int = 0):
+        super().__init__(ratio=ratio)
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) \
+                or not 0.0 <= float(momentum) < 1.0:
+            raise ValueError(f"`momentum` must be a number in [0, 1), got {momentum!r}")
+        for name, value in (("nesterov", nesterov), ("momentum_masking", momentum_masking)):
+            if not isinstance(value, bool):
+                raise ValueError(f"`{name}` must be a bool, got {value!r}")
+        if nesterov and not momentum:
+            raise ValueError("`nesterov` needs `momentum` > 0")
+        if isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float)) \
+                or not 0.0 <= float(clip_norm) < float("inf"):
+            raise ValueError(f"`clip_norm` must be a finite number >= 0, got {clip_norm!r}")
+        self.momentum = float(momentum)
+        self.nesterov = nesterov
+        self.clip_norm = float(clip_norm)
+        self.momentum_masking = momentum_masking
+        self.sample_ratio = check_ratio("sample_ratio", sample_ratio)
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
+
+    @property
+    def applied_momentum(self) -> float:
+        return self.momentum
+
+    # -- warm-up --------------------------------------------------------------------
+
+    def warmup_densities(self):
+        """The densities of the warm-up stages: 1/4, 1/16, ... while above ``ratio``."""
+        if not self.warmup_steps:
+            return []
+        out, d = [], _WARMUP_FIRST
+        while d > self.ratio:
+            out.append(d)
+            d /= _WARMUP_FACTOR
+        return out
+
+    def density_at(self, step: int) -> float:
+        """The density used at reduction ``step`` (0-based)."""
+        densities = self.warmup_densities()
+        stage = step // self.warmup_steps if self.warmup_steps else 0
+        return densities[stage] if stage < len(densities) else self.ratio
+
+    def stages(self):
+        """``[(first step, compressor)]`` of the warm-up, the last at ``ratio``; [] without."""
+        densities = self.warmup_densities()
+        if not densities:
+            return []
+        config = self.get_config()
+        config["warmup_steps"] = 0
+        out = []
+        for i, d in enumerate(densities + [self.ratio]):
+            out.append((i * self.warmup_steps, type(self)(**{**config, "ratio": d})))
+        return out
+
+    # -- the algorithm ----------------------------------------------------------------
+
+    def init_state(self, shape, dtype):
+        return {"momentum": tf.zeros(shape, dtype), "residual": tf.zeros(shape, dtype)}
+
+    def num_kept(self, shape) -> int:
+        return _k_for(num_elements(shape), self.ratio, 0)
+
+    def compress(self, x, state, ctx):
+        g = x
+        if self.clip_norm:
+            limit = self.clip_norm / math.sqrt(max(1, ctx.num_workers))
+            g = tf.clip_by_norm(g, tf.cast(limit, g.dtype))
+        u, v = state["momentum"], state["residual"]
+        if self.nesterov:
+            u = (u + g) * tf.cast(self.momentum, g.dtype)
+            add = u + g
+        elif self.momentum:
+            u = u * tf.cast(self.momentum, g.dtype) + g
+            add = u
+        else:
+            add = g
+        n, k = num_elements(x.shape), self.num_kept(x.shape)
+        acc = tf.reshape(add + v, [-1])
+        if k >= n:
+            # Everything is sent: nothing waits, nothing is masked.
+            return (acc, tf.range(n, dtype=tf.int32)), {
+                "momentum": u, "residual": tf.zeros_like(v)}
+        exact = self.sample_ratio >= 1.0
+        seed = ctx.seed(_SEED, shared=False)[0]
+        picked = sparsify.sparsify_with_residual(
+            tf.reshape(add, [-1]), tf.reshape(v, [-1]), k, exact=exact,
+            sample_ratio=self.sample_ratio, seed=seed).indices
+        if not exact:
+            picked = _exactly_k(acc, picked, k)
+        sent = picked[:, None]
+        count = tf.shape(picked)[0]
+        values = tf.gather(acc, picked)
+        new_v = tf.tensor_scatter_nd_update(acc, sent, tf.zeros_like(values))
+        if self.momentum and self.momentum_masking:
+            u = tf.reshape(tf.tensor_scatter_nd_update(
+                tf.reshape(u, [-1]), sent, tf.zeros_like(values)), x.shape)
+        # A selection short of k is padded with zeros at the first sent index.
+        pad = k - count
+        values = tf.ensure_shape(tf.concat([values, tf.zeros([pad], values.dtype)], 0), [k])
+        indices = tf.ensure_shape(
+            tf.concat([picked, tf.fill([pad], picked[0])], 0), [k])
+        return (values, indices), {"momentum": u, "residual": tf.reshape(new_v, x.shape)}
+
+    def compress_with_feedback(self, x, residual, state, ctx):
+        raise ValueError("dgc keeps its own residual; use it without `ef+`")
+
+
+def _exactly_k(acc, picked, k):
+    """The sampled selection, cut to its k largest |v| (ascending indices) when longer."""
+    def largest():
+        top = tf.math.top_k(tf.abs(tf.gather(acc, picked)), k, sorted=False).indices
+        return tf.sort(tf.gather(picked, top))
+
+    return tf.cond(tf.shape(picked)[0] > k, largest, lambda: picked)
