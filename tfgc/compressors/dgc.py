@@ -150,22 +150,20 @@ class DGC(TopK):
         else:
             add = g
         n, k = num_elements(x.shape), self.num_kept(x.shape)
-        acc = tf.reshape(add + v, [-1])
         if k >= n:
             # Everything is sent: nothing waits, nothing is masked.
-            return (acc, tf.range(n, dtype=tf.int32)), {
+            return (tf.reshape(add + v, [-1]), tf.range(n, dtype=tf.int32)), {
                 "momentum": u, "residual": tf.zeros_like(v)}
         exact = self.sample_ratio >= 1.0
         seed = ctx.seed(_SEED, shared=False)[0]
-        picked = sparsify.sparsify_with_residual(
+        out = sparsify.sparsify_with_residual(
             tf.reshape(add, [-1]), tf.reshape(v, [-1]), k, exact=exact,
-            sample_ratio=self.sample_ratio, seed=seed).indices
+            sample_ratio=self.sample_ratio, seed=seed)
+        values, picked, new_v = out.values, out.indices, out.new_residual
         if not exact:
-            picked = _exactly_k(acc, picked, k)
+            values, picked, new_v = _exactly_k(values, picked, new_v, k)
         sent = picked[:, None]
         count = tf.shape(picked)[0]
-        values = tf.gather(acc, picked)
-        new_v = tf.tensor_scatter_nd_update(acc, sent, tf.zeros_like(values))
         if self.momentum and self.momentum_masking:
             u = tf.reshape(tf.tensor_scatter_nd_update(
                 tf.reshape(u, [-1]), sent, tf.zeros_like(values)), x.shape)
@@ -180,10 +178,17 @@ class DGC(TopK):
         raise ValueError("dgc keeps its own residual; use it without `ef+`")
 
 
-def _exactly_k(acc, picked, k):
-    """The sampled selection, cut to its k largest |v| (ascending indices) when longer."""
-    def largest():
-        top = tf.math.top_k(tf.abs(tf.gather(acc, picked)), k, sorted=False).indices
-        return tf.sort(tf.gather(picked, top))
+def _exactly_k(values, picked, new_v, k):
+    """The sampled selection cut to its k largest |v| when longer; the rest goes back to v.
 
-    return tf.cond(tf.shape(picked)[0] > k, largest, lambda: picked)
+    Indices stay ascending. A selection of k or fewer is returned as it is.
+    """
+    def largest():
+        count = tf.shape(picked)[0]
+        kept = tf.sort(tf.math.top_k(tf.abs(values), k, sorted=False).indices)
+        dropped = tf.logical_not(tf.scatter_nd(kept[:, None], tf.ones([k], tf.bool), [count]))
+        restored = tf.tensor_scatter_nd_update(
+            new_v, tf.boolean_mask(picked, dropped)[:, None], tf.boolean_mask(values, dropped))
+        return tf.gather(values, kept), tf.gather(picked, kept), restored
+
+    return tf.cond(tf.shape(picked)[0] > k, largest, lambda: (values, picked, new_v))

@@ -526,6 +526,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
 
         if compressor.applied_momentum:
             _check_momentum(ctx.owner, compressor)
+        state = None
         if not any(mask):
             # Nothing worth compressing (biases only, float64): the stock path.
             reduced = super()._all_reduce(reduce_util.ReduceOp.SUM, tensors, replica_id, options) \
@@ -533,19 +534,9 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             for t in tensors:
                 wire.allreduce(_nbytes(t), dense=_nbytes(t))
             ok = None
-            if compressor.applied_momentum and tensors:
-                state = state_lib.state_for(ctx.owner, self, compressor,
-                                            repr(serialize_config(compressor)), variables, mask)
-                self._states.add(state)
-                with ops.device(device):
-                    reduced = _dense_momentum(compressor, state, variables, mask, reduced, ok,
-                                              replica_id)
         else:
             self._choose(tensors, mask)
-            state = state_lib.state_for(
-                ctx.owner, self, _TwoStageState(compressor, n) if self._path() == "reduce_scatter"
-                else compressor, repr(serialize_config(compressor)), variables, mask)
-            self._states.add(state)
+            state = self._state_for(ctx.owner, compressor, variables, mask)
             reduce_fn = {"shared_index": self._shared_index_reduce,
                          "sparse_allreduce": self._sparse_reduce,
                          "reduce_scatter": self._reduce_scatter_reduce}.get(
@@ -561,9 +552,12 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                     reduced, ok = self._staged_reduce(stages, reduce_fn, args, wire)
                 else:
                     reduced, ok = reduce_fn(compressor, *args, wire)
-                if compressor.applied_momentum:
-                    reduced = _dense_momentum(compressor, state, variables, mask, reduced, ok,
-                                              replica_id)
+        if compressor.applied_momentum and tensors:
+            if state is None:
+                state = self._state_for(ctx.owner, compressor, variables, mask)
+            with ops.device(device):
+                reduced = _dense_momentum(compressor, state, variables, mask, reduced, ok,
+                                          replica_id)
         for i, r in zip(tensor_pos, reduced):
             results[i] = r
 
@@ -594,6 +588,15 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                     self._path_name(), wire.dense,
                     wire.payload, wire.static_sent, wire.dense_sent)
         return results
+
+    def _state_for(self, owner, compressor, variables, mask):
+        """The owner's compression state, registered for ``variables`` on this path."""
+        layout = _TwoStageState(compressor, self._group_size) \
+            if self._path() == "reduce_scatter" else compressor
+        state = state_lib.state_for(owner, self, layout, repr(serialize_config(compressor)),
+                                    variables, mask)
+        self._states.add(state)
+        return state
 
     def _staged_reduce(self, stages, reduce_fn, args, wire):
         """Runs the stage of ``stages`` that the step counter is in (DGC's warm-up).
