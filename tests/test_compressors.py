@@ -148,6 +148,66 @@ def test_error_feedback_conserves_mass(inner):
                                rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("nesterov", [False, True])
+@pytest.mark.parametrize("inner", ["onebit", "scaledsign", "qsgd:levels=3", "topk:ratio=0.05"])
+def test_error_feedback_momentum_correction(inner, nesterov):
+    """With momentum m the worker compresses u + e, u <- m u + g (Nesterov: u <- m (u + g),
+    sending u + g), and error feedback conserves the velocities:
+    sum_t decoded_t + e_T == sum_t what was added."""
+    m = 0.9
+    ef = tfgc.get_compressor(f"ef+{inner},momentum={m},nesterov={nesterov}"
+                             if ":" in inner else
+                             f"ef+{inner}:momentum={m},nesterov={nesterov}")
+    assert ef.applied_momentum == m and ef.nesterov is nesterov
+    plain = tfgc.get_compressor("ef+" + inner)
+    rng = np.random.default_rng(1)
+    shape = (24, 20)
+    state = ef.init_state(tf.TensorShape(shape), tf.float32)
+    ref_state = plain.init_state(tf.TensorShape(shape), tf.float32)
+    u = np.zeros(shape, np.float32)
+    sent_total = np.zeros(shape)
+    added_total = np.zeros(shape)
+    for step in range(6):
+        g = rng.normal(size=shape).astype(np.float32)
+        if nesterov:
+            u = np.float32(m) * (u + g)
+            added = u + g
+        else:
+            u = np.float32(m) * u + g
+            added = u
+        c = ctx(step=step)
+        payload, state = ef.compress(tf.constant(g), state, c)
+        # The same compressor without momentum, fed the velocity, sends the same bits.
+        ref_payload, ref_state = plain.compress(tf.constant(added), ref_state, c)
+        for a, b in zip(payload, ref_payload):
+            np.testing.assert_array_equal(a.numpy(), b.numpy())
+        np.testing.assert_allclose(state["momentum"].numpy(), u, rtol=1e-6, atol=1e-6)
+        sent_total += ef.decompress(payload, tf.TensorShape(shape), tf.float32, c).numpy()
+        added_total += added
+    np.testing.assert_allclose(sent_total + state["residual"].numpy(), added_total,
+                               rtol=1e-5, atol=1e-4)
+
+
+def test_error_feedback_momentum_in_strings_and_errors():
+    get = tfgc.get_compressor
+    c = get("onebit:momentum=0.9")
+    assert isinstance(c, ErrorFeedback) and c.momentum == 0.9 and isinstance(c.inner, OneBit)
+    assert get(tfgc.serialize(c)) == c == ErrorFeedback(OneBit(), momentum=0.9)
+    assert get("efsignsgd:momentum=0.5").applied_momentum == 0.5
+    # Without momentum the config (and so the state's key) is what it always was.
+    assert get("onebit").get_config() == {"compressor": {"name": "onebit", "config": {}}}
+    assert "momentum" not in get("onebit").init_state(tf.TensorShape([3]), tf.float32)
+    with pytest.raises(ValueError, match="`momentum`.*ef\\+topk"):
+        get("topk:ratio=0.1,momentum=0.9")
+    for bad in ("onebit:momentum=1.0", "onebit:momentum=-0.1", "onebit:momentum=true"):
+        with pytest.raises(ValueError, match="`momentum`"):
+            get(bad)
+    with pytest.raises(ValueError, match="`nesterov`"):
+        get("onebit:nesterov=true")
+    with pytest.raises(ValueError, match="`nesterov`"):
+        ErrorFeedback(OneBit(), momentum=0.9, nesterov="yes")
+
+
 # -- sparsifiers ------------------------------------------------------------------------
 
 
@@ -430,3 +490,55 @@ def test_policy_keeps_small_and_vector_gradients_dense():
     assert not policy.should_compress(tf.zeros([20, 10], tf.int32), topk)
     assert tfgc.CompressionPolicy(min_elements=100, compress_vectors=True).should_compress(
         tf.zeros([1000]), topk)
+
+
+# -- importance-weighted pruning ---------------------------------------------------------
+
+
+def test_importance_selects_by_gradient_over_weight_and_keeps_the_rest():
+    """The k largest |v| / (|w| + eps), not the largest |v|; error feedback is implied,
+    and what was not sent stays in the residual (mass conserved)."""
+    from tfgc.compressors import Importance
+    c = tfgc.get_compressor("importance:k=3")
+    assert isinstance(c, ErrorFeedback) and isinstance(c.inner, Importance)
+    assert c.needs_weights and c.shares_indices
+    rng = np.random.default_rng(4)
+    shape = (8, 12)
+    w = rng.normal(size=shape).astype(np.float32)
+    w[0, 0] = 0.0  # guarded: ranks first among its peers, no division by zero
+    state = c.init_state(tf.TensorShape(shape), tf.float32)
+    residual = np.zeros(shape, np.float32)
+    sent_total, grad_total = np.zeros(shape), np.zeros(shape)
+    for step in range(4):
+        g = rng.normal(size=shape).astype(np.float32)
+        v = (g + residual).ravel()
+        scores = np.abs(v) / (np.abs(w.ravel()) + np.float32(1e-6))
+        want = np.sort(np.argsort(-scores, kind="stable")[:3])
+        cc = CompressContext(rank=0, num_workers=2, step=tf.constant(step, tf.int64),
+                             weight=tf.constant(w))
+        (values, indices), state = c.compress(tf.constant(g), state, cc)
+        np.testing.assert_array_equal(indices.numpy(), want)
+        np.testing.assert_allclose(values.numpy(), v[want], rtol=1e-6)
+        if step == 0:
+            assert 0 in want
+            assert set(want) != set(np.argsort(-np.abs(v))[:3])  # not plain top-k
+        residual = v.copy()
+        residual[want] = 0
+        residual = residual.reshape(shape)
+        np.testing.assert_allclose(state["residual"].numpy(), residual, rtol=1e-6)
+        sent_total += c.decompress((values, indices), tf.TensorShape(shape), tf.float32,
+                                   cc).numpy()
+        grad_total += g
+    np.testing.assert_allclose(sent_total + state["residual"].numpy(), grad_total, atol=1e-5)
+
+
+def test_importance_needs_weights_and_checks_eps():
+    from tfgc.collectives import choose_communication
+    c = tfgc.get_compressor("importance")
+    assert choose_communication(c, 4)[0] == "shared_index"
+    assert tfgc.get_compressor(tfgc.serialize(c)) == c
+    with pytest.raises(ValueError, match="variables' values"):
+        c.compress(tf.ones([4, 4]), c.init_state(tf.TensorShape([4, 4]), tf.float32), ctx())
+    for bad in ("importance:eps=0", "importance:eps=-1", "importance:ratio=0"):
+        with pytest.raises(ValueError, match="`eps`|`ratio`"):
+            tfgc.get_compressor(bad)

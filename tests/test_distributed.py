@@ -49,14 +49,14 @@ MAX_LOSS = {
     "randomk:ratio=0.01": 0.76, "ef+randomk:ratio=0.01": 0.17,
     "randomk:ratio=0.1": 0.09, "onebit": 0.14, "signsgd": 0.04, "efsignsgd": 0.07,
     "qsgd": 0.04, "qsgd:levels=7,bucket_size=128": 0.04, "terngrad": 0.04,
-    "dgc:ratio=0.001,warmup_steps=20": 0.16,
+    "dgc:ratio=0.001,warmup_steps=20": 0.16, "powersgd": 0.06,
 }
 SPECS2 = list(MAX_LOSS)
 # Where error feedback is supposed to help: (with EF, without EF), plain SGD.
 EF_PAIRS = [("ef+topk:ratio=0.001", "topk:ratio=0.001"),
             ("ef+randomk:ratio=0.01", "randomk:ratio=0.01")]
 # 3 workers, 2 epochs (the references, not the custom ops, run here).
-MAX_LOSS3 = {"none": 0.0, "topk:ratio=0.01": 0.18, "qsgd": 0.08, "onebit": 0.18}
+MAX_LOSS3 = {"none": 0.0, "topk:ratio=0.01": 0.18, "qsgd": 0.08, "onebit": 0.18, "powersgd": 0.08}
 SPECS3 = list(MAX_LOSS3)
 
 # The MLP's gradients: kernels are compressed, biases (1-D) go dense.
@@ -136,6 +136,11 @@ def expected_bytes(spec, workers):
         payload = 4 * sum(sum(w) for w in chunks) + CONTROL_GATHER + allreduce
         sent = (workers - 1) * 4 * (2 * width + 3) + 2 * (workers - 1) * allreduce // workers
         return payload, sent
+    if spec.startswith("powersgd"):
+        # Two all-reduces: P (rows x r) with the biases and the control words, then
+        # Q (cols x r); rank 2 compresses all three kernels (n m >= 2 r (n + m)).
+        allreduce += 4 * 2 * sum(rows + cols for rows, cols in KERNELS) + CONTROL_ALLREDUCE
+        return allreduce, 2 * (workers - 1) * allreduce // workers
     gather = 0
     for rows, cols in KERNELS:
         n = rows * cols
@@ -178,13 +183,13 @@ def load(out, name, rank):
 def sweep2(tmp_path_factory):
     return run_cluster(tmp_path_factory, "sweep2", 2,
                        ["--epochs", "2", "--retrace", "--custom-loop", "--eager-reduce",
-                        "--dgc", "--specs"] + SPECS2)
+                        "--dgc", "--powersgd", "--specs"] + SPECS2)
 
 
 @pytest.fixture(scope="module")
 def sweep3(tmp_path_factory):
     return run_cluster(tmp_path_factory, "sweep3", 3,
-                       ["--epochs", "2", "--custom-loop", "--specs"] + SPECS3,
+                       ["--epochs", "2", "--custom-loop", "--powersgd", "--specs"] + SPECS3,
                        env={"TFGC_DISABLE_CUSTOM_OPS": "1"})
 
 
@@ -269,6 +274,44 @@ def test_dgc_refuses_an_optimizer_with_momentum(sweep2):
         extras, _ = load(sweep2, "extras", rank)
         message = extras["dgc_double_momentum_error"]
         assert "momentum 0.9" in message and "SGD(momentum=0.0)" in message, message
+
+
+@pytest.mark.parametrize("sweep", ["sweep2", "sweep3"])
+def test_powersgd_two_all_reduces_match_numpy_model(request, sweep):
+    """Fixed per-worker gradients through the low-rank path: the outputs, every worker's
+    residual and the warm-started query equal the paper's algorithm in NumPy, and the
+    workers agree bit for bit."""
+    import tensorflow as tf
+
+    from tfgc.compressors import CompressContext, PowerSGD
+    from test_powersgd import powersgd_numpy
+
+    sys.path.insert(0, os.path.dirname(SWEEP))
+    import fit_sweep
+
+    out = request.getfixturevalue(sweep)
+    n = 2 if sweep == "sweep2" else 3
+    runs = [np.load(out / f"powersgd.w{r}.npz") for r in range(n)]
+    shape = fit_sweep.POWERSGD_SHAPES[0]
+    query = PowerSGD(rank=2).query(tf.zeros([shape[1], 2]), CompressContext(
+        num_workers=n, step=tf.constant(0, tf.int64))).numpy().astype(np.float64)
+    residuals = [np.zeros(shape) for _ in range(n)]
+    for step in range(fit_sweep.POWERSGD_STEPS):
+        grads = [fit_sweep.powersgd_gradients(r, step) for r in range(n)]
+        ms = [g[0].astype(np.float64) + e for g, e in zip(grads, residuals)]
+        want, query, residuals = powersgd_numpy(ms, query)
+        got = runs[0][f"out{step}_0"]
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(runs[0][f"out{step}_1"], sum(g[1] for g in grads),
+                                   rtol=1e-6, atol=1e-6)  # the bias goes dense
+        for r in range(1, n):
+            for j in (0, 1):
+                np.testing.assert_array_equal(runs[r][f"out{step}_{j}"],
+                                              runs[0][f"out{step}_{j}"])
+    for r in range(n):
+        np.testing.assert_allclose(runs[r]["residual"], residuals[r], rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(runs[r]["query"], query, rtol=1e-4, atol=1e-4)
+    assert str(runs[0]["path"]) == "low_rank"
 
 
 def load_npz(out, name, rank):

@@ -24,7 +24,8 @@ from cluster_scripts import ENV, assert_fit_identical_and_learning, cluster_scri
 SCRIPT, worker = cluster_script("reduce_scatter")
 
 COMPRESSED = worker.SHAPES[:2]
-EF_SPECS = ("onebit", "efsignsgd")
+EF_SPECS = ("onebit", "efsignsgd", "onebit:momentum=0.9")
+MOMENTUM = {"onebit:momentum=0.9": 0.9}
 
 
 @pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"{n}workers")
@@ -50,6 +51,9 @@ def replay(n, spec):
     base = compressor.inner if ef else compressor
     shared = spec == "terngrad"
     first = [[np.zeros(s, np.float32) for s in COMPRESSED] for _ in range(n)]
+    # Momentum correction: each worker's velocity, compressed in place of its gradient.
+    velocity = [[np.zeros(s, np.float32) for s in COMPRESSED] for _ in range(n)]
+    m = MOMENTUM.get(spec, 0.0)
     # The owner's residual: its own chunk, flat (the store pads it to the longest).
     second = [[None] * len(COMPRESSED) for _ in range(n)]
     outputs = []
@@ -58,7 +62,9 @@ def replay(n, spec):
         outs = []
         for k, shape in enumerate(COMPRESSED):
             plan = chunk_plan(compressor, tf.TensorShape(shape), n)
-            flats = [grads[w][k] for w in range(n)]
+            for w in range(n):
+                velocity[w][k] = (np.float32(m) * velocity[w][k] + grads[w][k]).astype(np.float32)
+            flats = [velocity[w][k] if m else grads[w][k] for w in range(n)]
             if shared:
                 flats = [base.clipped(tf.constant(f)).numpy() for f in flats]
                 scale = max(np.abs(f).max() for f in flats)
@@ -98,13 +104,13 @@ def replay(n, spec):
             outs.append(plan.join(parts, shape).numpy())
         outs.append(sum(grads[w][2] for w in range(n)))
         outputs.append(outs)
-    return outputs, first, second
+    return outputs, first, second, velocity
 
 
 @pytest.mark.parametrize("j, spec", list(enumerate(worker.SPECS)))
 def test_matches_replay_and_workers_agree(cluster, j, spec):
     n, _, runs = cluster
-    expected, first, second = replay(n, spec)
+    expected, first, second, velocity = replay(n, spec)
     for step, outs in enumerate(expected):
         for k, want in enumerate(outs):
             got = runs[0][f"{j}_out{step}_{k}"]
@@ -121,6 +127,9 @@ def test_matches_replay_and_workers_agree(cluster, j, spec):
                 mine = second[r][k].ravel()
                 np.testing.assert_allclose(held[:mine.size], mine, rtol=1e-5, atol=1e-5)
                 assert not np.any(held[mine.size:])  # padding
+                if spec in MOMENTUM:
+                    np.testing.assert_allclose(runs[r][f"{j}_momentum{k}"], velocity[r][k],
+                                               rtol=1e-6, atol=1e-6)
 
 
 def onebit_numpy(v):
@@ -132,18 +141,24 @@ def onebit_numpy(v):
     return decoded, v - decoded
 
 
-def test_onebit_matches_numpy_model(cluster):
-    """Columns split among owners, 1-bit with error feedback at both stages, in NumPy."""
+@pytest.mark.parametrize("spec", ["onebit", "onebit:momentum=0.9"])
+def test_onebit_matches_numpy_model(cluster, spec):
+    """Columns split among owners, 1-bit with error feedback at both stages, in NumPy;
+    with momentum correction each worker compresses its velocity u <- 0.9 u + g."""
     n, _, runs = cluster
-    j = worker.SPECS.index("onebit")
+    j = worker.SPECS.index(spec)
+    m = np.float32(MOMENTUM.get(spec, 0.0))
     rows, cols = COMPRESSED[0]
     # Columns dealt as evenly as possible, the first chunks one column wider.
     base, extra = divmod(cols, n)
     bounds = np.cumsum([0] + [base + (r < extra) for r in range(n)])
     e1 = [np.zeros((rows, cols), np.float32) for _ in range(n)]
     e2 = np.zeros((rows, cols), np.float32)
+    u = [np.zeros((rows, cols), np.float32) for _ in range(n)]
     for step in range(worker.STEPS):
-        grads = [worker.gradients(w, step)[0] for w in range(n)]
+        for w in range(n):
+            u[w] = m * u[w] + worker.gradients(w, step)[0]
+        grads = u
         out = np.zeros((rows, cols), np.float32)
         for c in range(n):
             a, b = bounds[c], bounds[c + 1]
@@ -210,8 +225,13 @@ def test_error_feedback_conserves_mass_at_both_stages(cluster, spec):
         owners = plan.join([h[:int(c.num_elements())] for h, (_, _, c) in zip(held, plan.chunks)],
                            shape).numpy().astype(np.float64)
         left = owners + sum(runs[r][f"{j}_residual{k}"].astype(np.float64) for r in range(n))
-        total = sum(worker.gradients(r, s)[k].astype(np.float64)
-                    for s in range(worker.STEPS) for r in range(n))
+        # Under momentum correction what is sent is the velocities, u <- m u + g.
+        m, total = MOMENTUM.get(spec, 0.0), 0.0
+        for r in range(n):
+            u = 0.0
+            for s in range(worker.STEPS):
+                u = m * u + worker.gradients(r, s)[k].astype(np.float64)
+                total = total + u
         np.testing.assert_allclose(applied + left, total, rtol=1e-5, atol=1e-4)
     # Every owner keeps something of the large matrix (a chunk of the three-row one
     # may be sent exactly).
@@ -242,7 +262,7 @@ def chunk_words(spec, n):
         longest = max(int(cshape.num_elements()) for _, _, cshape in plan)
         rows, cols = max((tuple(cshape.as_list()) for _, _, cshape in plan),
                          key=lambda s: s[0] * s[1])
-        if spec == "onebit":
+        if spec.startswith("onebit"):
             widths.append(math.ceil(longest / 32) + 2 * cols)
         elif spec == "signsgd":
             widths.append(2 * math.ceil(longest / 32))
@@ -339,3 +359,19 @@ def test_chunks_cut_at_units():
     x = tf.reshape(tf.range(2048.0 * 3), [2048, 3])
     np.testing.assert_array_equal(plan.take(x, 1), x[1024:])
     np.testing.assert_array_equal(plan.join([plan.take(x, r) for r in range(2)], [2048, 3]), x)
+
+
+def test_auto_takes_the_reduce_scatter_for_error_feedback_only_with_momentum_correction():
+    """Two residuals under the optimizer's momentum lose accuracy (the README's table), so
+    auto keeps plain onebit on the all-gather; with the momentum on the workers it may go."""
+    from tfgc.collectives import choice
+    from tfgc.compressors import get
+
+    assert choice.choose_communication(get("onebit"), 4)[0] == "allgather"
+    assert choice.choose_communication(get("efsignsgd"), 4)[0] == "allgather"
+    assert choice.choose_communication(get("onebit:momentum=0.9"), 4)[0] == "reduce_scatter"
+    assert choice.choose_communication(get("efsignsgd:momentum=0.9"), 8)[0] == "reduce_scatter"
+    # Two workers tie on bytes and quantize twice: the all-gather stays.
+    assert choice.choose_communication(get("onebit:momentum=0.9"), 2)[0] == "allgather"
+    # Top-k cannot be compressed again, momentum or not.
+    assert choice.choose_communication(get("ef+topk:ratio=0.01,momentum=0.9"), 4)[0] == "allgather"

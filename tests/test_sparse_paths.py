@@ -29,15 +29,19 @@ def top_k(v, k):
     return np.sort(order[:k])
 
 
-def replay(n, path, k=worker.K, steps=worker.STEPS, first_step=0):
-    """Per step: the reduced outputs; at the end: every worker's residual."""
+def replay(n, path, k=worker.K, steps=worker.STEPS, first_step=0, weights=None):
+    """Per step: the reduced outputs; at the end: every worker's residual. With
+    ``weights``, the root ranks by importance |v| / (|w| + 1e-6) instead of |v|."""
     residuals = [np.zeros((16, 32), np.float32) for _ in range(n)]
     outputs = []
     for step in range(first_step, first_step + steps):
         grads = [worker.gradients(r, step) for r in range(n)]
         v = [(residuals[r] + grads[r][0]).ravel() for r in range(n)]
         if path == "shared_index":
-            shared = top_k(v[(step - first_step) % n], k)  # the root, in rotation
+            root = v[(step - first_step) % n]  # the root, in rotation
+            if weights is not None:
+                root = np.abs(root) / (np.abs(weights.ravel()) + np.float32(1e-6))
+            shared = top_k(root, k)
             chosen = [shared] * n
         else:
             chosen = [top_k(v[r], k) for r in range(n)]
@@ -169,7 +173,10 @@ def test_bytes_below_dense(cluster):
 def test_fit_ends_identical_on_every_worker(cluster):
     path, n, out = cluster
     results = assert_fit_identical_and_learning(out, n)
-    assert results["fit_stats"]["steps"] - results["stats"]["steps"] == 40 + worker.DENSE_STEPS
+    # The fit's 40 steps, the dense phase and, on the shared index, importance's steps.
+    extra = worker.STEPS if path == "shared_index" else 0
+    assert results["fit_stats"]["steps"] - results["stats"]["steps"] == \
+        40 + worker.DENSE_STEPS + extra
 
 
 @pytest.mark.parametrize("spec", ["qsgd", "onebit", "randomk", "none"])
@@ -186,3 +193,24 @@ def test_accepted_for_top_k(spec, path):
     from tfgc.distribute.cross_device_ops import check_compression_args
     compressor, _ = check_compression_args(spec, None, path, 1 << 20)
     assert compressor.selects_indices and compressor.sparse_payload
+
+
+def test_importance_pruning_on_the_shared_index(cluster):
+    """Cheng & Xu's importance |v| / |w| picks the root's indices; every worker sums its
+    values there and keeps the rest: as the NumPy replay, on every worker."""
+    path, n, out = cluster
+    if path != "shared_index":
+        pytest.skip("importance-weighted pruning runs on the shared-index path")
+    weights = worker.importance_weights()
+    expected, residuals = replay(n, path, first_step=200, weights=weights)
+    plain, _ = replay(n, path, first_step=200)
+    runs = [np.load(out / f"reduce.w{r}.npz") for r in range(n)]
+    differs = False
+    for step, (summed, _, _, chosen) in enumerate(expected):
+        np.testing.assert_allclose(runs[0][f"imp{step}"], summed, rtol=1e-5, atol=1e-5)
+        for r in range(1, n):
+            np.testing.assert_array_equal(runs[r][f"imp{step}"], runs[0][f"imp{step}"])
+        differs |= not np.array_equal(chosen[0], plain[step][3][0])
+    assert differs, "importance chose what plain top-k chooses: the weights were not read"
+    for r in range(n):
+        np.testing.assert_allclose(runs[r]["imp_residual"], residuals[r], rtol=1e-5, atol=1e-5)

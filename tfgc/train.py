@@ -28,7 +28,8 @@ flags.DEFINE_integer("batch_size", 64, "Batch size per worker.", lower_bound=1)
 flags.DEFINE_float("learning_rate", 0.05, "Learning rate.", lower_bound=0.0)
 flags.DEFINE_enum("optimizer", "momentum", ["sgd", "momentum", "adam"],
                   "Optimizer. 'momentum' is SGD with momentum 0.9, or plain SGD when the "
-                  "compressor applies the momentum itself (dgc).")
+                  "compressor applies the momentum itself (dgc, or momentum=m on an "
+                  "error-feedback compressor such as onebit:momentum=0.9).")
 flags.DEFINE_integer("workers", 1, "Workers to launch locally when TF_CONFIG is not set.",
                      lower_bound=1)
 flags.DEFINE_bool("baseline", False, "Use stock tf.distribute.MultiWorkerMirroredStrategy.")
@@ -37,9 +38,10 @@ flags.DEFINE_integer("min_elements", 1024, "Gradients with fewer elements are se
                      lower_bound=0)
 flags.DEFINE_enum("communication", "auto",
                   ["auto", "allreduce", "allgather", "reduce_scatter", "shared_index",
-                   "sparse_allreduce"],
+                   "sparse_allreduce", "low_rank"],
                   "How compressed payloads cross the wire (auto: fewest bytes; reduce_scatter: "
-                  "quantizers only; shared_index and sparse_allreduce: top-k only).")
+                  "quantizers only; shared_index and sparse_allreduce: top-k only; low_rank: "
+                  "powersgd only).")
 flags.DEFINE_integer("steps_per_epoch", 0, "Cap on steps per epoch (0: a full shard).",
                      lower_bound=0)
 flags.DEFINE_string("save_weights", "", "If set, each worker saves its final weights to "

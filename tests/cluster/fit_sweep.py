@@ -6,7 +6,8 @@ builds a fresh model, so its train function is traced with that compressor.
 
 Writes, per compressor i, OUT_DIR/<i>.w<rank>.npz (final weights) and
 OUT_DIR/<i>.w<rank>.json (results), and OUT_DIR/extras.w<rank>.json for the checks
-selected with --retrace, --custom-loop, --eager-reduce and --dgc.
+selected with --retrace, --custom-loop, --eager-reduce and --dgc (and, with
+--powersgd, OUT_DIR/powersgd.w<rank>.npz).
 """
 
 import argparse
@@ -210,6 +211,47 @@ def dgc_check(strategy, ds, extras):
         extras["dgc_double_momentum_error"] = str(exc)
 
 
+POWERSGD_STEPS = 3
+POWERSGD_SHAPES = [(64, 32), (32,)]
+
+
+def powersgd_gradients(rank, step):
+    rng = np.random.RandomState(1000 * step + rank)
+    return [rng.randn(*shape).astype(np.float32) for shape in POWERSGD_SHAPES]
+
+
+def powersgd_check(strategy, out_dir):
+    """Fixed per-worker gradients through PowerSGD's two all-reduces (auto's low-rank
+    path): saves every step's outputs, the residual and the query for a NumPy replay."""
+    import tensorflow as tf
+
+    import tfgc
+
+    strategy.compressor = "powersgd:rank=2"
+    rank, _ = _rank(strategy)
+    with strategy.scope():
+        variables = [tf.Variable(tf.zeros(shape)) for shape in POWERSGD_SHAPES]
+    owner = tf.Module()
+
+    @tf.function
+    def reduce(*grads):
+        def replica_fn(*grads):
+            with tfgc.compress_gradients(variables, owner=owner):
+                return tf.distribute.get_replica_context().all_reduce(
+                    "sum", [g * 1.0 for g in grads])
+        return strategy.run(replica_fn, args=grads)
+
+    arrays = {}
+    for step in range(POWERSGD_STEPS):
+        result = reduce(*[tf.constant(g) for g in powersgd_gradients(rank, step)])
+        for j, r in enumerate(result):
+            arrays[f"out{step}_{j}"] = strategy.experimental_local_results(r)[0].numpy()
+    slot = strategy.compression_state(owner).slot(variables[0], 0)
+    arrays.update(residual=slot["residual"].numpy(), query=slot["query"].numpy(),
+                  path=np.array(strategy.cross_device_ops._path()))  # pylint: disable=protected-access
+    np.savez(os.path.join(out_dir, f"powersgd.w{rank}.npz"), **arrays)
+
+
 def eager_reduce_check(strategy, extras):
     """Cross-replica reductions: exact by default, compressed inside compress_gradients."""
     import tensorflow as tf
@@ -266,6 +308,7 @@ def main():
     parser.add_argument("--custom-loop", action="store_true")
     parser.add_argument("--eager-reduce", action="store_true")
     parser.add_argument("--dgc", action="store_true")
+    parser.add_argument("--powersgd", action="store_true")
     args = parser.parse_args()
 
     import tfgc
@@ -283,6 +326,8 @@ def main():
         eager_reduce_check(strategy, extras)
     if args.dgc:
         dgc_check(strategy, ds, extras)
+    if args.powersgd:
+        powersgd_check(strategy, args.out_dir)
     save(args.out_dir, "extras", _rank(strategy)[0], extras)
 
 

@@ -5,7 +5,8 @@
 Reduces deterministic per-worker "gradients" (a [16, 32] matrix, compressed with
 ef+topk k=6, and a [40] vector, dense) for STEPS steps and writes every step's
 result, this worker's final residual and the byte figures; the test replays the
-algorithm in NumPy. Then trains the MLP for a few steps the same way and saves its
+algorithm in NumPy. On the shared-index path, importance-weighted pruning
+(``importance:k=6``) runs the same way with fixed weights. Then trains the MLP for a few steps the same way and saves its
 weights.
 """
 
@@ -19,6 +20,12 @@ STEPS = 6
 K = 6
 # A second phase with k over half the tensor: the sparse all-reduce turns dense.
 DENSE_K, DENSE_STEPS = 300, 2
+
+
+def importance_weights():
+    w = np.random.RandomState(7).randn(16, 32).astype(np.float32)
+    w[0, :4] = 0.0  # the guard's case
+    return w
 
 
 def gradients(rank, step):
@@ -50,6 +57,7 @@ def main():
                     return tf.distribute.get_replica_context().all_reduce(
                         "sum", [a * 1.0, b * 1.0])
             return strategy.run(replica_fn, args=(a, b))
+        reduce.owner = owner
         return reduce
 
     owner = tf.Module()
@@ -74,6 +82,18 @@ def main():
         a, b = gradients(rank, 100 + step)
         result = reduce_dense(tf.constant(a), tf.constant(b))
         arrays[f"dense{step}"] = strategy.experimental_local_results(result[0])[0].numpy()
+    if communication == "shared_index":
+        # Importance-weighted pruning: the root ranks by |v| / (|w| + eps), with the
+        # weights set to IMPORTANCE_WEIGHTS (auto's path for it is this one).
+        strategy.compressor = f"importance:k={K}"
+        variables[0].assign(importance_weights())
+        reduce_importance = make_reduce(tf.Module())
+        for step in range(STEPS):
+            a, b = gradients(rank, 200 + step)
+            result = reduce_importance(tf.constant(a), tf.constant(b))
+            arrays[f"imp{step}"] = strategy.experimental_local_results(result[0])[0].numpy()
+        state = strategy.compression_state(reduce_importance.owner)
+        arrays["imp_residual"] = state.slot(variables[0], 0)["residual"].numpy()
     np.savez(os.path.join(out_dir, f"reduce.w{rank}.npz"), **arrays)
 
     strategy.compressor = "ef+topk:ratio=0.01"

@@ -18,9 +18,10 @@ from tfgc.collectives.sparse_allreduce import sparse_all_reduce
 # summable payload; "allgather" works for any payload; "shared_index" needs a
 # sparsifier that selects indices (one worker's index set serves all);
 # "sparse_allreduce" needs a (values, indices) payload, merged stage by stage;
-# "reduce_scatter" needs a quantizer whose decoded sum can be compressed again.
+# "reduce_scatter" needs a quantizer whose decoded sum can be compressed again;
+# "low_rank" (PowerSGD) all-reduces the two factors of a shared power iteration.
 COMMUNICATIONS = ("auto", "allreduce", "allgather", "reduce_scatter", "shared_index",
-                  "sparse_allreduce")
+                  "sparse_allreduce", "low_rank")
 
 
 def check_communication(communication, compressor):
@@ -44,6 +45,10 @@ def check_communication(communication, compressor):
         raise ValueError(
             f"`communication`='reduce_scatter' needs a quantizer whose decoded sum can be "
             f"compressed again (onebit, qsgd, terngrad, signsgd, efsignsgd), got {compressor!r}")
+    if communication == "low_rank" and not compressor.low_rank:
+        raise ValueError(
+            f"`communication`='low_rank' needs a low-rank compressor (powersgd), got "
+            f"{compressor!r}")
     return communication
 
 

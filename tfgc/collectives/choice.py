@@ -5,6 +5,8 @@ the step is traced):
 
 * all-reduce (summable payloads): 2(N-1)/N * P, the ring, never more than the
   all-gather, so summable compressors take it without a count;
+* low-rank (PowerSGD): two ring all-reduces of the factors, 2(N-1)/N * P in all;
+  its estimator needs the shared power iteration, so PowerSGD always takes it;
 * all-gather: (N-1) * P;
 * reduce-scatter / all-gather: (N-1) chunk payloads out in stage 1 and (N-1) in
   stage 2, each padded to the longest chunk, about 2(N-1)/N * P plus the per-chunk
@@ -13,8 +15,9 @@ the step is traced):
   whose second stage needs no error feedback (``auto_reduce_scatter``).
 
 Auto chooses among paths that compute the same estimator as the all-gather (or, for
-the reduce-scatter, the paper's two-stage one). It never picks the shared-index
-all-reduce, which changes what top-k selects, nor the sparse all-reduce, whose bytes
+the reduce-scatter, the paper's two-stage one). It picks the shared-index all-reduce
+only for importance-weighted pruning, whose paper aggregates that way (for top-k it
+changes what is selected), and never the sparse all-reduce, whose bytes
 depend on how much the workers' index sets overlap and reach the all-gather's when
 they do not; both are there to force.
 """
@@ -77,13 +80,18 @@ def sent_bytes(path: str, compressor, gradients: Sequence[Tuple[tf.TensorShape, 
 def auto_reduce_scatter(compressor) -> bool:
     """Whether auto may send ``compressor`` over the reduce-scatter.
 
-    Only where the second stage keeps the compressor's estimator: exact (signSGD's
-    vote, TernGrad's sums of codes) or unbiased (QSGD). Under error feedback the
-    owner's second residual delays more of every gradient, and with heavy-ball
-    momentum that cost 9 points of accuracy for 1-bit SGD on 4 workers (see the
-    README); those compressors take the reduce-scatter only when asked for.
+    Where the second stage keeps the compressor's estimator: exact (signSGD's vote,
+    TernGrad's sums of codes) or unbiased (QSGD); and error feedback with momentum
+    correction (``onebit:momentum=0.9``), where the momentum is applied once, before
+    both residuals. Error feedback under the optimizer's heavy-ball momentum is
+    left on the all-gather: the owner's second residual delays more of every
+    gradient, the optimizer's momentum amplifies every delayed part again, and that
+    cost 9 points of accuracy for 1-bit SGD on 4 workers (see the README); it takes
+    the reduce-scatter only when asked for.
     """
-    return compressor.recompressible and not isinstance(compressor, ErrorFeedback)
+    if not compressor.recompressible:
+        return False
+    return not isinstance(compressor, ErrorFeedback) or bool(compressor.applied_momentum)
 
 
 def choose_communication(compressor, num_ranks: int, gradients=None) -> Tuple[str, Dict[str, int]]:
@@ -94,6 +102,10 @@ def choose_communication(compressor, num_ranks: int, gradients=None) -> Tuple[st
     """
     if compressor.summable:
         return "allreduce", {}
+    if compressor.low_rank:
+        return "low_rank", {}
+    if compressor.shares_indices:
+        return "shared_index", {}
     if not auto_reduce_scatter(compressor) or num_ranks < 3:
         return "allgather", {}
     if not gradients:

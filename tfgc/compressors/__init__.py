@@ -4,12 +4,14 @@ from tfgc.compressors.base import CompressContext, Compressor
 from tfgc.compressors.casts import BF16, FP16, Identity
 from tfgc.compressors.dgc import DGC
 from tfgc.compressors.error_feedback import ErrorFeedback
+from tfgc.compressors.powersgd import PowerSGD
 from tfgc.compressors.quantizers import QSGD, OneBit, ScaledSign, SignSGD, TernGrad
 from tfgc.compressors.registry import get, names, register, serialize, serialize_config
-from tfgc.compressors.sparse import RandomK, TopK
+from tfgc.compressors.sparse import Importance, RandomK, TopK
 
 __all__ = [
-    "BF16", "CompressContext", "Compressor", "DGC", "ErrorFeedback", "FP16", "Identity", "OneBit",
-    "QSGD", "RandomK", "ScaledSign", "SignSGD", "TernGrad", "TopK", "get", "names", "register",
+    "BF16", "CompressContext", "Compressor", "DGC", "ErrorFeedback", "FP16", "Identity",
+    "Importance", "OneBit",
+    "PowerSGD", "QSGD", "RandomK", "ScaledSign", "SignSGD", "TernGrad", "TopK", "get", "names", "register",
     "serialize", "serialize_config",
 ]

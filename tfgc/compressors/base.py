@@ -39,12 +39,16 @@ class CompressContext:
         compressors fold it into their seed so tensors draw independent streams.
       step: scalar int64 tensor, the number of reductions this call site has done
         before this one. Identical on every worker.
+      weight: the current value of the variable this gradient belongs to, for
+        compressors that declare ``needs_weights`` (importance-weighted pruning);
+        None otherwise.
     """
 
     rank: int = 0
     num_workers: int = 1
     index: int = 0
     step: Any = 0
+    weight: Any = None
 
     def seed(self, base_seed: int, shared: bool) -> tf.Tensor:
         """A stateless-RNG seed for this tensor at this step.
@@ -93,6 +97,14 @@ class Compressor(abc.ABC):
     recompressible: bool = False
     # Compressors that keep their own residual (DGC) refuse an ErrorFeedback wrapper.
     keeps_residual: bool = False
+    # Low-rank compressors whose two factors are all-reduced in turn (PowerSGD) run on
+    # ``communication="low_rank"``.
+    low_rank: bool = False
+    # Compressors that read the variable's value (``CompressContext.weight``).
+    needs_weights: bool = False
+    # Sparsifiers whose paper aggregates over one worker's index set (Cheng & Xu):
+    # auto sends them over the shared-index all-reduce.
+    shares_indices: bool = False
     # Momentum this compressor applies on the workers (DGC's momentum correction).
     # The cross-device ops then apply it to the gradients sent dense too, and stop
     # with a message if the optimizer would apply momentum a second time.
@@ -221,6 +233,34 @@ class Compressor(abc.ABC):
         for d in decoded[1:]:
             total = total + d
         return total
+
+
+def momentum_step(g: tf.Tensor, u: tf.Tensor, momentum: float, nesterov: bool):
+    """One step of momentum on a worker (momentum correction): ``(what to send, new u)``.
+
+    Heavy-ball: u <- m u + g, send u. Nesterov, as DGC's authors formulate it:
+    u <- m (u + g), send u + g. With m = 0 this is ``(g, u)``.
+    """
+    if not momentum:
+        return g, u
+    m = tf.cast(momentum, g.dtype)
+    if nesterov:
+        u = (u + g) * m
+        return u + g, u
+    u = u * m + g
+    return u, u
+
+
+def check_momentum(momentum: float, nesterov: bool) -> float:
+    """Validates a worker-side momentum in [0, 1) and its Nesterov flag."""
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) \
+            or not 0.0 <= float(momentum) < 1.0:
+        raise ValueError(f"`momentum` must be a number in [0, 1), got {momentum!r}")
+    if not isinstance(nesterov, bool):
+        raise ValueError(f"`nesterov` must be a bool, got {nesterov!r}")
+    if nesterov and not momentum:
+        raise ValueError("`nesterov` needs `momentum` > 0")
+    return float(momentum)
 
 
 def check_ratio(name: str, value: float) -> float:

@@ -37,7 +37,8 @@ import math
 
 import tensorflow as tf
 
-from tfgc.compressors.base import check_int, check_ratio, num_elements
+from tfgc.compressors.base import (check_int, check_momentum, check_ratio, momentum_step,
+                                   num_elements)
 from tfgc.compressors.sparse import TopK, _k_for
 from tfgc.ops import sparsify
 
@@ -75,18 +76,12 @@ class DGC(TopK):
                  clip_norm: float = 0.0, momentum_masking: bool = True,
                  sample_ratio: float = 0.01, warmup_steps: int = 0):
         super().__init__(ratio=ratio)
-        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) \
-                or not 0.0 <= float(momentum) < 1.0:
-            raise ValueError(f"`momentum` must be a number in [0, 1), got {momentum!r}")
-        for name, value in (("nesterov", nesterov), ("momentum_masking", momentum_masking)):
-            if not isinstance(value, bool):
-                raise ValueError(f"`{name}` must be a bool, got {value!r}")
-        if nesterov and not momentum:
-            raise ValueError("`nesterov` needs `momentum` > 0")
+        self.momentum = check_momentum(momentum, nesterov)
+        if not isinstance(momentum_masking, bool):
+            raise ValueError(f"`momentum_masking` must be a bool, got {momentum_masking!r}")
         if isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float)) \
                 or not 0.0 <= float(clip_norm) < float("inf"):
             raise ValueError(f"`clip_norm` must be a finite number >= 0, got {clip_norm!r}")
-        self.momentum = float(momentum)
         self.nesterov = nesterov
         self.clip_norm = float(clip_norm)
         self.momentum_masking = momentum_masking
@@ -140,15 +135,8 @@ class DGC(TopK):
         if self.clip_norm:
             limit = self.clip_norm / math.sqrt(max(1, ctx.num_workers))
             g = tf.clip_by_norm(g, tf.cast(limit, g.dtype))
-        u, v = state["momentum"], state["residual"]
-        if self.nesterov:
-            u = (u + g) * tf.cast(self.momentum, g.dtype)
-            add = u + g
-        elif self.momentum:
-            u = u * tf.cast(self.momentum, g.dtype) + g
-            add = u
-        else:
-            add = g
+        v = state["residual"]
+        add, u = momentum_step(g, state["momentum"], self.momentum, self.nesterov)
         n, k = num_elements(x.shape), self.num_kept(x.shape)
         if k >= n:
             # Everything is sent: nothing waits, nothing is masked.

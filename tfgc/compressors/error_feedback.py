@@ -10,11 +10,20 @@ so nothing a compressor drops is lost: summed over steps, what was applied plus 
 final residual equals the sum of the gradients (Seide et al. 2014; Karimireddy et al.
 2019; Stich et al. 2018). Compression then behaves like delayed, not discarded,
 updates, which is what lets 1-bit and top-k reach full accuracy.
+
+With ``momentum=m`` the momentum moves from the optimizer onto the workers, before
+compression (momentum correction, Lin et al. 2018; for quantizers with error
+feedback at the worker and at the server, Zheng, Huang & Kwok 2019,
+"dist-EF-SGDM"): u <- m u + g, then v = u + e as above, and the optimizer applies
+the decoded sum with no momentum of its own. What waits in the residuals has then
+been through the momentum once, not again at every step it waits, which is what a
+second residual (the reduce-scatter's owner) needs. Unlike DGC, nothing is masked:
+a quantizer sends every entry.
 """
 
 import tensorflow as tf
 
-from tfgc.compressors.base import Compressor
+from tfgc.compressors.base import Compressor, check_momentum, momentum_step
 
 
 class ErrorFeedback(Compressor):
@@ -23,14 +32,22 @@ class ErrorFeedback(Compressor):
     Args:
       compressor: the inner compressor: an instance, a registry string or a config
         dict (``{"name": ..., "config": {...}}``).
+      momentum: momentum applied on the workers before compression (momentum
+        correction), in [0, 1). 0 (the default) leaves momentum to the optimizer;
+        with m > 0 compile the model with plain SGD, which the strategy checks.
+        In registry strings it goes with the inner compressor's arguments:
+        ``"onebit:momentum=0.9"``, ``"ef+topk:ratio=0.01,momentum=0.9"``.
+      nesterov: Nesterov momentum, as for DGC.
 
     The payload and its combination rule are the inner compressor's, so
     ``ErrorFeedback(RandomK())`` stays summable.
     """
 
     name = "ef"
+    # The wrapper's own arguments; a registry string's other arguments are the inner's.
+    wrapper_args = ("momentum", "nesterov")
 
-    def __init__(self, compressor="topk"):
+    def __init__(self, compressor="topk", momentum: float = 0.0, nesterov: bool = False):
         from tfgc.compressors import registry  # the registry imports this module
         inner = registry.get(compressor, wrap_error_feedback=False)
         if isinstance(inner, ErrorFeedback):
@@ -39,6 +56,12 @@ class ErrorFeedback(Compressor):
             raise ValueError(f"`compressor` {inner.name!r} keeps its own residual; use it "
                              "without error feedback (no `ef+`)")
         self.inner = inner
+        self.momentum = check_momentum(momentum, nesterov)
+        self.nesterov = nesterov
+
+    @property
+    def applied_momentum(self) -> float:
+        return self.momentum
 
     @property
     def summable(self):
@@ -51,6 +74,14 @@ class ErrorFeedback(Compressor):
     @property
     def sparse_payload(self):
         return self.inner.sparse_payload
+
+    @property
+    def needs_weights(self):
+        return self.inner.needs_weights
+
+    @property
+    def shares_indices(self):
+        return self.inner.shares_indices
 
     @property
     def recompressible(self):
@@ -67,18 +98,38 @@ class ErrorFeedback(Compressor):
         return self.inner.num_selected(shape)
 
     def get_config(self):
-        return {"compressor": registry_config(self.inner)}
+        config = {"compressor": registry_config(self.inner)}
+        if self.momentum:
+            # Only when set, so that configs (and state keys) without it stay as they were.
+            config.update(momentum=self.momentum, nesterov=self.nesterov)
+        return config
 
     def supports(self, shape, dtype):
         return self.inner.supports(shape, dtype)
 
     def init_state(self, shape, dtype):
-        return {"residual": tf.zeros(shape, dtype), "inner": self.inner.init_state(shape, dtype)}
+        state = {"residual": tf.zeros(shape, dtype),
+                 "inner": self.inner.init_state(shape, dtype)}
+        if self.momentum:
+            state["momentum"] = tf.zeros(shape, dtype)
+        return state
+
+    def corrected(self, x, state):
+        """Momentum correction of ``x``: ``(what to compress, the new state entries)``.
+
+        Without momentum, ``(x, {})``. The reduce-scatter, which reads the residual
+        itself, calls this too.
+        """
+        if not self.momentum:
+            return x, {}
+        add, u = momentum_step(x, state["momentum"], self.momentum, self.nesterov)
+        return add, {"momentum": u}
 
     def compress(self, x, state, ctx):
+        x, extra = self.corrected(x, state)
         payload, inner_state, residual = self.inner.compress_with_feedback(
             x, state["residual"], state["inner"], ctx)
-        return payload, {"residual": residual, "inner": inner_state}
+        return payload, {"residual": residual, "inner": inner_state, **extra}
 
     def decompress(self, payload, shape, dtype, ctx):
         return self.inner.decompress(payload, shape, dtype, ctx)

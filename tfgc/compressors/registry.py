@@ -6,6 +6,8 @@ String form, short enough for a command-line flag::
     "ef+topk:ratio=0.01"         the same, wrapped in error feedback
     "qsgd:levels=7,bucket_size=128"
     "onebit"                     1-bit SGD; error feedback is part of the algorithm
+    "onebit:momentum=0.9"        the error feedback's arguments (momentum, nesterov)
+                                 go with the compressor's
 
 Dict form (what ``serialize_config`` returns and ``get`` accepts)::
 
@@ -19,8 +21,9 @@ from tfgc.compressors.base import Compressor
 from tfgc.compressors.casts import BF16, FP16, Identity
 from tfgc.compressors.dgc import DGC
 from tfgc.compressors.error_feedback import ErrorFeedback
+from tfgc.compressors.powersgd import PowerSGD
 from tfgc.compressors.quantizers import QSGD, OneBit, ScaledSign, SignSGD, TernGrad
-from tfgc.compressors.sparse import RandomK, TopK
+from tfgc.compressors.sparse import Importance, RandomK, TopK
 
 _REGISTRY: Dict[str, Type[Compressor]] = {}
 
@@ -39,7 +42,7 @@ def register(cls: Type[Compressor]) -> Type[Compressor]:
 
 
 for _cls in (Identity, FP16, BF16, TopK, RandomK, OneBit, SignSGD, ScaledSign, QSGD, TernGrad,
-             ErrorFeedback, DGC):
+             ErrorFeedback, DGC, PowerSGD, Importance):
     register(_cls)
 
 
@@ -89,12 +92,21 @@ def _parse_string(spec: str) -> Compressor:
             if not eq or not key.strip():
                 raise ValueError(f"malformed hyperparameter {item!r} in {spec!r}: expected key=value")
             config[key.strip()] = _parse_value(value.strip())
-    compressor = _build(base, config)
-    for wrapper in reversed(wrappers):
+    for wrapper in wrappers:
         if wrapper != "ef":
             raise ValueError(f"unknown wrapper {wrapper!r} in {spec!r}; known: ef")
-        if not isinstance(compressor, ErrorFeedback):
-            compressor = ErrorFeedback(compressor)
+    cls = _REGISTRY.get(base)
+    wrapped = bool(wrappers) or (cls is not None and cls.requires_error_feedback)
+    own = inspect.signature(cls.__init__).parameters if cls is not None else {}
+    feedback = {key: config.pop(key) for key in ErrorFeedback.wrapper_args
+                if key in config and key not in own}
+    if feedback and not wrapped:
+        raise ValueError(f"compressor {base!r} has no hyperparameter "
+                         f"`{next(iter(feedback))}`; worker-side momentum comes with error "
+                         f"feedback: 'ef+{spec}'")
+    compressor = _build(base, config)
+    if wrapped:
+        compressor = ErrorFeedback(compressor, **feedback)
     return compressor
 
 
@@ -139,10 +151,11 @@ def serialize_config(compressor: Compressor) -> Dict[str, Any]:
 
 def serialize(compressor: Compressor) -> str:
     """The string form, e.g. ``"ef+topk:k=0,ratio=0.01"``; ``get`` parses it back."""
-    prefix = ""
+    prefix, extra = "", {}
     if isinstance(compressor, ErrorFeedback):
+        extra = {k: v for k, v in compressor.get_config().items() if k != "compressor"}
         prefix, compressor = "ef+", compressor.inner
-    config = compressor.get_config()
+    config = {**compressor.get_config(), **extra}
     for key, value in config.items():
         if isinstance(value, str) and any(c in value for c in ",=:+"):
             raise ValueError(f"hyperparameter `{key}`={value!r} cannot be written as a string")

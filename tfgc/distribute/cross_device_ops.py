@@ -203,6 +203,28 @@ def _dense_momentum(compressor, state, variables, mask, reduced, ok, replica_id)
         return [tf.identity(r) for r in out]
 
 
+def _corrected(compressor, t, slot):
+    """Error feedback's momentum correction of ``t`` for the paths that read the
+    residual themselves: ``(what to compress, new state entries to commit)``."""
+    current = {key: slot[key].read_value() for key in ("momentum",) if key in slot}
+    return compressor.corrected(t, current)
+
+
+def _weight(compressor, variable):
+    """The variable's current value for a compressor that reads it; None otherwise."""
+    if not compressor.needs_weights:
+        return None
+    if variable is None:
+        raise ValueError(f"{compressor!r} reads the variables' values, and this reduction "
+                         "does not name them: use tfgc.compress_gradients(variables)")
+    return tf.identity(variable)
+
+
+def _assign(slot, entries):
+    for key, value in entries.items():
+        slot[key].assign(value)
+
+
 def _optimizer_momentum(optimizer):
     """(class name, the momentum it applies to gradients, whether it keeps moments)."""
     inner = getattr(optimizer, "inner_optimizer", None) or optimizer  # LossScaleOptimizer
@@ -245,11 +267,13 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         at least 1024 elements).
       communication: "auto" (the fewest bytes: all-reduce for summable payloads,
         the reduce-scatter from 3 workers on for quantizers whose second stage
-        needs no error feedback, all-gather otherwise; see
-        ``collectives.choice``), "allreduce" (summable compressors only),
-        "allgather", "reduce_scatter" (quantizers whose sum can be compressed
-        again), "shared_index" (sparsifiers that select indices) or
-        "sparse_allreduce" (sparsifiers with (values, indices) payloads).
+        needs no error feedback or that apply momentum correction, the low-rank
+        path for PowerSGD, the shared index for importance-weighted pruning,
+        all-gather otherwise; see ``collectives.choice``), "allreduce" (summable
+        compressors only), "allgather", "reduce_scatter" (quantizers whose sum can
+        be compressed again), "shared_index" (sparsifiers that select indices),
+        "sparse_allreduce" (sparsifiers with (values, indices) payloads) or
+        "low_rank" (PowerSGD).
       bucket_bytes: upper bound on the per-worker size of one fused all-gather, and
         of one message of the reduce-scatter.
       worker_rank: index of this worker's first replica among all replicas; seeds
@@ -368,6 +392,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         return {"shared_index": "the shared-index all-reduce",
                 "sparse_allreduce": "the sparse all-reduce",
                 "reduce_scatter": "the reduce-scatter / all-gather",
+                "low_rank": "two all-reduces of low-rank factors",
                 "allreduce": "all-reduce"}.get(self._path(), "all-gather")
 
     # -- exchanges outside the training step ----------------------------------------
@@ -539,7 +564,8 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             state = self._state_for(ctx.owner, compressor, variables, mask)
             reduce_fn = {"shared_index": self._shared_index_reduce,
                          "sparse_allreduce": self._sparse_reduce,
-                         "reduce_scatter": self._reduce_scatter_reduce}.get(
+                         "reduce_scatter": self._reduce_scatter_reduce,
+                         "low_rank": self._low_rank_reduce}.get(
                              self._path(), self._compressed_reduce)
             guard = self._generation_guard()
             with ops.device(device), \
@@ -635,7 +661,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         payloads, contexts, slots, new_states = {}, {}, {}, {}
         for index, i in enumerate(compressed):
             cctx = CompressContext(rank=rank, num_workers=self._group_size, index=index,
-                                   step=step)
+                                   step=step, weight=_weight(compressor, variables[i]))
             slots[i] = state.slot(variables[i], replica_id)
             current = tf.nest.map_structure(lambda v: v.read_value(), slots[i])
             payload, new_states[i] = compressor.compress(tensors[i], current, cctx)
@@ -742,14 +768,16 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         compressed = [i for i, m in enumerate(mask) if m]
 
         # 1. The root selects; everyone learns its index sets.
-        flat_v, slots, selections = {}, {}, []
+        flat_v, slots, selections, velocities = {}, {}, [], {}
         for index, i in enumerate(compressed):
             t = tensors[i]
             slot = state.slot(variables[i], replica_id)
             v = tf.reshape(t, [-1])
             if error_feedback:
-                v = v + tf.reshape(slot["residual"].read_value(), [-1])
-            cctx = CompressContext(rank=rank, num_workers=n, index=index, step=step)
+                corrected, velocities[i] = _corrected(compressor, t, slot)
+                v = tf.reshape(corrected + slot["residual"].read_value(), [-1])
+            cctx = CompressContext(rank=rank, num_workers=n, index=index, step=step,
+                                   weight=_weight(compressor, variables[i]))
             k = compressor.num_selected(t.shape)
             # Only the root pays for the selection.
             chosen = tf.cond(is_root,
@@ -789,8 +817,67 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             if error_feedback:
                 kept = tf.tensor_scatter_nd_update(flat_v[i], idx, tf.zeros_like(reduced[i]))
                 slots[i]["residual"].assign(tf.reshape(kept, t.shape))
+                _assign(slots[i], velocities[i])
             return tf.reshape(tf.scatter_nd(idx, reduced[i], [t.shape.num_elements()]),
                               t.shape)
+
+        outputs = _commit_or_skip(ok, step_var, compressed, tensors, reduced,
+                                  decode_and_commit_one)
+        return outputs, ok
+
+    def _low_rank_reduce(self, compressor, tensors, variables, mask, state, step_var, launcher,
+                         rank, replica_id, options, wire):
+        """PowerSGD's shared power iteration: two fused all-reduces per step.
+
+        Round 1 sums P_i = M_i Q (M_i = g_i + e_i, Q the shared query) with the
+        dense gradients and the control words; every worker orthogonalizes the same
+        sum into P^. Round 2 sums Q_i = M_i^T P^. The output is P^ Q^T, the residual
+        M_i - P^ Q^T / N and the next query Q / N, committed only when every worker's
+        gradients were finite (see ``tfgc.compressors.powersgd``).
+        """
+        from tfgc.compressors.powersgd import orthogonalize
+        n = self._group_size
+        step = step_var.read_value()
+        compressed = [i for i, m in enumerate(mask) if m]
+        slots, matrices, factors = {}, {}, {}
+        for index, i in enumerate(compressed):
+            t = tensors[i]
+            slots[i] = state.slot(variables[i], replica_id)
+            cctx = CompressContext(rank=rank, num_workers=n, index=index, step=step)
+            matrices[i] = compressor.matrix(t, slots[i]["residual"].read_value())
+            query = compressor.query(slots[i]["query"].read_value(), cctx)
+            factors[i] = tf.matmul(matrices[i], query)
+            wire.allreduce(_nbytes(factors[i]), dense=_nbytes(t))
+        control = _control_words(_local_bad([tensors[i] for i in compressed]), step, tf.float32)
+        wire.allreduce(_nbytes(control))
+
+        # Round 1: the P_i, the dense gradients and the control words.
+        first = [factors[i] for i in compressed] + [control]
+        dense_pos = [i for i in range(len(tensors)) if i not in slots]
+        for i in dense_pos:
+            first.append(tensors[i])
+            wire.allreduce(_nbytes(tensors[i]), dense=_nbytes(tensors[i]))
+        summed = collectives.fused_all_reduce(launcher, first[::-1], options)[::-1]
+        reduced = dict(zip(dense_pos, summed[len(compressed) + 1:]))
+        any_bad, steps_agree = _digits_agree(summed[len(compressed)], n)
+        ok = _checked(any_bad, steps_agree, step, step)
+
+        # Round 2: Q_i = M_i^T P^ for the same P^ everywhere.
+        bases = {i: orthogonalize(p) for i, p in zip(compressed, summed)}
+        second = []
+        for i in compressed:
+            second.append(tf.matmul(matrices[i], bases[i], transpose_a=True))
+            wire.allreduce(_nbytes(second[-1]))
+        queries = dict(zip(compressed, collectives.fused_all_reduce(
+            launcher, second[::-1], options)[::-1]))
+
+        def decode_and_commit_one(i):
+            t = tensors[i]
+            out = tf.matmul(bases[i], queries[i], transpose_b=True)
+            size = tf.cast(n, out.dtype)
+            slots[i]["residual"].assign(tf.reshape(matrices[i] - out / size, t.shape))
+            slots[i]["query"].assign(queries[i] / size)
+            return tf.reshape(out, t.shape)
 
         outputs = _commit_or_skip(ok, step_var, compressed, tensors, reduced,
                                   decode_and_commit_one)
@@ -884,11 +971,13 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
 
         # 1. Cut, and compress every chunk for its owner. State is only read here.
         plans, chunks, slots, new_residuals, new_second = {}, {}, {}, {}, {}
-        flats = {}
+        flats, velocities = {}, {}
         for i in compressed:
             t = tensors[i]
             plans[i] = collectives.chunk_plan(compressor, t.shape, n)
             slots[i] = state.slot(variables[i], replica_id)
+            if error_feedback:
+                t, velocities[i] = _corrected(compressor, t, slots[i])
             flats[i] = base.clipped(t) if shared_scale else tf.reshape(t, [-1])
         scales = {}
         if shared_scale:
@@ -1025,6 +1114,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             if error_feedback:
                 slots[i]["residual"].assign(new_residuals[i])
                 slots[i]["server_residual"].assign(new_second[i])
+                _assign(slots[i], velocities[i])
             return plans[i].join(parts, t.shape)
 
         outputs = _commit_or_skip(ok, step_var, compressed, tensors, reduced,
