@@ -38,7 +38,8 @@ ENV = {"PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
 # signsgd 0.884, efsignsgd 0.840, qsgd 0.888, qsgd 4-bit 0.876, terngrad 0.886;
 # plain SGD: topk(0.1%) 0.416, ef+topk(0.1%) 0.790, randomk(1%) 0.156,
 # ef+randomk(1%) 0.738; DGC at 0.1 % after a warm-up of 4 x 20 steps (SGD, its own
-# momentum 0.9) 0.752. Margins are the measured gap plus about 4 points for seeds
+# momentum 0.9) 0.752; PowerSGD rank 2 (momentum SGD) 0.812, and 0.826 vs 0.865 on
+# 3 workers. Margins are the measured gap plus about 4 points for seeds
 # and rounding (the compressors without error feedback at 0.1% and 1% are only
 # held to chance or better: error feedback is what makes them learn, which
 # test_error_feedback_helps checks), so a compressor that stops learning, or a
@@ -49,7 +50,7 @@ MAX_LOSS = {
     "randomk:ratio=0.01": 0.76, "ef+randomk:ratio=0.01": 0.17,
     "randomk:ratio=0.1": 0.09, "onebit": 0.14, "signsgd": 0.04, "efsignsgd": 0.07,
     "qsgd": 0.04, "qsgd:levels=7,bucket_size=128": 0.04, "terngrad": 0.04,
-    "dgc:ratio=0.001,warmup_steps=20": 0.16, "powersgd": 0.06,
+    "dgc:ratio=0.001,warmup_steps=20": 0.16, "powersgd": 0.10,
 }
 SPECS2 = list(MAX_LOSS)
 # Where error feedback is supposed to help: (with EF, without EF), plain SGD.
