@@ -225,27 +225,19 @@ def powersgd_check(strategy, out_dir):
     path): saves every step's outputs, the residual and the query for a NumPy replay."""
     import tensorflow as tf
 
-    import tfgc
+    from fixed_reduce import make_reduce
 
     strategy.compressor = "powersgd:rank=2"
     rank, _ = _rank(strategy)
     with strategy.scope():
         variables = [tf.Variable(tf.zeros(shape)) for shape in POWERSGD_SHAPES]
     owner = tf.Module()
-
-    @tf.function
-    def reduce(*grads):
-        def replica_fn(*grads):
-            with tfgc.compress_gradients(variables, owner=owner):
-                return tf.distribute.get_replica_context().all_reduce(
-                    "sum", [g * 1.0 for g in grads])
-        return strategy.run(replica_fn, args=grads)
+    reduce = make_reduce(strategy, variables, owner)
 
     arrays = {}
     for step in range(POWERSGD_STEPS):
-        result = reduce(*[tf.constant(g) for g in powersgd_gradients(rank, step)])
-        for j, r in enumerate(result):
-            arrays[f"out{step}_{j}"] = strategy.experimental_local_results(r)[0].numpy()
+        for j, r in enumerate(reduce(powersgd_gradients(rank, step))):
+            arrays[f"out{step}_{j}"] = r
     slot = strategy.compression_state(owner).slot(variables[0], 0)
     arrays.update(residual=slot["residual"].numpy(), query=slot["query"].numpy(),
                   path=np.array(strategy.cross_device_ops._path()))  # pylint: disable=protected-access

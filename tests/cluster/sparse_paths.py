@@ -39,6 +39,7 @@ def main():
 
     import tfgc
     from brief_fit import brief_fit
+    from fixed_reduce import make_reduce
     from tfgc.train import worker_info
 
     strategy = tfgc.CompressedMultiWorkerMirroredStrategy(
@@ -48,26 +49,10 @@ def main():
     with strategy.scope():
         variables = [tf.Variable(tf.zeros([16, 32])), tf.Variable(tf.zeros([40]))]
 
-    def make_reduce(owner):
-        """A tf.function reducing two gradients of ``variables``, state held by ``owner``."""
-        @tf.function
-        def reduce(a, b):
-            def replica_fn(a, b):
-                with tfgc.compress_gradients(variables, owner=owner):
-                    return tf.distribute.get_replica_context().all_reduce(
-                        "sum", [a * 1.0, b * 1.0])
-            return strategy.run(replica_fn, args=(a, b))
-        reduce.owner = owner
-        return reduce
-
     owner = tf.Module()
-    reduce = make_reduce(owner)
+    reduce = make_reduce(strategy, variables, owner)
 
-    outputs = []
-    for step in range(STEPS):
-        a, b = gradients(rank, step)
-        result = reduce(tf.constant(a), tf.constant(b))
-        outputs.append([strategy.experimental_local_results(r)[0].numpy() for r in result])
+    outputs = [reduce(gradients(rank, step)) for step in range(STEPS)]
     state = strategy.compression_state(owner)
     residual = [v.numpy() for v in state.variables()][1]
     arrays = {f"out{s}_{j}": o for s, outs in enumerate(outputs) for j, o in enumerate(outs)}
@@ -76,23 +61,20 @@ def main():
 
     strategy.compressor = f"ef+topk:k={DENSE_K}"
     # A fresh owner: this phase's state (and step counter) starts from zero.
-    reduce_dense = make_reduce(tf.Module())
+    reduce_dense = make_reduce(strategy, variables, tf.Module())
 
     for step in range(DENSE_STEPS):
-        a, b = gradients(rank, 100 + step)
-        result = reduce_dense(tf.constant(a), tf.constant(b))
-        arrays[f"dense{step}"] = strategy.experimental_local_results(result[0])[0].numpy()
+        arrays[f"dense{step}"] = reduce_dense(gradients(rank, 100 + step))[0]
     if communication == "shared_index":
         # Importance-weighted pruning: the root ranks by |v| / (|w| + eps), with the
         # weights set to IMPORTANCE_WEIGHTS (auto's path for it is this one).
         strategy.compressor = f"importance:k={K}"
         variables[0].assign(importance_weights())
-        reduce_importance = make_reduce(tf.Module())
+        importance_owner = tf.Module()
+        reduce_importance = make_reduce(strategy, variables, importance_owner)
         for step in range(STEPS):
-            a, b = gradients(rank, 200 + step)
-            result = reduce_importance(tf.constant(a), tf.constant(b))
-            arrays[f"imp{step}"] = strategy.experimental_local_results(result[0])[0].numpy()
-        state = strategy.compression_state(reduce_importance.owner)
+            arrays[f"imp{step}"] = reduce_importance(gradients(rank, 200 + step))[0]
+        state = strategy.compression_state(importance_owner)
         arrays["imp_residual"] = state.slot(variables[0], 0)["residual"].numpy()
     np.savez(os.path.join(out_dir, f"reduce.w{rank}.npz"), **arrays)
 

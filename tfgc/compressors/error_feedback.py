@@ -26,6 +26,11 @@ import tensorflow as tf
 from tfgc.compressors.base import Compressor, check_momentum, momentum_step
 
 
+def _inner(name):
+    """A property that reads the inner compressor's ``name``."""
+    return property(lambda self: getattr(self.inner, name))
+
+
 class ErrorFeedback(Compressor):
     """Wraps ``compressor`` with a per-gradient residual.
 
@@ -63,25 +68,13 @@ class ErrorFeedback(Compressor):
     def applied_momentum(self) -> float:
         return self.momentum
 
-    @property
-    def summable(self):
-        return self.inner.summable
-
-    @property
-    def selects_indices(self):
-        return self.inner.selects_indices
-
-    @property
-    def sparse_payload(self):
-        return self.inner.sparse_payload
-
-    @property
-    def needs_weights(self):
-        return self.inner.needs_weights
-
-    @property
-    def shares_indices(self):
-        return self.inner.shares_indices
+    # The payload, its combination rule and what the inner compressor reads are the
+    # inner compressor's.
+    summable = _inner("summable")
+    selects_indices = _inner("selects_indices")
+    sparse_payload = _inner("sparse_payload")
+    needs_weights = _inner("needs_weights")
+    shares_indices = _inner("shares_indices")
 
     @property
     def recompressible(self):

@@ -112,12 +112,14 @@ class PowerSGD(Compressor):
     def query(self, stored: tf.Tensor, ctx) -> tf.Tensor:
         """This step's query: the stored one, or a fresh N(0, 1) draw shared by the
         workers when it is all zeros or ``warm_start`` is off."""
-        fresh = tf.random.stateless_normal(stored.shape, ctx.seed(self.seed, shared=True),
-                                           dtype=tf.float32)
-        fresh = tf.cast(fresh, stored.dtype)
+        def fresh():
+            draw = tf.random.stateless_normal(stored.shape, ctx.seed(self.seed, shared=True))
+            return tf.cast(draw, stored.dtype)
+
         if not self.warm_start:
-            return fresh
-        return tf.cond(tf.reduce_all(tf.equal(stored, 0)), lambda: fresh, lambda: stored)
+            return fresh()
+        # Drawn only in the branch that uses it: warm steps pay nothing for it.
+        return tf.cond(tf.reduce_all(tf.equal(stored, 0)), fresh, lambda: stored)
 
     def matrix(self, x: tf.Tensor, residual: tf.Tensor) -> tf.Tensor:
         """M = x + residual as its [n, m] matrix."""

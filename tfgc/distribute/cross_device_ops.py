@@ -48,6 +48,7 @@ from tfgc import collectives
 from tfgc.collectives.allgather import (num_payload_words, padded_payload_words,
                                         unpack_payload_words)
 from tfgc.compressors import CompressContext, ErrorFeedback, get as get_compressor, serialize_config
+from tfgc.compressors.powersgd import orthogonalize
 from tfgc.distribute import gradients
 from tfgc.distribute import state as state_lib
 from tfgc.distribute.policy import CompressionPolicy
@@ -206,7 +207,7 @@ def _dense_momentum(compressor, state, variables, mask, reduced, ok, replica_id)
 def _corrected(compressor, t, slot):
     """Error feedback's momentum correction of ``t`` for the paths that read the
     residual themselves: ``(what to compress, new state entries to commit)``."""
-    current = {key: slot[key].read_value() for key in ("momentum",) if key in slot}
+    current = {"momentum": slot["momentum"].read_value()} if "momentum" in slot else {}
     return compressor.corrected(t, current)
 
 
@@ -835,7 +836,6 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         M_i - P^ Q^T / N and the next query Q / N, committed only when every worker's
         gradients were finite (see ``tfgc.compressors.powersgd``).
         """
-        from tfgc.compressors.powersgd import orthogonalize
         n = self._group_size
         step = step_var.read_value()
         compressed = [i for i, m in enumerate(mask) if m]
@@ -873,11 +873,11 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
 
         def decode_and_commit_one(i):
             t = tensors[i]
-            out = tf.matmul(bases[i], queries[i], transpose_b=True)
+            out = compressor.decompress((bases[i], queries[i]), t.shape, t.dtype, None)
             size = tf.cast(n, out.dtype)
-            slots[i]["residual"].assign(tf.reshape(matrices[i] - out / size, t.shape))
+            slots[i]["residual"].assign(tf.reshape(matrices[i], t.shape) - out / size)
             slots[i]["query"].assign(queries[i] / size)
-            return tf.reshape(out, t.shape)
+            return out
 
         outputs = _commit_or_skip(ok, step_var, compressed, tensors, reduced,
                                   decode_and_commit_one)
