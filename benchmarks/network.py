@@ -298,7 +298,9 @@ def _worker(args, prefix, phase):
         else:
             net = models.build_model(args.model, input_shape=ds.x_train.shape[1:],
                                      num_classes=ds.num_classes, seed=0)
-        net.compile(optimizer=make_optimizer("momentum", args.learning_rate),
+        # Plain SGD under a compressor that applies the momentum itself (dgc, momentum=m).
+        net.compile(optimizer=make_optimizer("momentum", args.learning_rate,
+                                             getattr(strategy, "compressor", None)),
                     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     params = int(sum(np.prod(v.shape) for v in net.trainable_variables))
     dense_bytes = int(sum(np.prod(v.shape) * v.dtype.size for v in net.trainable_variables))

@@ -103,7 +103,8 @@ def worker_main(args):
     with strategy.scope():
         net = models.build_model(args.model, input_shape=ds.x_train.shape[1:],
                                  num_classes=ds.num_classes, seed=0)
-        net.compile(optimizer=make_optimizer("momentum", 0.05),
+        net.compile(optimizer=make_optimizer("momentum", 0.05,
+                                             getattr(strategy, "compressor", None)),
                     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                     metrics=["accuracy"])
 
