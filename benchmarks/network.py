@@ -996,7 +996,8 @@ def render_markdown(report, args):
     lines.append(f"Data: {', '.join(datasets) or '–'}"
                  + (" (real)" if datasets == ["fashion_mnist"] else "")
                  + (f" ({'; '.join(notes)})" if notes else "")
-                 + f", batch {args.batch_size} per worker, momentum SGD. "
+                 + f", batch {args.batch_size} per worker, momentum SGD (plain SGD with a "
+                 "compressor that applies the momentum itself: dgc, momentum=m). "
                  + "; ".join(models_desc) + ".  ")
     lines.append(f"Step time: median of worker 0's {args.steps} timed batches after "
                  f"{args.warmup} warm-up batches. Speed-up: stock median / this median at the "
