@@ -2,11 +2,15 @@
 
     tfgc-train --workers 2 --dataset fashion_mnist --model mlp --compressor "ef+topk:ratio=0.01"
     tfgc-train --workers 2 --dataset fashion_mnist --model mlp --baseline
+    tfgc-train --workers 4 --lr_scaling linear --warmup_epochs 1 --learning_rate 0.05
 
 With ``--workers N`` (N > 1) and no ``TF_CONFIG`` in the environment, it starts a
 local cluster of N copies of itself through ``tfgc-launch``; with ``TF_CONFIG`` set it
 runs as that one worker. Worker 0 prints test accuracy, bytes per step, compression
 ratio and step time, and a final ``RESULT {json}`` line.
+
+``--lr_scaling linear`` trains at N times ``--learning_rate`` on N workers, after an
+optional gradual warm-up (Goyal et al. 2017; see ``tfgc.keras.LinearScalingWarmup``).
 """
 
 import json
@@ -25,7 +29,18 @@ flags.DEFINE_enum("dataset", "fashion_mnist", ["fashion_mnist", "mnist5k", "synt
                   "Data set; each worker trains on its own shard.")
 flags.DEFINE_integer("epochs", 2, "Epochs over each worker's shard.", lower_bound=1)
 flags.DEFINE_integer("batch_size", 64, "Batch size per worker.", lower_bound=1)
-flags.DEFINE_float("learning_rate", 0.05, "Learning rate.", lower_bound=0.0)
+flags.DEFINE_float("learning_rate", 0.05, "Learning rate (with --lr_scaling=linear: the rate "
+                   "for one worker's batch, before scaling).", lower_bound=0.0)
+flags.DEFINE_enum("lr_scaling", "none", ["none", "linear"],
+                  "How the learning rate follows the worker count N. 'none': --learning_rate "
+                  "as given. 'linear': the linear scaling rule of Goyal et al. 2017 (the "
+                  "global batch is N x --batch_size, so train at N x --learning_rate), reached "
+                  "by a linear warm-up from --learning_rate over --warmup_epochs.")
+flags.DEFINE_float("warmup_epochs", 0.0, "With --lr_scaling=linear: epochs (of --steps_per_epoch "
+                   "steps, or a full shard) over which the rate ramps linearly from "
+                   "--learning_rate to N x --learning_rate; Goyal et al. use 5. 0: N x "
+                   "--learning_rate from the first step. Must be 0 with --lr_scaling=none.",
+                   lower_bound=0.0)
 flags.DEFINE_enum("optimizer", "momentum", ["sgd", "momentum", "adam"],
                   "Optimizer. 'momentum' is SGD with momentum 0.9, or plain SGD when the "
                   "compressor applies the momentum itself (dgc, or momentum=m on an "
@@ -54,6 +69,11 @@ flags.DEFINE_integer("restarts", 0, "With --workers, restart the local cluster u
 flags.DEFINE_string("backup_dir", "", "If set, Keras BackupAndRestore backs up the model, the "
                     "optimizer and every worker's compression state here each epoch, and a "
                     "restarted run resumes from it.")
+flags.register_multi_flags_validator(
+    ["lr_scaling", "warmup_epochs"],
+    lambda f: f["lr_scaling"] != "none" or not f["warmup_epochs"],
+    message="--warmup_epochs > 0 needs --lr_scaling=linear (the warm-up ramps from "
+            "--learning_rate up to the scaled rate; without scaling there is nothing to ramp to)")
 
 
 def worker_info(strategy):
@@ -67,10 +87,45 @@ def worker_info(strategy):
             multi_worker_util.worker_count(spec, resolver.task_type))
 
 
-def make_optimizer(name, learning_rate, compressor=None):
+def warmup_steps_for(warmup_epochs, steps_per_epoch):
+    """Optimizer steps in ``warmup_epochs`` epochs of ``steps_per_epoch`` steps (rounded;
+    at least 1 when ``warmup_epochs`` > 0)."""
+    if warmup_epochs < 0:
+        raise ValueError(f"`warmup_epochs` must be >= 0, got {warmup_epochs!r}")
+    if not warmup_epochs:
+        return 0
+    return max(1, int(round(warmup_epochs * steps_per_epoch)))
+
+
+def make_learning_rate(learning_rate, lr_scaling="none", workers=1, warmup_steps=0):
+    """What the optimizer is given as its learning rate.
+
+    ``lr_scaling="none"``: ``learning_rate`` itself (``warmup_steps`` must be 0).
+    ``"linear"``: a ``tfgc.keras.LinearScalingWarmup`` that ramps from
+    ``learning_rate`` to ``workers * learning_rate`` over ``warmup_steps`` steps and
+    stays there (Goyal et al. 2017's linear scaling rule and gradual warm-up).
+    """
+    if lr_scaling == "none":
+        if warmup_steps:
+            raise ValueError("`warmup_steps` must be 0 without learning-rate scaling "
+                             f"(lr_scaling='none'), got {warmup_steps!r}")
+        return learning_rate
+    if lr_scaling == "linear":
+        from tfgc.keras.schedules import LinearScalingWarmup
+        return LinearScalingWarmup(learning_rate, workers, warmup_steps)
+    raise ValueError(f"`lr_scaling` must be 'none' or 'linear', got {lr_scaling!r}")
+
+
+def make_optimizer(name, learning_rate, compressor=None, *, lr_scaling="none", workers=1,
+                   warmup_steps=0):
     """The Keras optimizer ``name``; momentum SGD leaves its momentum to a compressor
-    that applies it on the workers (DGC's momentum correction)."""
+    that applies it on the workers (DGC's momentum correction).
+
+    ``learning_rate`` may be a number or a Keras ``LearningRateSchedule``; with
+    ``lr_scaling="linear"`` it is the one-worker rate, scaled to ``workers`` times it
+    after ``warmup_steps`` of linear warm-up (see ``make_learning_rate``)."""
     import tf_keras as keras
+    learning_rate = make_learning_rate(learning_rate, lr_scaling, workers, warmup_steps)
     if name == "sgd":
         return keras.optimizers.SGD(learning_rate)
     if name == "momentum":
@@ -107,11 +162,15 @@ def make_step_timer():
 
 def train_and_evaluate(strategy, *, model="mlp", dataset="mnist5k", epochs=1, batch_size=64,
                        learning_rate=0.05, optimizer="momentum", seed=0, steps_per_epoch=0,
-                       data=None, verbose=None, callbacks=()):
+                       data=None, verbose=None, callbacks=(), lr_scaling="none",
+                       warmup_epochs=0.0):
     """Trains ``model`` on this worker's shard of ``dataset`` under ``strategy``.
 
     Returns a dict of results (accuracy, bytes, ratio, step time) and the model.
     ``data`` may pass a loaded ``tfgc.data.Dataset`` to skip loading.
+    ``lr_scaling="linear"`` trains at (number of workers) x ``learning_rate`` after
+    ``warmup_epochs`` epochs of linear warm-up (see ``make_learning_rate``); the results
+    then also hold ``base_learning_rate``, ``peak_learning_rate`` and ``warmup_steps``.
     """
     import numpy as np
     import tf_keras as keras
@@ -133,12 +192,15 @@ def train_and_evaluate(strategy, *, model="mlp", dataset="mnist5k", epochs=1, ba
     train_ds = data_lib.make_tf_dataset(x, y, batch_size, seed=seed + rank, repeat=True)
     test_ds = data_lib.make_tf_dataset(ds.x_test, ds.y_test, 500, shuffle=False,
                                        drop_remainder=False)
+    warmup_steps = warmup_steps_for(warmup_epochs, steps)
 
     with strategy.scope():
         net = models.build_model(model, input_shape=ds.x_train.shape[1:],
                                  num_classes=ds.num_classes, seed=seed)
         net.compile(optimizer=make_optimizer(optimizer, learning_rate,
-                                             getattr(strategy, "compressor", None)),
+                                             getattr(strategy, "compressor", None),
+                                             lr_scaling=lr_scaling, workers=num_workers,
+                                             warmup_steps=warmup_steps),
                     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                     metrics=["accuracy"])
 
@@ -181,6 +243,12 @@ def train_and_evaluate(strategy, *, model="mlp", dataset="mnist5k", epochs=1, ba
         "ratio": float(stats["ratio"]), "wire_ratio": float(stats["wire_ratio"]),
         "step_time_ms": timer.median_ms(), "train_seconds": train_seconds,
     }
+    if lr_scaling != "none":
+        from tfgc.keras.schedules import scaled_learning_rate
+        results.update({"lr_scaling": lr_scaling,
+                        "base_learning_rate": float(learning_rate),
+                        "peak_learning_rate": scaled_learning_rate(learning_rate, num_workers),
+                        "warmup_steps": warmup_steps})
     return results, net
 
 
@@ -228,7 +296,7 @@ def main(argv):
         strategy, model=FLAGS.model, dataset=FLAGS.dataset, epochs=FLAGS.epochs,
         batch_size=FLAGS.batch_size, learning_rate=FLAGS.learning_rate,
         optimizer=FLAGS.optimizer, seed=FLAGS.seed, steps_per_epoch=FLAGS.steps_per_epoch,
-        callbacks=callbacks)
+        callbacks=callbacks, lr_scaling=FLAGS.lr_scaling, warmup_epochs=FLAGS.warmup_epochs)
 
     if FLAGS.save_weights:
         np.savez(f"{FLAGS.save_weights}.w{results['rank']}.npz",
@@ -241,6 +309,10 @@ def main(argv):
         print(f"wire/step      {results['sent_bytes_per_step']:,} bytes sent per worker; a dense "
               f"ring all-reduce sends {results['dense_sent_bytes_per_step']:,}")
         print(f"step time      {results['step_time_ms']:.2f} ms (median)")
+        if "peak_learning_rate" in results:
+            print(f"learning rate  {results['peak_learning_rate']:g} peak "
+                  f"({results['base_learning_rate']:g} x {results['workers']} workers, "
+                  f"{results['lr_scaling']} scaling; warm-up {results['warmup_steps']} steps)")
         print("RESULT " + json.dumps(results, sort_keys=True))
         if FLAGS.json_out:
             with open(FLAGS.json_out, "w") as f:

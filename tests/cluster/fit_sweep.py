@@ -7,7 +7,8 @@ builds a fresh model, so its train function is traced with that compressor.
 Writes, per compressor i, OUT_DIR/<i>.w<rank>.npz (final weights) and
 OUT_DIR/<i>.w<rank>.json (results), and OUT_DIR/extras.w<rank>.json for the checks
 selected with --retrace, --custom-loop, --eager-reduce and --dgc (and, with
---powersgd, OUT_DIR/powersgd.w<rank>.npz).
+--powersgd, OUT_DIR/powersgd.w<rank>.npz; with --thresholds,
+OUT_DIR/thresholds.<spec>.w<rank>.npz).
 """
 
 import argparse
@@ -244,6 +245,47 @@ def powersgd_check(strategy, out_dir):
     np.savez(os.path.join(out_dir, f"powersgd.w{rank}.npz"), **arrays)
 
 
+THRESHOLD_SPECS = ["graddrop", "graddrop:scope=global", "graddrop:drop_ratio=0.9,quantize=onebit",
+                   "threshold:tau=1.5,max_density=0.05", "adaptive:proportion=20", "ef+fft"]
+THRESHOLD_STEPS = 3
+# At most 1024 entries per kernel: the samples are whole tensors, so a NumPy model
+# replays the steps exactly; the vector goes dense.
+THRESHOLD_SHAPES = [(32, 32), (16, 64), (32,)]
+
+
+def threshold_gradients(rank, step):
+    rng = np.random.RandomState(2000 * step + rank)
+    return [rng.randn(*shape).astype(np.float32) for shape in THRESHOLD_SHAPES]
+
+
+def thresholds_check(strategy, out_dir):
+    """Fixed per-worker gradients through each threshold sparsifier (the all-gather,
+    and the fused vector of the global threshold): every step's outputs, each
+    kernel's residual and the bytes of the last reduction, for a NumPy replay."""
+    import tensorflow as tf
+
+    from fixed_reduce import make_reduce
+
+    rank, _ = _rank(strategy)
+    for spec in THRESHOLD_SPECS:
+        strategy.compressor = spec
+        with strategy.scope():
+            variables = [tf.Variable(tf.zeros(shape)) for shape in THRESHOLD_SHAPES]
+        owner = tf.Module()
+        reduce = make_reduce(strategy, variables, owner)
+        arrays = {}
+        for step in range(THRESHOLD_STEPS):
+            for j, r in enumerate(reduce(threshold_gradients(rank, step))):
+                arrays[f"out{step}_{j}"] = r
+        state = strategy.compression_state(owner)
+        for j, v in enumerate(variables[:2]):
+            arrays[f"residual{j}"] = state.slot(v, 0)["residual"].numpy()
+        stats = strategy.compression_stats()
+        arrays.update(payload=np.array(stats["payload_bytes"]), sent=np.array(stats["sent_bytes"]),
+                      path=np.array(strategy.cross_device_ops._path()))  # pylint: disable=protected-access
+        np.savez(os.path.join(out_dir, f"thresholds.{spec}.w{rank}.npz"), **arrays)
+
+
 def eager_reduce_check(strategy, extras):
     """Cross-replica reductions: exact by default, compressed inside compress_gradients."""
     import tensorflow as tf
@@ -301,6 +343,7 @@ def main():
     parser.add_argument("--eager-reduce", action="store_true")
     parser.add_argument("--dgc", action="store_true")
     parser.add_argument("--powersgd", action="store_true")
+    parser.add_argument("--thresholds", action="store_true")
     args = parser.parse_args()
 
     import tfgc
@@ -320,6 +363,8 @@ def main():
         dgc_check(strategy, ds, extras)
     if args.powersgd:
         powersgd_check(strategy, args.out_dir)
+    if args.thresholds:
+        thresholds_check(strategy, args.out_dir)
     save(args.out_dir, "extras", _rank(strategy)[0], extras)
 
 

@@ -4,14 +4,16 @@ from tfgc.compressors.base import CompressContext, Compressor
 from tfgc.compressors.casts import BF16, FP16, Identity
 from tfgc.compressors.dgc import DGC
 from tfgc.compressors.error_feedback import ErrorFeedback
+from tfgc.compressors.fft import FFT
 from tfgc.compressors.powersgd import PowerSGD
 from tfgc.compressors.quantizers import QSGD, OneBit, ScaledSign, SignSGD, TernGrad
 from tfgc.compressors.registry import get, names, register, serialize, serialize_config
 from tfgc.compressors.sparse import Importance, RandomK, TopK
+from tfgc.compressors.thresholds import Adaptive, GradientDropping, Threshold
 
 __all__ = [
-    "BF16", "CompressContext", "Compressor", "DGC", "ErrorFeedback", "FP16", "Identity",
-    "Importance", "OneBit",
-    "PowerSGD", "QSGD", "RandomK", "ScaledSign", "SignSGD", "TernGrad", "TopK", "get", "names", "register",
+    "Adaptive", "BF16", "CompressContext", "Compressor", "DGC", "ErrorFeedback", "FFT", "FP16",
+    "GradientDropping", "Identity", "Importance", "OneBit",
+    "PowerSGD", "QSGD", "RandomK", "ScaledSign", "SignSGD", "TernGrad", "Threshold", "TopK", "get", "names", "register",
     "serialize", "serialize_config",
 ]

@@ -105,6 +105,10 @@ class Compressor(abc.ABC):
     # Sparsifiers whose paper aggregates over one worker's index set (Cheng & Xu):
     # auto sends them over the shared-index all-reduce.
     shares_indices: bool = False
+    # Compressors that treat all compressed gradients of a reduction as one vector
+    # (gradient dropping's global threshold): the cross-device ops concatenate them
+    # (per dtype), compress and send that, and split the result and the state back.
+    fuses_gradients: bool = False
     # Momentum this compressor applies on the workers (DGC's momentum correction).
     # The cross-device ops then apply it to the gradients sent dense too, and stop
     # with a message if the optimizer would apply momentum a second time.

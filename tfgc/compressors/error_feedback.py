@@ -75,6 +75,7 @@ class ErrorFeedback(Compressor):
     sparse_payload = _inner("sparse_payload")
     needs_weights = _inner("needs_weights")
     shares_indices = _inner("shares_indices")
+    fuses_gradients = _inner("fuses_gradients")
 
     @property
     def recompressible(self):

@@ -21,9 +21,11 @@ from tfgc.compressors.base import Compressor
 from tfgc.compressors.casts import BF16, FP16, Identity
 from tfgc.compressors.dgc import DGC
 from tfgc.compressors.error_feedback import ErrorFeedback
+from tfgc.compressors.fft import FFT
 from tfgc.compressors.powersgd import PowerSGD
 from tfgc.compressors.quantizers import QSGD, OneBit, ScaledSign, SignSGD, TernGrad
 from tfgc.compressors.sparse import Importance, RandomK, TopK
+from tfgc.compressors.thresholds import Adaptive, GradientDropping, Threshold
 
 _REGISTRY: Dict[str, Type[Compressor]] = {}
 
@@ -42,7 +44,7 @@ def register(cls: Type[Compressor]) -> Type[Compressor]:
 
 
 for _cls in (Identity, FP16, BF16, TopK, RandomK, OneBit, SignSGD, ScaledSign, QSGD, TernGrad,
-             ErrorFeedback, DGC, PowerSGD, Importance):
+             ErrorFeedback, DGC, PowerSGD, Importance, GradientDropping, Threshold, Adaptive, FFT):
     register(_cls)
 
 

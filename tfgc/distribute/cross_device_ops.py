@@ -49,7 +49,7 @@ from tfgc.collectives.allgather import (num_payload_words, padded_payload_words,
                                         unpack_payload_words)
 from tfgc.compressors import CompressContext, ErrorFeedback, get as get_compressor, serialize_config
 from tfgc.compressors.powersgd import orthogonalize
-from tfgc.distribute import gradients
+from tfgc.distribute import fusion, gradients
 from tfgc.distribute import state as state_lib
 from tfgc.distribute.policy import CompressionPolicy
 from tfgc.distribute.stats import CompressionStats, WireBytes
@@ -572,13 +572,21 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             with ops.device(device), \
                     ops.control_dependencies([guard] if guard is not None else []):
                 step_var = state.step(replica_id)
-                args = (tensors, variables, mask, state, step_var, launcher, rank, replica_id,
-                        options)
+                if compressor.fuses_gradients:
+                    # One vector per dtype (gradient dropping's global threshold).
+                    paths_in = fusion.fuse(tensors, variables, mask)
+                    args = (*paths_in[:3], fusion.FusedState(state), step_var, launcher, rank,
+                            replica_id, options)
+                else:
+                    args = (tensors, variables, mask, state, step_var, launcher, rank,
+                            replica_id, options)
                 stages = compressor.stages()
                 if stages:
                     reduced, ok = self._staged_reduce(stages, reduce_fn, args, wire)
                 else:
                     reduced, ok = reduce_fn(compressor, *args, wire)
+                if compressor.fuses_gradients:
+                    reduced = paths_in[3](reduced)
         if compressor.applied_momentum and tensors:
             if state is None:
                 state = self._state_for(ctx.owner, compressor, variables, mask)
