@@ -26,20 +26,19 @@ def _layer_seeds(seed: int, count: int) -> list[int]:
     return [int(s) & 0x7FFFFFFF for s in state]  # keep within int32 for TF
 
 
-def _mlp(keras, input_shape, num_classes, seeds):
+def _mlp(keras, input_shape, num_classes, seeds, dense):
     init = keras.initializers
     return [
         keras.layers.Flatten(name="flatten"),
-        keras.layers.Dense(256, activation="relu", name="dense_256",
-                           kernel_initializer=init.GlorotUniform(seed=seeds[0])),
-        keras.layers.Dense(128, activation="relu", name="dense_128",
-                           kernel_initializer=init.GlorotUniform(seed=seeds[1])),
-        keras.layers.Dense(num_classes, name="logits",
-                           kernel_initializer=init.GlorotUniform(seed=seeds[2])),
+        dense(256, activation="relu", name="dense_256",
+              kernel_initializer=init.GlorotUniform(seed=seeds[0])),
+        dense(128, activation="relu", name="dense_128",
+              kernel_initializer=init.GlorotUniform(seed=seeds[1])),
+        dense(num_classes, name="logits", kernel_initializer=init.GlorotUniform(seed=seeds[2])),
     ]
 
 
-def _cnn(keras, input_shape, num_classes, seeds):
+def _cnn(keras, input_shape, num_classes, seeds, dense):
     init = keras.initializers
     return [
         keras.layers.Conv2D(32, 3, activation="relu", name="conv_32",
@@ -49,10 +48,9 @@ def _cnn(keras, input_shape, num_classes, seeds):
                             kernel_initializer=init.GlorotUniform(seed=seeds[1])),
         keras.layers.MaxPooling2D(name="pool_2"),
         keras.layers.Flatten(name="flatten"),
-        keras.layers.Dense(128, activation="relu", name="dense_128",
-                           kernel_initializer=init.GlorotUniform(seed=seeds[2])),
-        keras.layers.Dense(num_classes, name="logits",
-                           kernel_initializer=init.GlorotUniform(seed=seeds[3])),
+        dense(128, activation="relu", name="dense_128",
+              kernel_initializer=init.GlorotUniform(seed=seeds[2])),
+        dense(num_classes, name="logits", kernel_initializer=init.GlorotUniform(seed=seeds[3])),
     ]
 
 
@@ -65,13 +63,16 @@ MODEL_NAMES = tuple(_BUILDERS)
 
 
 def build_model(name: str, input_shape: Sequence[int] = (28, 28, 1),
-                num_classes: int = 10, seed: int = 0):
+                num_classes: int = 10, seed: int = 0, moments: bool = False):
     """Build an uncompiled ``tf_keras.Sequential`` model that outputs logits.
 
     Same ``seed`` -> identical initial weights (biases start at zero), which
     matters for multi-worker runs: every worker must start from the same
     weights, and comparisons between compressors should share a starting point.
     Call it inside ``strategy.scope()`` to get distributed variables.
+    ``moments=True`` builds the dense layers as ``tfgc.keras.MomentDense`` (the same
+    weights and outputs), for compressors that read per-sample second moments
+    (``"variance"``).
     """
     key = name.strip().lower() if isinstance(name, str) else name
     if key not in _BUILDERS:
@@ -81,7 +82,12 @@ def build_model(name: str, input_shape: Sequence[int] = (28, 28, 1),
     import tf_keras as keras  # lazy: importing TensorFlow is slow
 
     factory, n_seeded = _BUILDERS[key]
-    layers = factory(keras, tuple(input_shape), int(num_classes), _layer_seeds(seed, n_seeded))
+    if moments:
+        from tfgc.keras.moments import MomentDense as dense
+    else:
+        dense = keras.layers.Dense
+    layers = factory(keras, tuple(input_shape), int(num_classes), _layer_seeds(seed, n_seeded),
+                     dense)
     model = keras.Sequential(
         [keras.Input(shape=tuple(input_shape), name="image")] + layers, name=key)
     return model

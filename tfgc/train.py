@@ -195,8 +195,12 @@ def train_and_evaluate(strategy, *, model="mlp", dataset="mnist5k", epochs=1, ba
     warmup_steps = warmup_steps_for(warmup_epochs, steps)
 
     with strategy.scope():
+        compressor = getattr(strategy, "compressor", None)
+        # Variance-based compression reads per-sample second moments: MomentDense.
         net = models.build_model(model, input_shape=ds.x_train.shape[1:],
-                                 num_classes=ds.num_classes, seed=seed)
+                                 num_classes=ds.num_classes, seed=seed,
+                                 moments=bool(compressor is not None
+                                              and compressor.needs_second_moment))
         net.compile(optimizer=make_optimizer(optimizer, learning_rate,
                                              getattr(strategy, "compressor", None),
                                              lr_scaling=lr_scaling, workers=num_workers,

@@ -8,7 +8,7 @@ Writes, per compressor i, OUT_DIR/<i>.w<rank>.npz (final weights) and
 OUT_DIR/<i>.w<rank>.json (results), and OUT_DIR/extras.w<rank>.json for the checks
 selected with --retrace, --custom-loop, --eager-reduce and --dgc (and, with
 --powersgd, OUT_DIR/powersgd.w<rank>.npz; with --thresholds,
-OUT_DIR/thresholds.<spec>.w<rank>.npz).
+OUT_DIR/thresholds.<spec>.w<rank>.npz; with --gradiveq, OUT_DIR/gradiveq.w<rank>.npz).
 """
 
 import argparse
@@ -286,6 +286,47 @@ def thresholds_check(strategy, out_dir):
         np.savez(os.path.join(out_dir, f"thresholds.{spec}.w{rank}.npz"), **arrays)
 
 
+GRADIVEQ_SPEC = "gradiveq:slice_size=64,max_dim=8,learn_steps=8,compress_steps=2"
+GRADIVEQ_STEPS = 12
+# A convolution kernel (slices of one 16 x 16 depth-filter block, 256 entries) and
+# its bias (dense).
+GRADIVEQ_SHAPES = [(3, 3, 16, 16), (16,)]
+
+
+def gradiveq_gradients(rank, step):
+    """Kernels near a rank-3 subspace of the slices, shared by the workers, plus noise."""
+    directions = np.random.RandomState(7).randn(256, 3)
+    rng = np.random.RandomState(3000 * step + rank)
+    kernel = (directions @ rng.randn(3, 9)).T.reshape(GRADIVEQ_SHAPES[0])
+    kernel = kernel + 0.01 * rng.randn(*GRADIVEQ_SHAPES[0])
+    return [kernel.astype(np.float32), rng.randn(16).astype(np.float32)]
+
+
+def gradiveq_check(strategy, out_dir):
+    """Fixed per-worker gradients through GradiVeQ's cycle (learning steps all-reduce
+    the gradient, compressing steps its projections): every step's outputs and the
+    learned basis, for a NumPy replay."""
+    import tensorflow as tf
+
+    from fixed_reduce import make_reduce
+
+    strategy.compressor = GRADIVEQ_SPEC
+    rank, _ = _rank(strategy)
+    with strategy.scope():
+        variables = [tf.Variable(tf.zeros(shape)) for shape in GRADIVEQ_SHAPES]
+    owner = tf.Module()
+    reduce = make_reduce(strategy, variables, owner)
+    arrays = {}
+    for step in range(GRADIVEQ_STEPS):
+        for j, r in enumerate(reduce(gradiveq_gradients(rank, step))):
+            arrays[f"out{step}_{j}"] = r
+        arrays[f"payload{step}"] = np.array(strategy.compression_stats()["payload_bytes"])
+    slot = strategy.compression_state(owner).slot(variables[0], 0)
+    arrays.update(basis=slot["basis"].numpy(), mean=slot["mean"].numpy(),
+                  path=np.array(strategy.cross_device_ops._path()))  # pylint: disable=protected-access
+    np.savez(os.path.join(out_dir, f"gradiveq.w{rank}.npz"), **arrays)
+
+
 def eager_reduce_check(strategy, extras):
     """Cross-replica reductions: exact by default, compressed inside compress_gradients."""
     import tensorflow as tf
@@ -344,6 +385,7 @@ def main():
     parser.add_argument("--dgc", action="store_true")
     parser.add_argument("--powersgd", action="store_true")
     parser.add_argument("--thresholds", action="store_true")
+    parser.add_argument("--gradiveq", action="store_true")
     args = parser.parse_args()
 
     import tfgc
@@ -365,6 +407,8 @@ def main():
         powersgd_check(strategy, args.out_dir)
     if args.thresholds:
         thresholds_check(strategy, args.out_dir)
+    if args.gradiveq:
+        gradiveq_check(strategy, args.out_dir)
     save(args.out_dir, "extras", _rank(strategy)[0], extras)
 
 

@@ -42,6 +42,10 @@ class CompressContext:
       weight: the current value of the variable this gradient belongs to, for
         compressors that declare ``needs_weights`` (importance-weighted pruning);
         None otherwise.
+      second_moment: for compressors that declare ``needs_second_moment``
+        (variance-based compression), the sum over the minibatch of the squared
+        per-sample gradients divided by B^2, shaped like the gradient (from
+        ``tfgc.keras.MomentDense``); None otherwise.
     """
 
     rank: int = 0
@@ -49,6 +53,7 @@ class CompressContext:
     index: int = 0
     step: Any = 0
     weight: Any = None
+    second_moment: Any = None
 
     def seed(self, base_seed: int, shared: bool) -> tf.Tensor:
         """A stateless-RNG seed for this tensor at this step.
@@ -102,6 +107,8 @@ class Compressor(abc.ABC):
     low_rank: bool = False
     # Compressors that read the variable's value (``CompressContext.weight``).
     needs_weights: bool = False
+    # Compressors that read the per-sample second moment (``CompressContext.second_moment``).
+    needs_second_moment: bool = False
     # Sparsifiers whose paper aggregates over one worker's index set (Cheng & Xu):
     # auto sends them over the shared-index all-reduce.
     shares_indices: bool = False
@@ -109,6 +116,9 @@ class Compressor(abc.ABC):
     # (gradient dropping's global threshold): the cross-device ops concatenate them
     # (per dtype), compress and send that, and split the result and the state back.
     fuses_gradients: bool = False
+    # Compressors whose stages repeat (GradiVeQ's learning and compressing windows):
+    # the stage is chosen by step modulo this period; 0 for stages in sequence.
+    stage_period: int = 0
     # Momentum this compressor applies on the workers (DGC's momentum correction).
     # The cross-device ops then apply it to the gradients sent dense too, and stop
     # with a message if the optimizer would apply momentum a second time.
@@ -205,6 +215,15 @@ class Compressor(abc.ABC):
         the caller (``compress_with_feedback``) for compressors that use it.
         """
         return tuple(self.compress(x, {}, ctx)[0])
+
+    def finish(self, payload, shape, dtype, ctx, state):
+        """Decodes an all-reduced (summable) payload: ``(output, state to commit)``.
+
+        ``state`` is what ``compress`` returned. The default is ``decompress``, with
+        the state unchanged; a compressor that learns from the aggregated gradient
+        (GradiVeQ) or decodes with its state overrides it.
+        """
+        return self.decompress(payload, shape, dtype, ctx), state
 
     def compress_and_decode(self, x, state, ctx):
         """``compress`` plus the local decoding of its payload.

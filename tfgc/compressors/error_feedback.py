@@ -60,6 +60,9 @@ class ErrorFeedback(Compressor):
         if inner.keeps_residual:
             raise ValueError(f"`compressor` {inner.name!r} keeps its own residual; use it "
                              "without error feedback (no `ef+`)")
+        if inner.stage_period:
+            raise ValueError(f"`compressor` {inner.name!r} learns from the aggregated "
+                             "gradients and runs without error feedback (no `ef+`)")
         self.inner = inner
         self.momentum = check_momentum(momentum, nesterov)
         self.nesterov = nesterov
@@ -76,6 +79,7 @@ class ErrorFeedback(Compressor):
     needs_weights = _inner("needs_weights")
     shares_indices = _inner("shares_indices")
     fuses_gradients = _inner("fuses_gradients")
+    needs_second_moment = _inner("needs_second_moment")
 
     @property
     def recompressible(self):

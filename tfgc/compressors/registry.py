@@ -22,10 +22,12 @@ from tfgc.compressors.casts import BF16, FP16, Identity
 from tfgc.compressors.dgc import DGC
 from tfgc.compressors.error_feedback import ErrorFeedback
 from tfgc.compressors.fft import FFT
+from tfgc.compressors.gradiveq import GradiVeQ
 from tfgc.compressors.powersgd import PowerSGD
 from tfgc.compressors.quantizers import QSGD, OneBit, ScaledSign, SignSGD, TernGrad
 from tfgc.compressors.sparse import Importance, RandomK, TopK
 from tfgc.compressors.thresholds import Adaptive, GradientDropping, Threshold
+from tfgc.compressors.variance import Variance
 
 _REGISTRY: Dict[str, Type[Compressor]] = {}
 
@@ -44,7 +46,8 @@ def register(cls: Type[Compressor]) -> Type[Compressor]:
 
 
 for _cls in (Identity, FP16, BF16, TopK, RandomK, OneBit, SignSGD, ScaledSign, QSGD, TernGrad,
-             ErrorFeedback, DGC, PowerSGD, Importance, GradientDropping, Threshold, Adaptive, FFT):
+             ErrorFeedback, DGC, PowerSGD, Importance, GradientDropping, Threshold, Adaptive, FFT, Variance,
+             GradiVeQ):
     register(_cls)
 
 

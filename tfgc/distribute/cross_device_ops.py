@@ -49,7 +49,7 @@ from tfgc.collectives.allgather import (num_payload_words, padded_payload_words,
                                         unpack_payload_words)
 from tfgc.compressors import CompressContext, ErrorFeedback, get as get_compressor, serialize_config
 from tfgc.compressors.powersgd import orthogonalize
-from tfgc.distribute import fusion, gradients
+from tfgc.distribute import fusion, gradients, moments
 from tfgc.distribute import state as state_lib
 from tfgc.distribute.policy import CompressionPolicy
 from tfgc.distribute.stats import CompressionStats, WireBytes
@@ -300,6 +300,9 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         self._models = weakref.WeakSet()
         self._exchangers = {}
         self._auto_choice = None  # (generation, path) once auto has seen the gradients
+        # Per replica, while a reduction is traced: kernel key -> its gradient's
+        # per-sample second moment (variance-based compression).
+        self._second_moments = {}
 
     # -- public --------------------------------------------------------------------
 
@@ -545,9 +548,21 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         results = [None] * len(flat)
         slices_pos = [i for i, v in enumerate(flat) if isinstance(v, indexed_slices.IndexedSlices)]
         tensor_pos = [i for i in range(len(flat)) if i not in slices_pos]
+        # Moment probes' gradients (tfgc.keras.MomentDense) travel with the gradients
+        # but are not sent: they are handed to the compressor of their kernel, and
+        # the optimizer gets zeros for them.
+        probes = {i: moments.kernel_key_of(ctx.variables[i]) for i in tensor_pos}
+        probes = {i: key for i, key in probes.items() if key is not None}
+        self._second_moments[replica_id] = {
+            key: ops.convert_to_tensor(flat[i]) for i, key in probes.items()}
+        for i in probes:
+            results[i] = tf.zeros_like(flat[i])
+        tensor_pos = [i for i in tensor_pos if i not in probes]
         tensors = [ops.convert_to_tensor(flat[i]) for i in tensor_pos]
         variables = [ctx.variables[i] for i in tensor_pos]
         mask = [self._policy.should_compress(t, compressor) for t in tensors]
+        if compressor.needs_second_moment:
+            mask = self._with_moments(compressor, variables, mask, replica_id)
         wire = WireBytes(n)
 
         if compressor.applied_momentum:
@@ -582,7 +597,8 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                             replica_id, options)
                 stages = compressor.stages()
                 if stages:
-                    reduced, ok = self._staged_reduce(stages, reduce_fn, args, wire)
+                    reduced, ok = self._staged_reduce(stages, reduce_fn, args, wire,
+                                                      compressor.stage_period)
                 else:
                     reduced, ok = reduce_fn(compressor, *args, wire)
                 if compressor.fuses_gradients:
@@ -624,6 +640,27 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                     wire.payload, wire.static_sent, wire.dense_sent)
         return results
 
+    def _with_moments(self, compressor, variables, mask, replica_id):
+        """The mask without the gradients that have no second moment (kernels of
+        layers other than MomentDense), which go dense; stops when none has one."""
+        have = self._second_moments.get(replica_id, {})
+        out = [m and v is not None and state_lib.var_key(v) in have
+               for m, v in zip(mask, variables)]
+        if any(mask) and not any(out):
+            raise ValueError(
+                f"{compressor!r} needs the per-sample second moments of the gradients: "
+                "build the model's dense layers with tfgc.keras.MomentDense")
+        if out != mask:
+            logging.log_first_n(logging.INFO, "tfgc: %d gradients without a second moment "
+                                "(not from a MomentDense layer) go dense", 1,
+                                sum(mask) - sum(out))
+        return out
+
+    def _second_moment(self, compressor, variable, replica_id):
+        if not compressor.needs_second_moment:
+            return None
+        return self._second_moments[replica_id][state_lib.var_key(variable)]
+
     def _state_for(self, owner, compressor, variables, mask):
         """The owner's compression state, registered for ``variables`` on this path."""
         layout = _TwoStageState(compressor, self._group_size) \
@@ -633,7 +670,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         self._states.add(state)
         return state
 
-    def _staged_reduce(self, stages, reduce_fn, args, wire):
+    def _staged_reduce(self, stages, reduce_fn, args, wire, period=0):
         """Runs the stage of ``stages`` that the step counter is in (DGC's warm-up).
 
         Each stage is its own branch of a ``tf.switch_case`` with its own static
@@ -642,6 +679,9 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         """
         step_var = args[4]
         step = step_var.read_value()
+        if period:
+            # Stages that repeat (GradiVeQ's windows): the position in the cycle.
+            step = tf.math.floormod(step, tf.cast(period, step.dtype))
         index = tf.add_n([tf.cast(step >= first, tf.int32) for first, _ in stages[1:]])
         dense = []
 
@@ -670,7 +710,9 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         payloads, contexts, slots, new_states = {}, {}, {}, {}
         for index, i in enumerate(compressed):
             cctx = CompressContext(rank=rank, num_workers=self._group_size, index=index,
-                                   step=step, weight=_weight(compressor, variables[i]))
+                                   step=step, weight=_weight(compressor, variables[i]),
+                                   second_moment=self._second_moment(compressor, variables[i],
+                                                                     replica_id))
             slots[i] = state.slot(variables[i], replica_id)
             current = tf.nest.map_structure(lambda v: v.read_value(), slots[i])
             payload, new_states[i] = compressor.compress(tensors[i], current, cctx)
@@ -747,11 +789,13 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         # 4. Decode, combine and commit the new state, or keep the old one.
         def decode_and_commit_one(i):
             t = tensors[i]
+            new_state = new_states[i]
             if use_allreduce:
-                out = compressor.decompress((reduced[i],), t.shape, t.dtype, contexts[i])
+                out, new_state = compressor.finish((reduced[i],), t.shape, t.dtype, contexts[i],
+                                                   new_state)
             else:
                 out = compressor.aggregate(gathered[i], t.shape, t.dtype, contexts[i])
-            tf.nest.map_structure(lambda v, s: v.assign(s), slots[i], new_states[i])
+            tf.nest.map_structure(lambda v, s: v.assign(s), slots[i], new_state)
             return out
 
         outputs = _commit_or_skip(ok, step_var, sorted(payloads), tensors, reduced,

@@ -1,0 +1,195 @@
+"""GradiVeQ: gradient vector quantization by a PCA learned online (Yu et al., NeurIPS 2018).
+
+A gradient is cut into slices of K entries; each slice g is sent as its projection
+U_d^T (g - mu / N) on the top d principal directions of recent aggregated slices.
+The projection is linear, so the workers' projections add up in a plain all-reduce
+to U_d^T (sum g - mu), and the receiver decompresses once: U_d (sum) + mu.
+
+Layout: a convolution kernel [H, W, D, F] flattened row-major has each spatial
+position's D x F block contiguous (filters fastest, then depth, then width, then
+height, as the paper lays it out), so a slice is a whole number of those blocks:
+K = D F c with c = round(``slice_size`` / (D F)), at least 1. The paper leaves
+fully-connected layers uncompressed; ``dense_layers=True`` compresses 2-D kernels
+too, in flat slices of ``slice_size``. The last slice is padded with zeros.
+
+Learning the compressor, in cycles of ``learn_steps`` + ``compress_steps`` steps:
+
+* learning steps send the gradient uncompressed (one all-reduce); every worker adds
+  the first slice of the *aggregated* gradient to its sums, so every worker holds
+  the same samples (the paper's reuse factor s = infinity: one compressor per
+  layer, learned from its first slice);
+* at the last learning step every worker computes mu (the samples' mean) and the
+  eigenvectors of their covariance, and keeps the smallest d whose eigenvalues hold
+  at least 1 - ``energy`` of the total (the lambda rule), at most ``max_dim``;
+  identical inputs on identical code give the same U_d and mu on every worker;
+* compressing steps send d' = ``max_dim`` floats per slice, the directions past d
+  set to zero (payload shapes are static in tfgc, so the wire carries ``max_dim``
+  whatever d the rule picks; the figures report it).
+
+The paper's learning steps may send 4-bit QSGD instead of raw gradients; tfgc sends
+them raw, so a cycle's mean ratio is (L_t + L_c) / (L_t + L_c d'/K). No error
+feedback, as in the paper.
+"""
+
+import tensorflow as tf
+
+from tfgc.compressors.base import Compressor, check_int, num_elements
+
+
+def _check_energy(energy):
+    if isinstance(energy, bool) or not isinstance(energy, (int, float)) \
+            or not 0.0 <= float(energy) < 1.0:
+        raise ValueError(f"`energy` must be a number in [0, 1), got {energy!r}")
+    return float(energy)
+
+
+class GradiVeQ(Compressor):
+    """GradiVeQ (see the module docstring).
+
+    Args:
+      slice_size: target slice length K, >= 2. Default 768 (the paper's 3 x 16 x 16).
+      energy: lambda; U_d keeps at least 1 - lambda of the samples' variance, in
+        [0, 1). Default 0.01 (the paper's).
+      max_dim: d', the floats sent per slice (d <= d'), in [1, K]. Default 96 (K / 8,
+        the paper's average compression per slice).
+      learn_steps: L_t, uncompressed steps that collect samples, >= 2. Default 100.
+      compress_steps: L_c, compressed steps per cycle, >= 1. Default 400.
+      dense_layers: also compress 2-D kernels (the paper leaves them uncompressed).
+
+    Wire per compressed gradient: d' floats per slice, all-reduced; on learning
+    steps the raw gradient.
+    """
+
+    name = "gradiveq"
+    summable = True
+
+    def __init__(self, slice_size: int = 768, energy: float = 0.01, max_dim: int = 96,
+                 learn_steps: int = 100, compress_steps: int = 400, dense_layers: bool = False):
+        self.slice_size = check_int("slice_size", slice_size, 2)
+        self.energy = _check_energy(energy)
+        self.max_dim = check_int("max_dim", max_dim, 1, slice_size)
+        self.learn_steps = check_int("learn_steps", learn_steps, 2)
+        self.compress_steps = check_int("compress_steps", compress_steps, 1)
+        if not isinstance(dense_layers, bool):
+            raise ValueError(f"`dense_layers` must be a bool, got {dense_layers!r}")
+        self.dense_layers = dense_layers
+        self.phase = "cycle"
+
+    # -- layout ---------------------------------------------------------------------
+
+    def slice_length(self, shape) -> int:
+        dims = shape.as_list()
+        if len(dims) == 4:
+            unit = dims[2] * dims[3]
+            return unit * max(1, int(round(self.slice_size / unit)))
+        return min(self.slice_size, num_elements(shape))
+
+    def dims(self, shape):
+        """(K, slices, d') for a gradient of ``shape``."""
+        k = self.slice_length(shape)
+        return k, -(-num_elements(shape) // k), min(self.max_dim, k)
+
+    def supports(self, shape, dtype):
+        if not super().supports(shape, dtype):
+            return False
+        rank = len(shape.as_list())
+        return rank == 4 or (self.dense_layers and rank == 2)
+
+    def _slices(self, x):
+        k, slices, _ = self.dims(x.shape)
+        flat = tf.cast(tf.reshape(x, [-1]), tf.float32)
+        flat = tf.pad(flat, [[0, slices * k - num_elements(x.shape)]])
+        return tf.reshape(flat, [slices, k])
+
+    def _unslice(self, rows, shape, dtype):
+        flat = tf.reshape(rows, [-1])[:num_elements(shape)]
+        return tf.reshape(tf.cast(flat, dtype), shape)
+
+    # -- schedule ---------------------------------------------------------------------
+
+    @property
+    def stage_period(self) -> int:
+        return self.learn_steps + self.compress_steps if self.phase == "cycle" else 0
+
+    def _in_phase(self, phase):
+        stage = GradiVeQ(**self.get_config())
+        stage.phase = phase
+        return stage
+
+    def stages(self):
+        if self.phase != "cycle":
+            return []
+        return [(0, self._in_phase("learn")), (self.learn_steps, self._in_phase("compress"))]
+
+    def __repr__(self):
+        base = super().__repr__()
+        return base if self.phase == "cycle" else f"{base}[{self.phase}]"
+
+    # -- state ------------------------------------------------------------------------
+
+    def init_state(self, shape, dtype):
+        k, _, d = self.dims(shape)
+        return {"basis": tf.zeros([k, d]), "mean": tf.zeros([k]), "cov": tf.zeros([k, k]),
+                "sum": tf.zeros([k]), "count": tf.zeros([])}
+
+    def learn(self, samples_cov, samples_sum, count):
+        """(basis [K, d'], mean [K], d) from accumulated samples, by the lambda rule."""
+        k = int(samples_sum.shape[0])
+        d_max = min(self.max_dim, k)
+        count = tf.maximum(count, 1.0)
+        mean = samples_sum / count
+        cov = samples_cov / count - mean[:, None] * mean[None, :]
+        cov = (cov + tf.transpose(cov)) / 2.0
+        values, vectors = tf.linalg.eigh(tf.cast(cov, tf.float64))
+        values = tf.maximum(tf.reverse(values, [0]), 0.0)
+        vectors = tf.reverse(vectors, [1])
+        total = tf.reduce_sum(values)
+        held = tf.cumsum(values) / tf.maximum(total, 1e-300)
+        # The smallest d with held[d - 1] >= 1 - lambda (all of them for zero variance).
+        d = tf.reduce_sum(tf.cast(held < 1.0 - self.energy, tf.int32)) + 1
+        d = tf.where(total > 0, tf.minimum(d, d_max), 1)
+        basis = tf.cast(vectors[:, :d_max], tf.float32) * tf.cast(
+            tf.range(d_max) < d, tf.float32)[None, :]
+        return basis, tf.cast(mean, tf.float32), d
+
+    # -- the algorithm ----------------------------------------------------------------
+
+    def compress(self, x, state, ctx):
+        if self.phase == "learn":
+            return (tf.reshape(tf.cast(x, tf.float32), [-1]),), state
+        if self.phase != "compress":
+            raise ValueError("gradiveq runs in stages; the cross-device ops pick them by step")
+        n = max(1, ctx.num_workers)
+        centered = self._slices(x) - state["mean"][None, :] / float(n)
+        return (tf.reshape(tf.matmul(centered, state["basis"]), [-1]),), state
+
+    def decompress(self, payload, shape, dtype, ctx):
+        if self.phase == "learn":
+            return tf.reshape(tf.cast(payload[0], dtype), shape)
+        raise ValueError("gradiveq decodes with its basis and mean: see `finish`")
+
+    def finish(self, payload, shape, dtype, ctx, state):
+        """Decodes the all-reduced payload with this worker's state; on learning steps
+        also adds the aggregated gradient's first slice to the samples and, at the
+        window's last step, learns U_d and mu from them."""
+        (flat,) = payload
+        if self.phase == "compress":
+            _, slices, d = self.dims(shape)
+            projected = tf.reshape(flat, [slices, d])
+            rows = tf.matmul(projected, state["basis"], transpose_b=True) + state["mean"][None, :]
+            return self._unslice(rows, shape, dtype), state
+        total = tf.reshape(tf.cast(flat, tf.float32), [-1])
+        k, _, _ = self.dims(shape)
+        sample = total[:k]
+        sample = tf.pad(sample, [[0, k - int(sample.shape[0])]])
+        period = self.learn_steps + self.compress_steps
+        in_window = tf.math.floormod(tf.cast(ctx.step, tf.int64), period)
+        keep = tf.where(tf.equal(in_window, 0), 0.0, 1.0)  # a new window starts afresh
+        cov = state["cov"] * keep + sample[:, None] * sample[None, :]
+        sums = state["sum"] * keep + sample
+        count = state["count"] * keep + 1.0
+        basis, mean = tf.cond(tf.equal(in_window, self.learn_steps - 1),
+                              lambda: self.learn(cov, sums, count)[:2],
+                              lambda: (state["basis"], state["mean"]))
+        out = tf.reshape(tf.cast(total, dtype), shape)
+        return out, {"basis": basis, "mean": mean, "cov": cov, "sum": sums, "count": count}
