@@ -224,21 +224,12 @@ def powersgd_gradients(rank, step):
 def powersgd_check(strategy, out_dir):
     """Fixed per-worker gradients through PowerSGD's two all-reduces (auto's low-rank
     path): saves every step's outputs, the residual and the query for a NumPy replay."""
-    import tensorflow as tf
+    from fixed_reduce import run_steps
 
-    from fixed_reduce import make_reduce
-
-    strategy.compressor = "powersgd:rank=2"
     rank, _ = _rank(strategy)
-    with strategy.scope():
-        variables = [tf.Variable(tf.zeros(shape)) for shape in POWERSGD_SHAPES]
-    owner = tf.Module()
-    reduce = make_reduce(strategy, variables, owner)
-
-    arrays = {}
-    for step in range(POWERSGD_STEPS):
-        for j, r in enumerate(reduce(powersgd_gradients(rank, step))):
-            arrays[f"out{step}_{j}"] = r
+    arrays, variables, owner = run_steps(
+        strategy, "powersgd:rank=2", POWERSGD_SHAPES,
+        lambda step: powersgd_gradients(rank, step), POWERSGD_STEPS)
     slot = strategy.compression_state(owner).slot(variables[0], 0)
     arrays.update(residual=slot["residual"].numpy(), query=slot["query"].numpy(),
                   path=np.array(strategy.cross_device_ops._path()))  # pylint: disable=protected-access
@@ -262,21 +253,13 @@ def thresholds_check(strategy, out_dir):
     """Fixed per-worker gradients through each threshold sparsifier (the all-gather,
     and the fused vector of the global threshold): every step's outputs, each
     kernel's residual and the bytes of the last reduction, for a NumPy replay."""
-    import tensorflow as tf
-
-    from fixed_reduce import make_reduce
+    from fixed_reduce import run_steps
 
     rank, _ = _rank(strategy)
     for spec in THRESHOLD_SPECS:
-        strategy.compressor = spec
-        with strategy.scope():
-            variables = [tf.Variable(tf.zeros(shape)) for shape in THRESHOLD_SHAPES]
-        owner = tf.Module()
-        reduce = make_reduce(strategy, variables, owner)
-        arrays = {}
-        for step in range(THRESHOLD_STEPS):
-            for j, r in enumerate(reduce(threshold_gradients(rank, step))):
-                arrays[f"out{step}_{j}"] = r
+        arrays, variables, owner = run_steps(
+            strategy, spec, THRESHOLD_SHAPES, lambda step: threshold_gradients(rank, step),
+            THRESHOLD_STEPS)
         state = strategy.compression_state(owner)
         for j, v in enumerate(variables[:2]):
             arrays[f"residual{j}"] = state.slot(v, 0)["residual"].numpy()
@@ -306,21 +289,16 @@ def gradiveq_check(strategy, out_dir):
     """Fixed per-worker gradients through GradiVeQ's cycle (learning steps all-reduce
     the gradient, compressing steps its projections): every step's outputs and the
     learned basis, for a NumPy replay."""
-    import tensorflow as tf
+    from fixed_reduce import run_steps
 
-    from fixed_reduce import make_reduce
-
-    strategy.compressor = GRADIVEQ_SPEC
     rank, _ = _rank(strategy)
-    with strategy.scope():
-        variables = [tf.Variable(tf.zeros(shape)) for shape in GRADIVEQ_SHAPES]
-    owner = tf.Module()
-    reduce = make_reduce(strategy, variables, owner)
-    arrays = {}
-    for step in range(GRADIVEQ_STEPS):
-        for j, r in enumerate(reduce(gradiveq_gradients(rank, step))):
-            arrays[f"out{step}_{j}"] = r
+
+    def payload(step, arrays):
         arrays[f"payload{step}"] = np.array(strategy.compression_stats()["payload_bytes"])
+
+    arrays, variables, owner = run_steps(
+        strategy, GRADIVEQ_SPEC, GRADIVEQ_SHAPES, lambda step: gradiveq_gradients(rank, step),
+        GRADIVEQ_STEPS, after_step=payload)
     slot = strategy.compression_state(owner).slot(variables[0], 0)
     arrays.update(basis=slot["basis"].numpy(), mean=slot["mean"].numpy(),
                   path=np.array(strategy.cross_device_ops._path()))  # pylint: disable=protected-access

@@ -23,3 +23,28 @@ def make_reduce(strategy, variables, owner):
         return [strategy.experimental_local_results(r)[0].numpy() for r in result]
 
     return run
+
+
+def run_steps(strategy, spec, shapes, gradients, steps, after_step=None):
+    """Sets ``spec`` as the strategy's compressor and reduces ``gradients(step)`` (one
+    NumPy array per shape, this worker's) for ``steps`` steps, over fresh variables of
+    ``shapes`` whose state a fresh owner holds.
+
+    Returns ``(arrays, variables, owner)``: ``arrays["out<step>_<j>"]`` is this
+    worker's result for gradient j at that step; ``after_step(step, arrays)`` may add
+    figures after each step.
+    """
+    import tensorflow as tf
+
+    strategy.compressor = spec
+    with strategy.scope():
+        variables = [tf.Variable(tf.zeros(shape)) for shape in shapes]
+    owner = tf.Module()
+    reduce = make_reduce(strategy, variables, owner)
+    arrays = {}
+    for step in range(steps):
+        for j, r in enumerate(reduce(gradients(step))):
+            arrays[f"out{step}_{j}"] = r
+        if after_step is not None:
+            after_step(step, arrays)
+    return arrays, variables, owner
