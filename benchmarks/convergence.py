@@ -138,6 +138,12 @@ SETTINGS = [
                 "zeta = 0.999, 4-bit values; the model's dense layers become MomentDense "
                 "(as tfgc-train does); momentum SGD like the other delayed-update "
                 "sparsifiers; not measured before"),
+    dict(label="gradiveq", covers="gradiveq", spec="gradiveq:dense_layers=true",
+         optimizer="momentum", lr=BASE_LR,
+         source="GradiVeQ (Yu et al. 2018): K = 768, lambda = 0.01, d' = 96, windows of 100 "
+                "learning + 400 compressed steps, no error feedback, momentum SGD as the "
+                "paper's ResNet runs; dense_layers=true, since the paper leaves fully-"
+                "connected layers uncompressed and the MLP has nothing else"),
     dict(label="stock", covers=None, spec="stock", optimizer="momentum", lr=BASE_LR,
          default=False,
          source="stock tf.distribute.MultiWorkerMirroredStrategy (bytes: the ring formula)"),

@@ -199,8 +199,7 @@ def sweep2(tmp_path_factory):
 @pytest.fixture(scope="module")
 def sweep3(tmp_path_factory):
     return run_cluster(tmp_path_factory, "sweep3", 3,
-                       ["--epochs", "2", "--custom-loop", "--powersgd", "--thresholds",
-                        "--gradiveq", "--specs"] + SPECS3,
+                       ["--epochs", "2", "--custom-loop", "--powersgd", "--specs"] + SPECS3,
                        env={"TFGC_DISABLE_CUSTOM_OPS": "1"})
 
 
@@ -339,7 +338,10 @@ def test_variance_reads_moment_probes_and_sends_none_of_them(sweep2):
             assert not np.any(probe), "a moment probe was updated"
 
 
-@pytest.mark.parametrize("sweep", ["sweep2", "sweep3"])
+# On 2 workers only: the all-reduce and the all-gather take any N (the 3-worker sweep
+# checks both with PowerSGD and the fit), and each of these checks costs a few
+# retraces per compressor.
+@pytest.mark.parametrize("sweep", ["sweep2"])
 def test_gradiveq_cycle_matches_numpy_model(request, sweep):
     """Fixed per-worker gradients through GradiVeQ's learning and compressing windows on
     the plain all-reduce: outputs equal the paper's algorithm in NumPy, every worker
@@ -393,7 +395,7 @@ def _threshold_payload_bytes(spec, n, cols):
     return 4 * math.ceil(2.0 * n / 20) + 8 * cols + 4  # words, the column means, the count
 
 
-@pytest.mark.parametrize("sweep", ["sweep2", "sweep3"])
+@pytest.mark.parametrize("sweep", ["sweep2"])
 def test_threshold_sparsifiers_match_numpy_models(request, sweep):
     """Fixed per-worker gradients through gradient dropping (per layer, global, 1-bit),
     Strom's threshold, Dryden's adaptive quantization and FFT sparsification (with
