@@ -201,8 +201,7 @@ def train_and_evaluate(strategy, *, model="mlp", dataset="mnist5k", epochs=1, ba
                                  num_classes=ds.num_classes, seed=seed,
                                  moments=bool(compressor is not None
                                               and compressor.needs_second_moment))
-        net.compile(optimizer=make_optimizer(optimizer, learning_rate,
-                                             getattr(strategy, "compressor", None),
+        net.compile(optimizer=make_optimizer(optimizer, learning_rate, compressor,
                                              lr_scaling=lr_scaling, workers=num_workers,
                                              warmup_steps=warmup_steps),
                     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

@@ -274,11 +274,29 @@ def momentum_step(g: tf.Tensor, u: tf.Tensor, momentum: float, nesterov: bool):
     return u, u
 
 
+def check_fraction(name: str, value: float) -> float:
+    """Validates a number in [0, 1) (a momentum, a drop ratio, a share of variance)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not 0.0 <= float(value) < 1.0:
+        raise ValueError(f"`{name}` must be a number in [0, 1), got {value!r}")
+    return float(value)
+
+
+def checked_count(count, capacity: int) -> tf.Tensor:
+    """A payload's entry count as a scalar, checked against its capacity: a malformed
+    payload from another worker fails with InvalidArgument."""
+    count = tf.reshape(count, [])
+    with tf.control_dependencies([
+            tf.debugging.assert_less_equal(tf.cast(count, tf.int64),
+                                           tf.constant(capacity, tf.int64),
+                                           message="payload count exceeds its capacity"),
+            tf.debugging.assert_non_negative(count, message="payload count is negative")]):
+        return tf.identity(count)
+
+
 def check_momentum(momentum: float, nesterov: bool) -> float:
     """Validates a worker-side momentum in [0, 1) and its Nesterov flag."""
-    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) \
-            or not 0.0 <= float(momentum) < 1.0:
-        raise ValueError(f"`momentum` must be a number in [0, 1), got {momentum!r}")
+    check_fraction("momentum", momentum)
     if not isinstance(nesterov, bool):
         raise ValueError(f"`nesterov` must be a bool, got {nesterov!r}")
     if nesterov and not momentum:

@@ -39,7 +39,7 @@ import tensorflow as tf
 
 from tfgc.compressors.base import (check_int, check_momentum, check_ratio, momentum_step,
                                    num_elements)
-from tfgc.compressors.sparse import TopK, _k_for
+from tfgc.compressors.sparse import TopK, _k_for, keep_largest
 from tfgc.ops import sparsify
 
 # The paper's warm-up divides the density by 4 per stage, starting at 25 %.
@@ -149,7 +149,7 @@ class DGC(TopK):
             sample_ratio=self.sample_ratio, seed=seed)
         values, picked, new_v = out.values, out.indices, out.new_residual
         if not exact:
-            values, picked, new_v = _exactly_k(values, picked, new_v, k)
+            values, picked, new_v = keep_largest(values, picked, new_v, k)
         sent = picked[:, None]
         count = tf.shape(picked)[0]
         if self.momentum and self.momentum_masking:
@@ -164,19 +164,3 @@ class DGC(TopK):
 
     def compress_with_feedback(self, x, residual, state, ctx):
         raise ValueError("dgc keeps its own residual; use it without `ef+`")
-
-
-def _exactly_k(values, picked, new_v, k):
-    """The sampled selection cut to its k largest |v| when longer; the rest goes back to v.
-
-    Indices stay ascending. A selection of k or fewer is returned as it is.
-    """
-    def largest():
-        count = tf.shape(picked)[0]
-        kept = tf.sort(tf.math.top_k(tf.abs(values), k, sorted=False).indices)
-        dropped = tf.logical_not(tf.scatter_nd(kept[:, None], tf.ones([k], tf.bool), [count]))
-        restored = tf.tensor_scatter_nd_update(
-            new_v, tf.boolean_mask(picked, dropped)[:, None], tf.boolean_mask(values, dropped))
-        return tf.gather(values, kept), tf.gather(picked, kept), restored
-
-    return tf.cond(tf.shape(picked)[0] > k, largest, lambda: (values, picked, new_v))

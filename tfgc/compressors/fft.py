@@ -30,19 +30,12 @@ import math
 
 import tensorflow as tf
 
-from tfgc.compressors.base import Compressor, check_int, num_elements
+from tfgc.compressors.base import Compressor, check_fraction, check_int, num_elements
 from tfgc.ops import packing, sparsify
 
 _MANTISSA_BITS_F32 = 23
 # Exponents outside this range cannot come from float32 data.
 _MIN_EXPONENT, _MAX_EXPONENT = -160, 128
-
-
-def _check_theta(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not 0.0 <= float(value) < 1.0:
-        raise ValueError(f"`{name}` must be a number in [0, 1), got {value!r}")
-    return float(value)
 
 
 def range_float_encode(x, bits, exponent_bits):
@@ -113,13 +106,13 @@ class FFT(Compressor):
 
     def __init__(self, theta: float = 0.9, bits: int = 8, exponent_bits: int = 3,
                  decay_steps: int = 0, final_theta: float = 0.0):
-        self.theta = _check_theta("theta", theta)
+        self.theta = check_fraction("theta", theta)
         if isinstance(bits, bool) or bits not in (8, 16):
             raise ValueError(f"`bits` must be 8 or 16, got {bits!r}")
         self.bits = bits
         self.exponent_bits = check_int("exponent_bits", exponent_bits, 1, bits - 2)
         self.decay_steps = check_int("decay_steps", decay_steps, 0)
-        self.final_theta = _check_theta("final_theta", final_theta)
+        self.final_theta = check_fraction("final_theta", final_theta)
         if self.final_theta > self.theta:
             raise ValueError(f"`final_theta` ({final_theta!r}) must not exceed `theta` "
                              f"({theta!r})")

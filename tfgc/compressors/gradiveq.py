@@ -33,14 +33,7 @@ feedback, as in the paper.
 
 import tensorflow as tf
 
-from tfgc.compressors.base import Compressor, check_int, num_elements
-
-
-def _check_energy(energy):
-    if isinstance(energy, bool) or not isinstance(energy, (int, float)) \
-            or not 0.0 <= float(energy) < 1.0:
-        raise ValueError(f"`energy` must be a number in [0, 1), got {energy!r}")
-    return float(energy)
+from tfgc.compressors.base import Compressor, check_fraction, check_int, num_elements
 
 
 class GradiVeQ(Compressor):
@@ -66,7 +59,7 @@ class GradiVeQ(Compressor):
     def __init__(self, slice_size: int = 768, energy: float = 0.01, max_dim: int = 96,
                  learn_steps: int = 100, compress_steps: int = 400, dense_layers: bool = False):
         self.slice_size = check_int("slice_size", slice_size, 2)
-        self.energy = _check_energy(energy)
+        self.energy = check_fraction("energy", energy)
         self.max_dim = check_int("max_dim", max_dim, 1, slice_size)
         self.learn_steps = check_int("learn_steps", learn_steps, 2)
         self.compress_steps = check_int("compress_steps", compress_steps, 1)

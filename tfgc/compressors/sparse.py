@@ -200,3 +200,21 @@ class RandomK(Compressor):
         indices = self._indices(shape, ctx)
         dense = tf.scatter_nd(indices[:, None], tf.cast(payload[0], dtype), [num_elements(shape)])
         return tf.reshape(dense, shape)
+
+
+def keep_largest(values, picked, new_v, k):
+    """A threshold's selection (``values`` at ascending flat indices ``picked``, with
+    ``new_v`` the residual where they are zeroed) cut to its k largest |v| when longer;
+    the rest goes back to the residual (DGC's sampled threshold, gradient dropping).
+
+    Indices stay ascending. A selection of k or fewer is returned as it is.
+    """
+    def largest():
+        count = tf.shape(picked)[0]
+        kept = tf.sort(tf.math.top_k(tf.abs(values), k, sorted=False).indices)
+        dropped = tf.logical_not(tf.scatter_nd(kept[:, None], tf.ones([k], tf.bool), [count]))
+        restored = tf.tensor_scatter_nd_update(
+            new_v, tf.boolean_mask(picked, dropped)[:, None], tf.boolean_mask(values, dropped))
+        return tf.gather(values, kept), tf.gather(picked, kept), restored
+
+    return tf.cond(tf.shape(picked)[0] > k, largest, lambda: (values, picked, new_v))

@@ -23,8 +23,10 @@ import math
 import numpy as np
 import tensorflow as tf
 
-from tfgc.compressors.base import (Compressor, as_columns, check_int, check_positive_float,
-                                   check_ratio, num_elements)
+from tfgc.compressors.base import (Compressor, as_columns, check_fraction, check_int,
+                                   check_positive_float, check_ratio, checked_count,
+                                   num_elements)
+from tfgc.compressors.sparse import keep_largest
 from tfgc.ops import sign_bits, sparsify, threshold as threshold_ops
 
 # Marian sorts at most this many sampled |v| to find the threshold.
@@ -60,17 +62,6 @@ def _pad(t, length, value=0):
     """``t`` (1-D, at most ``length`` long) padded with ``value`` to a static ``length``."""
     pad = length - tf.shape(t)[0]
     return tf.ensure_shape(tf.concat([t, tf.fill([pad], tf.cast(value, t.dtype))], 0), [length])
-
-
-def _check_count(count, capacity):
-    """The payload's entry count as a scalar, checked against its capacity: a malformed
-    payload from another worker fails with InvalidArgument."""
-    count = tf.reshape(count, [])
-    with tf.control_dependencies([tf.debugging.assert_less_equal(
-            tf.cast(count, tf.int64), tf.constant(capacity, tf.int64),
-            message="payload count exceeds its capacity"),
-            tf.debugging.assert_non_negative(count, message="payload count is negative")]):
-        return tf.identity(count)
 
 
 class GradientDropping(Compressor):
@@ -113,14 +104,11 @@ class GradientDropping(Compressor):
 
     def __init__(self, drop_ratio: float = 0.99, scope: str = "layer",
                  sample_size: int = _GRADDROP_SAMPLE, quantize: str = "none"):
-        if isinstance(drop_ratio, bool) or not isinstance(drop_ratio, (int, float)) \
-                or not 0.0 <= float(drop_ratio) < 1.0:
-            raise ValueError(f"`drop_ratio` must be a number in [0, 1), got {drop_ratio!r}")
+        self.drop_ratio = check_fraction("drop_ratio", drop_ratio)
         if scope not in ("layer", "global"):
             raise ValueError(f"`scope` must be 'layer' or 'global', got {scope!r}")
         if quantize not in ("none", "onebit"):
             raise ValueError(f"`quantize` must be 'none' or 'onebit', got {quantize!r}")
-        self.drop_ratio = float(drop_ratio)
         self.scope = scope
         self.sample_size = check_int("sample_size", sample_size, 1)
         self.quantize = quantize
@@ -143,8 +131,8 @@ class GradientDropping(Compressor):
         size = min(self.sample_size, int(flat_x.shape[0]))
         sample = tf.abs(_sample(flat_x, flat_r, size, ctx.seed(_GRADDROP_SEED, shared=False)))
         cut = max(0, int(math.floor(size * self.drop_ratio)) - 1)
-        # The cut-th smallest is the (size - cut)-th largest: a partial sort.
-        t = tf.math.top_k(sample, size - cut, sorted=True).values[-1]
+        # The cut-th smallest is the smallest of the size - cut largest: a partial sort.
+        t = tf.reduce_min(tf.math.top_k(sample, size - cut, sorted=False).values)
         # A NaN sample (a step that will be discarded) must not reach the kernel.
         return tf.where(tf.math.is_nan(t), tf.constant(_FLOAT32_MAX, tf.float32), t)
 
@@ -161,14 +149,9 @@ class GradientDropping(Compressor):
         above = tf.maximum(tf.math.nextafter(t, tf.constant(float("inf"), tf.float32)),
                            tf.constant(np.finfo(np.float32).tiny, tf.float32))
         out = sparsify.sparsify_by_threshold(x, residual, above, -above)
-        values, picked = out.values, out.indices
-        new_residual = tf.reshape(out.new_residual, [-1])
-        keep = _largest_first(values, picked, k)
-        kept_values, kept_idx = tf.gather(values, keep), tf.gather(picked, keep)
         # Entries past the capacity go back to the residual.
-        restored = tf.tensor_scatter_nd_add(new_residual, picked[:, None], values)
-        new_residual = tf.tensor_scatter_nd_update(restored, kept_idx[:, None],
-                                                   tf.zeros_like(kept_values))
+        kept_values, kept_idx, new_residual = keep_largest(
+            out.values, out.indices, tf.reshape(out.new_residual, [-1]), k)
         count = tf.shape(kept_idx)[0]
         if self.quantize == "none":
             payload = (_pad(kept_values, k), _pad(kept_idx, k))
@@ -197,7 +180,7 @@ class GradientDropping(Compressor):
             return tf.reshape(dense, shape)
         indices, signs, means, count = payload
         k = self.num_kept(shape)
-        count = _check_count(count, k)
+        count = checked_count(count, k)
         positive = sign_bits.unpack_sign_bits(signs, k, tf.float32) > 0
         means = tf.reshape(means, [2])
         values = tf.where(positive, means[0], means[1])
@@ -307,7 +290,7 @@ class Threshold(_SignWords):
 
     def decompress(self, payload, shape, dtype, ctx):
         words, count = payload
-        count = _check_count(count, self.capacity(shape))
+        count = checked_count(count, self.capacity(shape))
         # The kernel checks every word against the tensor size.
         dense = threshold_ops.threshold_decode(words[:count], self.tau, -self.tau,
                                                num_elements(shape), dtype)
@@ -406,7 +389,7 @@ class Adaptive(_SignWords):
     def decompress(self, payload, shape, dtype, ctx):
         words, recon, count = payload
         _, cols = as_columns(shape)
-        count = _check_count(count, self.capacity(shape))
+        count = checked_count(count, self.capacity(shape))
         words = words[:count]
         index = tf.bitwise.right_shift(words, 1)
         column = tf.math.floormod(index, cols)

@@ -33,7 +33,8 @@ import math
 
 import tensorflow as tf
 
-from tfgc.compressors.base import Compressor, check_positive_float, check_ratio, num_elements
+from tfgc.compressors.base import (Compressor, check_positive_float, check_ratio, checked_count,
+                                   num_elements)
 from tfgc.ops import sparsify
 
 _INDEX_BITS = 28
@@ -125,13 +126,7 @@ class Variance(Compressor):
 
     def decompress(self, payload, shape, dtype, ctx):
         words, scale, count = payload
-        cap = self.capacity(shape)
-        count = tf.reshape(count, [])
-        with tf.control_dependencies([
-                tf.debugging.assert_less_equal(count, cap,
-                                               message="payload count exceeds its capacity"),
-                tf.debugging.assert_non_negative(count, message="payload count is negative")]):
-            words = words[:count]
+        words = words[:checked_count(count, self.capacity(shape))]
         index = tf.bitwise.right_shift(words, 4)
         values = self._values(tf.bitwise.bitwise_and(words, 15), tf.reshape(scale, []))
         # The kernel checks every index (a negative word gives a negative one).

@@ -587,11 +587,12 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             with ops.device(device), \
                     ops.control_dependencies([guard] if guard is not None else []):
                 step_var = state.step(replica_id)
+                unfuse = None
                 if compressor.fuses_gradients:
                     # One vector per dtype (gradient dropping's global threshold).
-                    paths_in = fusion.fuse(tensors, variables, mask)
-                    args = (*paths_in[:3], fusion.FusedState(state), step_var, launcher, rank,
-                            replica_id, options)
+                    fused_t, fused_v, fused_m, unfuse = fusion.fuse(tensors, variables, mask)
+                    args = (fused_t, fused_v, fused_m, fusion.FusedState(state), step_var,
+                            launcher, rank, replica_id, options)
                 else:
                     args = (tensors, variables, mask, state, step_var, launcher, rank,
                             replica_id, options)
@@ -601,8 +602,8 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                                                       compressor.stage_period)
                 else:
                     reduced, ok = reduce_fn(compressor, *args, wire)
-                if compressor.fuses_gradients:
-                    reduced = paths_in[3](reduced)
+                if unfuse is not None:
+                    reduced = unfuse(reduced)
         if compressor.applied_momentum and tensors:
             if state is None:
                 state = self._state_for(ctx.owner, compressor, variables, mask)
