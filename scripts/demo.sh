@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The main job: a local 2-worker cluster trains an MLP on Fashion-MNIST with a
 # compressor (default: top-1% with error feedback), then with the stock
-# MultiWorkerMirroredStrategy, and prints accuracy and bytes per step side by side.
+# MultiWorkerMirroredStrategy, and prints accuracy and bytes per step side by side; the
+# table, two plots (test accuracy against bytes sent and against time) and each run's
+# JSON go to build/demo/ (DEMO_DIR to change).
 #
 #   bash scripts/demo.sh                      # defaults
 #   COMPRESSOR="qsgd:levels=7" EPOCHS=3 bash scripts/demo.sh
@@ -12,23 +14,49 @@ PYTHON=${PYTHON:-python3}
 COMPRESSOR=${COMPRESSOR:-ef+topk:ratio=0.01}
 EPOCHS=${EPOCHS:-2}
 MODEL=${MODEL:-mlp}
-out=$(mktemp -d)
-trap 'rm -rf "$out"' EXIT
-common=(--workers=2 --dataset=fashion_mnist --model="$MODEL" --epochs="$EPOCHS" --timeout=1800)
+out=${DEMO_DIR:-build/demo}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+common=(--workers=2 --dataset=fashion_mnist --model="$MODEL" --epochs="$EPOCHS" --timeout=1800
+        --eval_each_epoch)
 
 echo "== tfgc: $COMPRESSOR, 2 workers, $MODEL on Fashion-MNIST =="
-"$PYTHON" -m tfgc.train "${common[@]}" --compressor="$COMPRESSOR" --json_out="$out/tfgc.json"
+"$PYTHON" -m tfgc.train "${common[@]}" --compressor="$COMPRESSOR" --json_out="$out/tfgc.json" \
+  | grep -v '^\[w0\] RESULT '
 echo "== stock MultiWorkerMirroredStrategy, same model and data =="
-"$PYTHON" -m tfgc.train "${common[@]}" --baseline --json_out="$out/baseline.json"
+"$PYTHON" -m tfgc.train "${common[@]}" --baseline --json_out="$out/baseline.json" \
+  | grep -v '^\[w0\] RESULT '
 
-"$PYTHON" - "$out/tfgc.json" "$out/baseline.json" <<'PY'
-import json, sys
-runs = [json.load(open(p)) for p in sys.argv[1:]]
+"$PYTHON" - "$out" <<'PY'
+import json, os, sys
+from tfgc.plots import svg_plot
+out = sys.argv[1]
+runs = [json.load(open(os.path.join(out, f))) for f in ("tfgc.json", "baseline.json")]
+rows = ["| run | test accuracy | payload B/step | sent B/step per worker | wire ratio | step ms |",
+        "|---|---|---|---|---|---|"]
 print()
 print("bytes per worker and step; 'sent' is what crosses a worker's link")
 print(f"{'run':<28} {'test acc':>8} {'payload':>10} {'sent':>10} {'wire ratio':>10} {'step ms':>8}")
 for r in runs:
     name = "stock MWMS" if r["baseline"] else r["compressor"]
+    r["label"] = name
     print(f"{name:<28} {r['test_accuracy']:>8.4f} {r['payload_bytes_per_step']:>10,} "
           f"{r['sent_bytes_per_step']:>10,} {r['wire_ratio']:>9.1f}x {r['step_time_ms']:>8.2f}")
+    rows.append(f"| {name} | {r['test_accuracy']:.4f} | {r['payload_bytes_per_step']:,} | "
+                f"{r['sent_bytes_per_step']:,} | {r['wire_ratio']:.1f}x | {r['step_time_ms']:.2f} |")
+with open(os.path.join(out, "results.md"), "w") as f:
+    f.write("\n".join(rows) + "\n")
+for key, xlabel, xlog, fname in (
+        ("cumulative_sent_bytes", "bytes sent per worker (cumulative, log scale)", True,
+         "accuracy_vs_bytes.svg"),
+        ("train_seconds", "training time, s (evaluation left out)", False,
+         "accuracy_vs_time.svg")):
+    series = [(r["label"], [(p[key], p["test_accuracy"]) for p in r["curve"] if p[key] > 0])
+              for r in runs]
+    with open(os.path.join(out, fname), "w") as f:
+        f.write(svg_plot("Fashion-MNIST, 2 workers: test accuracy after each epoch", xlabel,
+                         "test accuracy", series, xlog))
+print()
+print(f"written to {out}: results.md, accuracy_vs_bytes.svg, accuracy_vs_time.svg, "
+      "tfgc.json, baseline.json")
 PY

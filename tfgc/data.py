@@ -339,7 +339,8 @@ DATASET_NAMES = tuple(_LOADERS)
 
 def load_dataset(name: str, *, synthetic_examples: int = SYNTHETIC_DEFAULT_EXAMPLES,
                  seed: int = 0) -> Dataset:
-    """Load one of :data:`DATASET_NAMES` from local files (never the network).
+    """Load one of :data:`DATASET_NAMES` from local files (never the network), or a
+    user's data set named ``package.module:load_fn`` (see ``tfgc.entry_points``).
 
     ``seed`` fixes the mnist5k train/test split and the synthetic task;
     Fashion-MNIST comes with a fixed split and ignores it.  Raises
@@ -347,11 +348,15 @@ def load_dataset(name: str, *, synthetic_examples: int = SYNTHETIC_DEFAULT_EXAMP
     missing, :class:`DatasetCorruptError` when they are unreadable, and
     ``ValueError`` for an unknown name.
     """
+    from tfgc import entry_points
+    if entry_points.is_entry_point(name):
+        return entry_points.load_user_dataset(name, seed=seed)
     key = name.strip().lower().replace("-", "_") if isinstance(name, str) else name
     key = {"fashion": "fashion_mnist", "fmnist": "fashion_mnist",
            "mnist_5k": "mnist5k"}.get(key, key)
     if key not in _LOADERS:
-        raise ValueError(f"unknown dataset {name!r}; valid names: {', '.join(DATASET_NAMES)}")
+        raise ValueError(f"unknown dataset {name!r}; valid names: {', '.join(DATASET_NAMES)}, "
+                         "or package.module:load_fn")
     return _LOADERS[key](synthetic_examples=synthetic_examples, seed=seed)
 
 

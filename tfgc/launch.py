@@ -38,7 +38,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Iterable, Mapping, Sequence
+from typing import IO, Callable, Iterable, Mapping, Sequence
 
 __all__ = [
     "LaunchResult",
@@ -150,7 +150,8 @@ class _Worker:
     """One launched process plus the thread that relays its output."""
 
     def __init__(self, index: int, address: str, proc: subprocess.Popen,
-                 output: IO[str], lock: threading.Lock):
+                 output: IO[str], lock: threading.Lock,
+                 echo: Callable[[str], bool] | None = None):
         self.index = index
         self.address = address
         self.proc = proc
@@ -160,6 +161,7 @@ class _Worker:
         self._output = output
         self._lock = lock
         self._output_broken = False
+        self._echo = echo
         self.reader = threading.Thread(
             target=self._relay, name=f"tfgc-launch-w{index}", daemon=True)
 
@@ -177,6 +179,8 @@ class _Worker:
             self.tail.append(line.rstrip("\n"))
             if self._output_broken:
                 continue  # keep draining so the worker never blocks on the pipe
+            if self._echo is not None and not self._echo(line):
+                continue  # kept in lines and tail, not shown
             with self._lock:  # one whole line at a time across workers
                 try:
                     self._output.write(self.prefix + line)
@@ -248,6 +252,7 @@ def launch(
     cwd: str | os.PathLike | None = None,
     restarts: int = 0,
     log: IO[str] | None = None,
+    echo: Callable[[str], bool] | None = None,
 ) -> LaunchResult:
     """Run ``command`` as ``num_workers`` local TF workers and wait for them.
 
@@ -258,7 +263,9 @@ def launch(
     ``[w{i}] ``, to ``output`` (default: the current ``sys.stdout``).  The
     final result is not printed here (the CLI prints ``result.message`` on
     failure); only restart notices are written, to ``log`` (default: the
-    current ``sys.stderr``).
+    current ``sys.stderr``). ``echo``, if given, decides which lines are
+    echoed (it gets each line, newline included); the others are still kept in
+    ``outputs`` and in the tail shown when a worker fails.
 
     When called from the main thread, SIGINT/SIGTERM sent to this process are
     forwarded to every worker's process group; workers still alive ``grace``
@@ -305,7 +312,7 @@ def launch(
         while True:
             result = _run_cluster(
                 command, num_workers, base_env, grace, output, host, cwd,
-                catcher, start, timeout, deadline, attempt)
+                catcher, start, timeout, deadline, attempt, echo)
             result.restarts = attempt
             if result.ok or result.failed_worker is None or result.spawn_failed:
                 # Success, timeout, interruption, or a command that cannot even
@@ -363,6 +370,7 @@ def _run_cluster(
     timeout: float | None,
     deadline: float | None,
     restart_count: int,
+    echo: Callable[[str], bool] | None = None,
 ) -> LaunchResult:
     """Start the cluster once (fresh ports), supervise it, and tear it down."""
     ports = pick_free_ports(num_workers, host)
@@ -401,7 +409,7 @@ def _run_cluster(
                 worker_returncodes=[w.proc.returncode for w in workers]
                 + [None] * (num_workers - len(workers)),
                 spawn_failed=True)
-        worker = _Worker(i, addresses[i], proc, output, lock)
+        worker = _Worker(i, addresses[i], proc, output, lock, echo)
         workers.append(worker)
         worker.reader.start()
 

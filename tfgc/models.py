@@ -64,7 +64,9 @@ MODEL_NAMES = tuple(_BUILDERS)
 
 def build_model(name: str, input_shape: Sequence[int] = (28, 28, 1),
                 num_classes: int = 10, seed: int = 0, moments: bool = False):
-    """Build an uncompiled ``tf_keras.Sequential`` model that outputs logits.
+    """Build an uncompiled ``tf_keras.Sequential`` model that outputs logits, or a
+    user's model named ``package.module:build_fn`` (see ``tfgc.entry_points``;
+    ``moments`` does not apply to it).
 
     Same ``seed`` -> identical initial weights (biases start at zero), which
     matters for multi-worker runs: every worker must start from the same
@@ -74,9 +76,13 @@ def build_model(name: str, input_shape: Sequence[int] = (28, 28, 1),
     weights and outputs), for compressors that read per-sample second moments
     (``"variance"``).
     """
+    from tfgc import entry_points
+    if entry_points.is_entry_point(name):
+        return entry_points.build_user_model(name, input_shape, num_classes, seed)
     key = name.strip().lower() if isinstance(name, str) else name
     if key not in _BUILDERS:
-        raise ValueError(f"unknown model {name!r}; valid names: {', '.join(MODEL_NAMES)}")
+        raise ValueError(f"unknown model {name!r}; valid names: {', '.join(MODEL_NAMES)}, "
+                         "or package.module:build_fn")
     if int(num_classes) < 1:
         raise ValueError(f"num_classes must be >= 1, got {num_classes}")
     import tf_keras as keras  # lazy: importing TensorFlow is slow

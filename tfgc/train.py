@@ -15,6 +15,7 @@ optional gradual warm-up (Goyal et al. 2017; see ``tfgc.keras.LinearScalingWarmu
 
 import json
 import os
+import re
 import sys
 import time
 
@@ -22,11 +23,21 @@ from absl import app, flags
 
 FLAGS = flags.FLAGS
 
+
+def _is_entry_point(value):
+    from tfgc.entry_points import is_entry_point
+    return is_entry_point(value)
+
+
 flags.DEFINE_string("compressor", "ef+topk:ratio=0.01",
                     "Compressor spec, e.g. 'none', 'qsgd:levels=7', 'ef+topk:ratio=0.001'.")
-flags.DEFINE_enum("model", "mlp", ["mlp", "cnn"], "Model to train.")
-flags.DEFINE_enum("dataset", "fashion_mnist", ["fashion_mnist", "mnist5k", "synthetic"],
-                  "Data set; each worker trains on its own shard.")
+flags.DEFINE_string("model", "mlp", "Model to train: 'mlp', 'cnn', or your own as "
+                    "package.module:build_fn, called as build_fn(input_shape, num_classes, seed) "
+                    "and returning an uncompiled tf_keras.Model (see tfgc.entry_points).")
+flags.DEFINE_string("dataset", "fashion_mnist", "Data set: 'fashion_mnist', 'mnist5k', "
+                    "'synthetic', or your own as package.module:load_fn, called as "
+                    "load_fn(seed) and returning ((x_train, y_train), (x_test, y_test)) or a "
+                    "tfgc.data.Dataset; each worker trains on its own shard.")
 flags.DEFINE_integer("epochs", 2, "Epochs over each worker's shard.", lower_bound=1)
 flags.DEFINE_integer("batch_size", 64, "Batch size per worker.", lower_bound=1)
 flags.DEFINE_float("learning_rate", 0.05, "Learning rate (with --lr_scaling=linear: the rate "
@@ -69,6 +80,21 @@ flags.DEFINE_integer("restarts", 0, "With --workers, restart the local cluster u
 flags.DEFINE_string("backup_dir", "", "If set, Keras BackupAndRestore backs up the model, the "
                     "optimizer and every worker's compression state here each epoch, and a "
                     "restarted run resumes from it.")
+flags.DEFINE_bool("eval_each_epoch", False, "Evaluate on the test set after every epoch and "
+                  "record the curve (test accuracy, cumulative bytes sent, training time) in "
+                  "the results.")
+flags.DEFINE_bool("tf_logs", False, "Show TensorFlow's own INFO log lines (collective launches, "
+                  "cluster set-up); off by default so that a run shows progress and results.")
+flags.DEFINE_string("tensorboard", "", "If set, each worker writes its compression statistics "
+                    "(bytes, ratios, residual norms, the compressor's own diagnostics) as "
+                    "TensorBoard scalars under DIR/worker<index>.")
+flags.register_validator(
+    "model", lambda v: v.strip().lower() in ("mlp", "cnn") or _is_entry_point(v),
+    message="--model must be 'mlp', 'cnn' or package.module:build_fn")
+flags.register_validator(
+    "dataset", lambda v: v.strip().lower() in ("fashion_mnist", "mnist5k", "synthetic")
+    or _is_entry_point(v),
+    message="--dataset must be 'fashion_mnist', 'mnist5k', 'synthetic' or package.module:load_fn")
 flags.register_multi_flags_validator(
     ["lr_scaling", "warmup_epochs"],
     lambda f: f["lr_scaling"] != "none" or not f["warmup_epochs"],
@@ -160,10 +186,57 @@ def make_step_timer():
     return StepTimer()
 
 
+def make_progress(epochs, steps, stream=None, width=24, updates=10):
+    """A Keras callback that draws one text progress bar per epoch, a line at each tenth.
+
+    Built for output that goes through a pipe (the local launcher prefixes every line
+    with its worker), where Keras's own bar would print a line at every update.
+    """
+    import tf_keras as keras
+
+    out = stream or sys.stdout
+
+    class Progress(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self._epoch = 0
+            self._next = 0
+            self._start = 0.0
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self._epoch, self._next, self._start = epoch, 1, time.perf_counter()
+
+        def _line(self, done, logs):
+            # Loss and accuracy only at the epoch's end: tf-keras's per-batch logs under
+            # MultiWorkerMirroredStrategy add up the workers' figures.
+            filled = int(round(width * done / steps))
+            figures = "".join(f"  {k} {logs[k]:.4g}" for k in ("loss", "accuracy", "val_accuracy")
+                              if k in logs and done == steps)
+            if "sent_MB" in (logs or {}):
+                figures += f"  sent {logs['sent_MB'] * 1e3:,.1f} kB/step"
+            elapsed = time.perf_counter() - self._start
+            out.write(f"epoch {self._epoch + 1}/{epochs} [{'#' * filled}{'.' * (width - filled)}]"
+                      f" {done}/{steps}  {elapsed:.0f}s{figures}\n")
+            out.flush()
+
+        def on_train_batch_end(self, batch, logs=None):
+            done = batch + 1
+            if done < steps and done >= self._next * steps / updates:
+                while self._next * steps / updates <= done:
+                    self._next += 1
+                self._line(done, logs or {})
+
+        def on_epoch_end(self, epoch, logs=None):
+            self._line(steps, logs or {})
+
+    return Progress()
+
+
 def train_and_evaluate(strategy, *, model="mlp", dataset="mnist5k", epochs=1, batch_size=64,
                        learning_rate=0.05, optimizer="momentum", seed=0, steps_per_epoch=0,
                        data=None, verbose=None, callbacks=(), lr_scaling="none",
-                       warmup_epochs=0.0):
+                       warmup_epochs=0.0, eval_each_epoch=False, progress=None,
+                       tensorboard="", compressor_name=None):
     """Trains ``model`` on this worker's shard of ``dataset`` under ``strategy``.
 
     Returns a dict of results (accuracy, bytes, ratio, step time) and the model.
@@ -171,6 +244,13 @@ def train_and_evaluate(strategy, *, model="mlp", dataset="mnist5k", epochs=1, ba
     ``lr_scaling="linear"`` trains at (number of workers) x ``learning_rate`` after
     ``warmup_epochs`` epochs of linear warm-up (see ``make_learning_rate``); the results
     then also hold ``base_learning_rate``, ``peak_learning_rate`` and ``warmup_steps``.
+    ``model`` and ``dataset`` may name a user's ``package.module:function`` (see
+    ``tfgc.entry_points``). ``eval_each_epoch`` adds ``curve``: per epoch, the test
+    accuracy, cumulative bytes sent per worker and training time. ``progress`` (default:
+    on worker 0 when ``verbose`` is None) draws a text progress bar instead of Keras's.
+    ``tensorboard`` is a directory for ``CompressionStatsCallback(log_dir=...)``.
+    ``compressor_name`` is how the results name the compressor (default: its shortest
+    string form).
     """
     import numpy as np
     import tf_keras as keras
@@ -194,6 +274,7 @@ def train_and_evaluate(strategy, *, model="mlp", dataset="mnist5k", epochs=1, ba
                                        drop_remainder=False)
     warmup_steps = warmup_steps_for(warmup_epochs, steps)
 
+    from tfgc.entry_points import outputs_probabilities
     with strategy.scope():
         compressor = getattr(strategy, "compressor", None)
         # Variance-based compression reads per-sample second moments: MomentDense.
@@ -204,7 +285,8 @@ def train_and_evaluate(strategy, *, model="mlp", dataset="mnist5k", epochs=1, ba
         net.compile(optimizer=make_optimizer(optimizer, learning_rate, compressor,
                                              lr_scaling=lr_scaling, workers=num_workers,
                                              warmup_steps=warmup_steps),
-                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                    loss=keras.losses.SparseCategoricalCrossentropy(
+                        from_logits=not outputs_probabilities(net)),
                     metrics=["accuracy"])
 
     timer = make_step_timer()
@@ -212,10 +294,22 @@ def train_and_evaluate(strategy, *, model="mlp", dataset="mnist5k", epochs=1, ba
     stats_cb = None
     if hasattr(strategy, "compression_stats"):
         from tfgc.keras import CompressionStatsCallback
-        stats_cb = CompressionStatsCallback(strategy)
+        stats_cb = (CompressionStatsCallback(strategy, log_dir=tensorboard) if tensorboard
+                    else CompressionStatsCallback(strategy))
         all_callbacks.append(stats_cb)
+    elif tensorboard:
+        raise ValueError("`tensorboard` writes tfgc's compression statistics; the stock "
+                         "strategy has none (leave it out with the baseline)")
+    curve_cb = None
+    if eval_each_epoch:
+        curve_cb = _make_curve_recorder(strategy, net, test_ds, num_workers)
+        all_callbacks.insert(1, curve_cb)
+    if progress is None:
+        progress = verbose is None and rank == 0
+    if progress:
+        all_callbacks.append(make_progress(epochs, steps))
     if verbose is None:
-        verbose = 2 if rank == 0 else 0
+        verbose = 0
     start = time.perf_counter()
     net.fit(train_ds, epochs=epochs, steps_per_epoch=steps, callbacks=all_callbacks,
             verbose=verbose)
@@ -231,9 +325,11 @@ def train_and_evaluate(strategy, *, model="mlp", dataset="mnist5k", epochs=1, ba
         stats = {"dense_bytes": dense_bytes, "payload_bytes": dense_bytes, "sent_bytes": ring,
                  "received_bytes": ring, "dense_sent_bytes": ring, "ratio": 1.0,
                  "wire_ratio": 1.0 if ring else 0.0}
+    compressor = getattr(strategy, "compressor", None)
     results = {
-        "compressor": (getattr(strategy, "compressor", None) and
-                       _spec(strategy.compressor)) or "baseline",
+        "compressor": ((compressor_name or _name(compressor)) if compressor is not None
+                       else "baseline"),
+        "compressor_config": _spec(compressor) if compressor is not None else "baseline",
         "baseline": stats_cb is None,
         "model": model, "dataset": ds.name, "workers": num_workers, "rank": rank,
         "epochs": epochs, "steps_per_epoch": steps, "batch_size": batch_size,
@@ -246,6 +342,8 @@ def train_and_evaluate(strategy, *, model="mlp", dataset="mnist5k", epochs=1, ba
         "ratio": float(stats["ratio"]), "wire_ratio": float(stats["wire_ratio"]),
         "step_time_ms": timer.median_ms(), "train_seconds": train_seconds,
     }
+    if curve_cb is not None:
+        results["curve"] = curve_cb.curve
     if lr_scaling != "none":
         from tfgc.keras.schedules import scaled_learning_rate
         results.update({"lr_scaling": lr_scaling,
@@ -253,6 +351,55 @@ def train_and_evaluate(strategy, *, model="mlp", dataset="mnist5k", epochs=1, ba
                         "peak_learning_rate": scaled_learning_rate(learning_rate, num_workers),
                         "warmup_steps": warmup_steps})
     return results, net
+
+
+def _make_curve_recorder(strategy, net, test_ds, num_workers):
+    """A callback that evaluates after each epoch and records the accuracy-bytes-time curve.
+
+    Evaluation time is left out of the training time. Bytes are what this worker sent:
+    the compression statistics' totals, or for the stock strategy its ring all-reduce
+    (2(N-1)/N of the gradients per step).
+    """
+    import numpy as np
+    import tf_keras as keras
+
+    class Curve(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.curve = []
+            self._train = 0.0
+            self._steps = 0
+            self._start = None
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self._start = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            self._steps += 1
+
+        def on_epoch_end(self, epoch, logs=None):
+            self._train += time.perf_counter() - self._start
+            _, accuracy = net.evaluate(test_ds, verbose=0)
+            if hasattr(strategy, "compression_stats"):
+                sent = int(strategy.compression_stats()["total_sent_bytes"])
+            else:
+                dense = sum(int(np.prod(v.shape)) * v.dtype.size
+                            for v in net.trainable_variables)
+                sent = self._steps * (2 * (num_workers - 1) * dense // num_workers)
+            self.curve.append({"epoch": epoch + 1, "test_accuracy": float(accuracy),
+                               "cumulative_sent_bytes": sent, "train_seconds": self._train})
+            if logs is not None:
+                logs["val_accuracy"] = float(accuracy)
+
+    return Curve()
+
+
+def _name(compressor):
+    from tfgc.compressors import describe
+    try:
+        return describe(compressor)
+    except ValueError:
+        return repr(compressor)
 
 
 def _spec(compressor):
@@ -268,14 +415,70 @@ def _launch_local_cluster():
     # absl hands main() only the positional arguments; the workers need every flag.
     command = [sys.executable, "-m", "tfgc.train"] + sys.argv[1:]
     result = launch(command, FLAGS.workers, timeout=FLAGS.timeout or None,
-                    restarts=FLAGS.restarts)
+                    restarts=FLAGS.restarts, echo=None if FLAGS.tf_logs else shown_line)
     if not result.ok:
         print(result.message, file=sys.stderr)
     return result.returncode
 
 
+def _check_entry_points():
+    """Finds a user's --model / --dataset module before any worker starts, so that a typo
+    stops the run at once with one message instead of once per worker. The module is
+    located, not imported (importing it would import TensorFlow here too); the workers
+    import it and check the function."""
+    import importlib.util
+
+    from tfgc import entry_points
+    for flag in ("model", "dataset"):
+        value = getattr(FLAGS, flag).strip()
+        if not entry_points.is_entry_point(value):
+            continue
+        module = value.split(":", 1)[0]
+        if os.getcwd() not in sys.path and "" not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            sys.exit(f"tfgc-train: --{flag}={value!r}: no module named {module!r} on the Python "
+                     f"path (the current directory {os.getcwd()!r} included)")
+
+
+# TensorFlow's native start-up lines, which its own log-level settings do not silence
+# (glog-style INFO and WARNING lines, the absl pre-initialisation notice, the CPU
+# feature hint, the CUDA probe of a CPU-only host). Hidden from a local run's console
+# unless --tf_logs; a failing worker's report still shows its whole tail.
+_TF_NOISE = re.compile(
+    r"^([IW]\d{4} [\d:.]+ +\d+ \S+:\d+\]"
+    r"|WARNING: All log messages before absl::InitializeLog"
+    r"|To enable the following instructions:"
+    r"|E\d{4} \S+ +\d+ cuda_(platform|executor)\.cc:\d+\] failed call to cuInit)")
+
+
+def shown_line(line):
+    """False for a line of TensorFlow's start-up noise (see ``_TF_NOISE``)."""
+    return not _TF_NOISE.match(line)
+
+
+def _quiet_tensorflow():
+    """TensorFlow's INFO lines (cluster set-up, one per collective launch) hide the run's
+    progress; --tf_logs shows them."""
+    if FLAGS.tf_logs:
+        return
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from absl import logging as absl_logging
+    if absl_logging.get_verbosity() <= absl_logging.INFO:
+        absl_logging.set_verbosity(absl_logging.WARNING)
+
+
 def main(argv):
+    _quiet_tensorflow()
+    _check_entry_points()
     if FLAGS.workers > 1 and not os.environ.get("TF_CONFIG"):
+        if FLAGS.tensorboard and FLAGS.baseline:
+            sys.exit("tfgc-train: --tensorboard writes tfgc's compression statistics; the "
+                     "stock strategy (--baseline) has none")
         sys.exit(_launch_local_cluster())
 
     import numpy as np
@@ -283,6 +486,8 @@ def main(argv):
     import tf_keras
 
     import tfgc
+
+    tf.get_logger().setLevel("INFO" if FLAGS.tf_logs else "WARNING")
 
     if FLAGS.baseline:
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
@@ -299,7 +504,9 @@ def main(argv):
         strategy, model=FLAGS.model, dataset=FLAGS.dataset, epochs=FLAGS.epochs,
         batch_size=FLAGS.batch_size, learning_rate=FLAGS.learning_rate,
         optimizer=FLAGS.optimizer, seed=FLAGS.seed, steps_per_epoch=FLAGS.steps_per_epoch,
-        callbacks=callbacks, lr_scaling=FLAGS.lr_scaling, warmup_epochs=FLAGS.warmup_epochs)
+        callbacks=callbacks, lr_scaling=FLAGS.lr_scaling, warmup_epochs=FLAGS.warmup_epochs,
+        eval_each_epoch=FLAGS.eval_each_epoch, tensorboard=FLAGS.tensorboard,
+        compressor_name=None if FLAGS.baseline else FLAGS.compressor.strip())
 
     if FLAGS.save_weights:
         np.savez(f"{FLAGS.save_weights}.w{results['rank']}.npz",

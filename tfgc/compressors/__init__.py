@@ -8,13 +8,14 @@ from tfgc.compressors.fft import FFT
 from tfgc.compressors.gradiveq import GradiVeQ
 from tfgc.compressors.powersgd import PowerSGD
 from tfgc.compressors.quantizers import QSGD, OneBit, ScaledSign, SignSGD, TernGrad
-from tfgc.compressors.registry import get, names, register, serialize, serialize_config
+from tfgc.compressors.registry import (describe, get, names, register, serialize,
+                                       serialize_config)
 from tfgc.compressors.sparse import Importance, RandomK, TopK
 from tfgc.compressors.thresholds import Adaptive, GradientDropping, Threshold
 from tfgc.compressors.variance import Variance
 
 __all__ = [
-    "Adaptive", "BF16", "CompressContext", "Compressor", "DGC", "ErrorFeedback", "FFT", "FP16",
+    "Adaptive", "BF16", "CompressContext", "Compressor", "DGC", "describe", "ErrorFeedback", "FFT", "FP16",
     "GradiVeQ", "GradientDropping", "Identity", "Importance", "OneBit",
     "PowerSGD", "QSGD", "RandomK", "ScaledSign", "SignSGD", "TernGrad", "Threshold", "TopK", "Variance", "get", "names", "register",
     "serialize", "serialize_config",

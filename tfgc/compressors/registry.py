@@ -166,3 +166,35 @@ def serialize(compressor: Compressor) -> str:
             raise ValueError(f"hyperparameter `{key}`={value!r} cannot be written as a string")
     args = ",".join(f"{k}={v}" for k, v in sorted(config.items()))
     return prefix + compressor.name + (":" + args if args else "")
+
+
+def _defaults(fn) -> Dict[str, Any]:
+    return {k: p.default for k, p in inspect.signature(fn).parameters.items()
+            if p.default is not inspect.Parameter.empty}
+
+
+def describe(compressor: Compressor) -> str:
+    """The shortest string that ``get`` turns into an equal compressor: hyperparameters
+    left at their defaults are left out, and so is ``ef+`` where the compressor always
+    comes with error feedback (``"onebit"``, ``"ef+topk:ratio=0.01"``). For logs and
+    tables; ``serialize`` gives the full form."""
+    original = compressor
+    prefix, extra = "", {}
+    if isinstance(compressor, ErrorFeedback):
+        defaults = _defaults(ErrorFeedback.__init__)
+        extra = {k: v for k, v in compressor.get_config().items()
+                 if k != "compressor" and defaults.get(k, inspect.Parameter.empty) != v}
+        prefix = "" if compressor.inner.requires_error_feedback else "ef+"
+        compressor = compressor.inner
+    defaults = _defaults(type(compressor).__init__)
+    config = {k: v for k, v in compressor.get_config().items()
+              if defaults.get(k, inspect.Parameter.empty) != v}
+    config.update(extra)
+    for key, value in config.items():
+        if isinstance(value, str) and any(c in value for c in ",=:+"):
+            raise ValueError(f"hyperparameter `{key}`={value!r} cannot be written as a string")
+    args = ",".join(f"{k}={v}" for k, v in sorted(config.items()))
+    text = prefix + compressor.name + (":" + args if args else "")
+    if get(text) != original:
+        return serialize(original)
+    return text
