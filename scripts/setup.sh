@@ -19,7 +19,7 @@ if ! dpkg -s dataset-fashion-mnist >/dev/null 2>&1; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq dataset-fashion-mnist >/dev/null
 fi
 
-pip_install() { "$PYTHON" -m pip install -q --disable-pip-version-check "$@"; }
+pip_install() { "$PYTHON" -m pip install -q --disable-pip-version-check --root-user-action=ignore "$@"; }
 
 if ! "$PYTHON" -c "import tensorflow, tf_keras, absl, pytest, hypothesis" >/dev/null 2>&1; then
   echo "setup: installing $TF_PACKAGE, tf-keras and the test tools"

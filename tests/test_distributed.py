@@ -21,6 +21,7 @@ import sys
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from tfgc.launch import launch
 
@@ -497,7 +498,8 @@ def trainer_runs(tmp_path_factory):
             # directory the trainer starts in.
             ("user", ["--model=user_task:build", "--dataset=user_task:load", "--epochs=2",
                       "--compressor=ef+topk:ratio=0.05", "--min_elements=16",
-                      "--eval_each_epoch"], os.path.join(REPO, "tests", "cluster")))
+                      "--eval_each_epoch", f"--tensorboard={out / 'tb'}"],
+             os.path.join(REPO, "tests", "cluster")))
     for tag, flags, cwd in runs:
         cmd = [sys.executable, "-m", "tfgc.train", "--workers=2", "--epochs=1",
                "--steps_per_epoch=25", *flags, f"--save_weights={out / tag}",
@@ -553,6 +555,15 @@ def test_trainer_runs_a_users_model_and_data(trainer_runs):
     assert curve[1]["cumulative_sent_bytes"] == 2 * steps * results["sent_bytes_per_step"]
     assert 0 < curve[0]["train_seconds"] < curve[1]["train_seconds"]
     assert curve[1]["test_accuracy"] == pytest.approx(results["test_accuracy"])
+    # --tensorboard: each worker its own run, its bytes as scalars.
+    for rank in (0, 1):
+        events = list((out / "tb" / f"worker{rank}").glob("events.out.tfevents.*"))
+        assert events, f"no event file for worker {rank}"
+        tags = {v.tag: tf.make_ndarray(v.tensor) for path in events
+                for e in tf.compat.v1.train.summary_iterator(str(path)) for v in e.summary.value}
+        assert tags["compression/sent_bytes"] == results["sent_bytes_per_step"]
+        residuals = [v for t, v in tags.items() if t.startswith("residual_norm/")]
+        assert len(residuals) == 2 and all(v > 0 for v in residuals)  # the two kernels
     _, w0 = load_npz(out, "user", 0)
     _, w1 = load_npz(out, "user", 1)
     assert len(w0) == 4

@@ -155,6 +155,24 @@ class Compressor(abc.ABC):
         del shape, dtype
         return {}
 
+    def diagnostics(self, state, step=None) -> Dict[str, tf.Tensor]:
+        """Figures about this compressor's inner workings, for logs and TensorBoard.
+
+        Args:
+          state: the state of one gradient, the nest ``init_state`` builds (its
+            leaves tensors or variables), or None to ask for the figures that hold
+            for the compressor as a whole rather than for one gradient.
+          step: the number of compressed reductions applied so far (the state
+            store's step counter), a Python int or a scalar integer tensor; None
+            when unknown.
+
+        Returns a dict of scalar tensors by short name (``"density"``). The default
+        reports nothing. Only figures that the state (or step) determines exactly
+        belong here: this is read between steps, with no access to the gradients.
+        """
+        del state, step
+        return {}
+
     def stages(self):
         """A schedule of compressors by step, ``[(first step, compressor)]``; [] for none.
 

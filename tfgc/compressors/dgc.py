@@ -122,6 +122,32 @@ class DGC(TopK):
             out.append((i * self.warmup_steps, type(self)(**{**config, "ratio": d})))
         return out
 
+    def diagnostics(self, state, step=None):
+        """DGC's figures.
+
+        * compressor-wide (``state`` None): ``density``, the density d of the last
+          applied reduction, by the warm-up schedule and the step counter (the
+          first reduction's before any); ``ratio`` without warm-up, whatever the
+          step; nothing with warm-up and no ``step``;
+        * per gradient: ``momentum_norm``, the l2 norm of the velocity u (after
+          masking), when the compressor applies momentum. The accumulator v is
+          the state's ``residual``, which the stats callback reports itself.
+        """
+        if state is not None:
+            if not self.momentum or "momentum" not in state:
+                return {}
+            return {"momentum_norm": tf.norm(tf.cast(state["momentum"], tf.float32))}
+        densities = self.warmup_densities() + [self.ratio]
+        if len(densities) == 1:
+            return {"density": tf.constant(self.ratio, tf.float32)}
+        if step is None:
+            return {}
+        # The reduction at counter value c ran at density_at(c); the counter has
+        # moved on by one since the last one that was applied.
+        last = tf.maximum(tf.cast(step, tf.int64) - 1, 0)
+        stage = tf.minimum(last // self.warmup_steps, len(densities) - 1)
+        return {"density": tf.gather(tf.constant(densities, tf.float32), stage)}
+
     # -- the algorithm ----------------------------------------------------------------
 
     def init_state(self, shape, dtype):

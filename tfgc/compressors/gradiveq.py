@@ -145,6 +145,23 @@ class GradiVeQ(Compressor):
             tf.range(d_max) < d, tf.float32)[None, :]
         return basis, tf.cast(mean, tf.float32), d
 
+    def diagnostics(self, state, step=None):
+        """Per gradient (nothing compressor-wide):
+
+        * ``dim``: d, the directions the lambda rule kept at the last learning
+          step, counted as the basis columns that are not zero (the rule zeroes
+          the columns past d; an eigenvector never is); 0 before the first basis;
+        * ``samples``: the aggregated slices collected in the current learning
+          window (in the last one during compressing steps).
+        """
+        del step
+        if state is None or "basis" not in state:
+            return {}
+        basis = tf.convert_to_tensor(state["basis"])
+        kept = tf.reduce_any(tf.not_equal(basis, 0.0), axis=0)
+        return {"dim": tf.reduce_sum(tf.cast(kept, tf.int32)),
+                "samples": tf.convert_to_tensor(state["count"])}
+
     # -- the algorithm ----------------------------------------------------------------
 
     def compress(self, x, state, ctx):

@@ -81,6 +81,19 @@ class Variance(Compressor):
     def init_state(self, shape, dtype):
         return {"r": tf.zeros(shape, dtype), "v": tf.zeros(shape, dtype)}
 
+    def diagnostics(self, state, step=None):
+        """Per gradient: ``held_norm``, the l2 norm of r, what waits unsent.
+
+        The send rate is not reported: the state cannot tell it. A sent entry
+        leaves v = 0, but so does an entry whose second moment has stayed zero
+        (a dead unit), and zeta = 0 zeroes every v; r is no better, as an entry
+        sent exactly (the largest one, at exponent 0) leaves r = 0.
+        """
+        del step
+        if state is None or "r" not in state:
+            return {}
+        return {"held_norm": tf.norm(tf.cast(state["r"], tf.float32))}
+
     def compress(self, x, state, ctx):
         if ctx.second_moment is None:
             raise ValueError("variance compression needs the per-sample second moments: "

@@ -1,6 +1,15 @@
-"""Callbacks that put compression statistics into Keras logs and the progress bar."""
+"""Callbacks that put compression statistics into Keras logs, the progress bar and TensorBoard."""
 
+import os
+from typing import Dict, List, Tuple
+
+import numpy as np
+import tensorflow as tf
 import tf_keras as keras
+
+from tfgc.compressors import serialize_config
+from tfgc.distribute import state as state_lib
+from tfgc.distribute.state import flatten_fields
 
 
 class CompressionStatsCallback(keras.callbacks.Callback):
@@ -20,9 +29,43 @@ class CompressionStatsCallback(keras.callbacks.Callback):
 
     The callback reads three variables per batch; pass ``every_n_batches`` to read
     less often. The progress bar averages nothing: it shows the last step's figures.
+
+    TensorBoard: with ``log_dir``, the callback also writes scalar summaries to
+    ``log_dir/worker<i>``, ``i`` this worker's index in the cluster (0 for a single
+    worker), so TensorBoard shows the workers as runs side by side. Tags (each
+    behind ``prefix``):
+
+    * ``compression/<field>`` for every figure of ``strategy.compression_stats()``:
+      ``sent_bytes``, ``received_bytes``, ``payload_bytes``, ``dense_bytes``,
+      ``dense_sent_bytes`` (the last reduction), their ``total_*`` since the
+      strategy was built, ``ratio``, ``wire_ratio``, ``steps`` and
+      ``nonfinite_steps``;
+    * ``residual_norm/<variable>``: the l2 norm of the error-feedback residual
+      (the state field ``residual``) of each compressed variable, named without
+      its ``:0``; other residual fields (the reduce-scatter's
+      ``server_residual``) get ``residual_norm/<variable>/<field>``;
+    * ``compressor/<name>`` and ``compressor/<name>/<variable>``: what the
+      compressor's ``diagnostics`` reports for itself and per gradient (DGC's
+      warm-up density and velocity norms, GradiVeQ's d, ...).
+
+    Residuals and diagnostics are this worker's first local replica's, read from
+    the state that the model's optimizer owns. Values are stored as float32 (as
+    TensorBoard's scalars are): byte counts above 2**24 are rounded.
+
+    Args:
+      strategy: a ``tfgc.CompressedMultiWorkerMirroredStrategy``.
+      every_n_batches: read the figures for the logs every this many batches.
+      prefix: put before every log key and summary tag.
+      log_dir: a directory (str or path) for the summaries; None (the default)
+        writes none.
+      update_freq: when to write them: ``"epoch"`` (at the end of every epoch,
+        the epoch as step) or an integer n >= 1 (every n training batches, the
+        optimizer's iteration count as step; ``"batch"`` is 1), as
+        ``keras.callbacks.TensorBoard``.
     """
 
-    def __init__(self, strategy, every_n_batches: int = 1, prefix: str = ""):
+    def __init__(self, strategy, every_n_batches: int = 1, prefix: str = "",
+                 log_dir=None, update_freq="epoch"):
         super().__init__()
         if isinstance(every_n_batches, bool) or not isinstance(every_n_batches, int) \
                 or every_n_batches < 1:
@@ -30,10 +73,32 @@ class CompressionStatsCallback(keras.callbacks.Callback):
         if not hasattr(strategy, "compression_stats"):
             raise ValueError("`strategy` must be a tfgc.CompressedMultiWorkerMirroredStrategy, "
                              f"got {type(strategy).__name__}")
+        if log_dir is not None:
+            if not isinstance(log_dir, (str, os.PathLike)) or isinstance(log_dir, bytes):
+                raise ValueError("`log_dir` must be a directory path (a str or os.PathLike) or "
+                                 f"None, got {type(log_dir).__name__} {log_dir!r}")
+            log_dir = os.fspath(log_dir)
+            if not isinstance(log_dir, str) or not log_dir:
+                raise ValueError(f"`log_dir` must be a non-empty directory path, got {log_dir!r}")
+        if isinstance(update_freq, str) and update_freq == "batch":
+            update_freq = 1
+        if not (isinstance(update_freq, str) and update_freq == "epoch") and (
+                isinstance(update_freq, bool) or not isinstance(update_freq, int)
+                or update_freq < 1):
+            raise ValueError("`update_freq` must be \"epoch\", \"batch\" or an integer number "
+                             f"of batches >= 1, got {update_freq!r}")
         self._strategy = strategy
         self._every = every_n_batches
         self._prefix = prefix
         self._last = None
+        self._log_dir = log_dir
+        self._update_freq = update_freq
+        self._per_batch = update_freq != "epoch"
+        self._writer = None
+        self._epoch_start_step = 0
+        self._next_write = 0
+
+    # -- Keras logs -------------------------------------------------------------------
 
     def _figures(self):
         stats = self._strategy.compression_stats()
@@ -44,6 +109,11 @@ class CompressionStatsCallback(keras.callbacks.Callback):
                 f"{p}wire_ratio": stats["wire_ratio"]}
 
     def on_train_batch_end(self, batch, logs=None):
+        if self._log_dir is not None and self._per_batch:
+            step = self._epoch_start_step + batch + 1
+            if step >= self._next_write:
+                self._write(step)
+                self._next_write = (step // self._update_freq + 1) * self._update_freq
         if logs is None:
             return
         if self._last is None or batch % self._every == 0:
@@ -54,3 +124,133 @@ class CompressionStatsCallback(keras.callbacks.Callback):
         if logs is not None:
             self._last = self._figures()
             logs.update(self._last)
+        if self._log_dir is not None:
+            if not self._per_batch:
+                self._write(epoch)
+            if self._writer is not None:
+                self._writer.flush()
+
+    # -- TensorBoard ------------------------------------------------------------------
+
+    @property
+    def log_dir(self):
+        """This worker's run directory (``log_dir/worker<i>``), or None without ``log_dir``."""
+        if self._log_dir is None:
+            return None
+        return os.path.join(self._log_dir, f"worker{self._worker_index()}")
+
+    def _worker_index(self) -> int:
+        # The strategy's index counts a chief task apart from the workers (the
+        # resolver's task id is 0 for both the chief and worker 0).
+        index = getattr(self._strategy, "worker_index", None)
+        if isinstance(index, int):
+            return index
+        resolver = getattr(self._strategy, "cluster_resolver", None)
+        task_id = getattr(resolver, "task_id", None)
+        return int(task_id) if task_id is not None else 0
+
+    def _iterations(self) -> int:
+        optimizer = getattr(self.model, "optimizer", None)
+        iterations = getattr(optimizer, "iterations", None)
+        return int(iterations.numpy()) if iterations is not None else 0
+
+    def on_train_begin(self, logs=None):
+        if self._log_dir is None:
+            return
+        if self._writer is None:
+            self._writer = tf.summary.create_file_writer(self.log_dir)
+        if self._per_batch:
+            step = self._iterations()
+            self._next_write = (step // self._update_freq + 1) * self._update_freq
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if self._log_dir is not None and self._per_batch:
+            # One read per epoch; batches count on from here.
+            self._epoch_start_step = self._iterations()
+
+    def on_train_end(self, logs=None):
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def _state(self):
+        """The compression state of the model's optimizer (or of its inner one), or None."""
+        optimizer = getattr(self.model, "optimizer", None)
+        for owner in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+            if owner is None:
+                continue
+            state = self._strategy.compression_state(owner)
+            if state is not None:
+                return state
+        return None
+
+    def _variable_names(self, variables) -> List[str]:
+        names, seen = [], {}
+        for var in variables:
+            name = var.name[:-2] if var.name.endswith(":0") else var.name
+            count = seen.get(name, 0)
+            seen[name] = count + 1
+            names.append(name if not count else f"{name}_{count}")
+        return names
+
+    def scalars(self) -> Dict[str, float]:
+        """The summary values, by tag (without ``prefix``), as the next write would record them."""
+        out = {f"compression/{field}": float(value)
+               for field, value in sorted(self._strategy.compression_stats().items())}
+        state = self._state() if self.model is not None else None
+        if state is None:
+            return out
+        compressor = self._strategy.compressor
+        step = state.step(0).read_value()
+        # The state's layout is the current compressor's only once a step has run with
+        # it (a switch migrates the state at the next trace).
+        same = state.compressor_key == repr(serialize_config(compressor))
+        if same:
+            for key, value in compressor.diagnostics(None, step).items():
+                out[f"compressor/{key}"] = float(np.asarray(value))
+        # Gradients sent dense under a compressor that applies momentum keep a
+        # momentum buffer only: no residual, not the compressor's layout.
+        momentum_only = getattr(state, "_dense", ())
+        variables = self.model.trainable_variables
+        for var, name in zip(variables, self._variable_names(variables)):
+            if not state.has_slot(var):
+                continue
+            slot = state.slot(var, 0)
+            for path, field in self._residual_fields(slot):
+                tag = f"residual_norm/{name}" if path == "residual" \
+                    else f"residual_norm/{name}/{path}"
+                out[tag] = float(tf.norm(tf.cast(field, tf.float64)))
+            if same and state_lib.var_key(var) not in momentum_only:
+                for key, value in compressor.diagnostics(slot, step).items():
+                    out[f"compressor/{key}/{name}"] = float(np.asarray(value))
+        return out
+
+    @staticmethod
+    def _residual_fields(slot) -> List[Tuple[str, object]]:
+        if not isinstance(slot, dict):
+            return []
+        return [(path, leaf) for path, leaf in flatten_fields(slot)
+                if path.rsplit("/", 1)[-1].endswith("residual") and leaf.dtype.is_floating]
+
+    def _write(self, step: int):
+        if self._writer is None:
+            self._writer = tf.summary.create_file_writer(self.log_dir)
+        values = self.scalars()
+        with self._writer.as_default(step=int(step)):
+            for tag, value in values.items():
+                tf.summary.write(f"{self._prefix}{tag}", tf.constant(value, tf.float32),
+                                 metadata=_SCALAR_METADATA)
+
+
+def _scalar_metadata():
+    """What marks a summary as a scalar for TensorBoard's scalars dashboard.
+
+    ``tf.summary.scalar`` needs the tensorboard package; writing the float32 tensor
+    with this metadata records the same event without it.
+    """
+    from tensorflow.core.framework import summary_pb2
+    return summary_pb2.SummaryMetadata(
+        plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars"))
+
+
+_SCALAR_METADATA = _scalar_metadata()
