@@ -24,6 +24,12 @@ from absl import app, flags
 FLAGS = flags.FLAGS
 
 
+def _builtin(module, names):
+    """tfgc.<module>.<names>: the built-in models or data sets (no TensorFlow import)."""
+    import importlib
+    return getattr(importlib.import_module(f"tfgc.{module}"), names)
+
+
 def _is_entry_point(value):
     from tfgc.entry_points import is_entry_point
     return is_entry_point(value)
@@ -89,10 +95,10 @@ flags.DEFINE_string("tensorboard", "", "If set, each worker writes its compressi
                     "(bytes, ratios, residual norms, the compressor's own diagnostics) as "
                     "TensorBoard scalars under DIR/worker<index>.")
 flags.register_validator(
-    "model", lambda v: v.strip().lower() in ("mlp", "cnn") or _is_entry_point(v),
+    "model", lambda v: v.strip().lower() in _builtin("models", "MODEL_NAMES") or _is_entry_point(v),
     message="--model must be 'mlp', 'cnn' or package.module:build_fn")
 flags.register_validator(
-    "dataset", lambda v: v.strip().lower() in ("fashion_mnist", "mnist5k", "synthetic")
+    "dataset", lambda v: v.strip().lower() in _builtin("data", "DATASET_NAMES")
     or _is_entry_point(v),
     message="--dataset must be 'fashion_mnist', 'mnist5k', 'synthetic' or package.module:load_fn")
 flags.register_multi_flags_validator(
@@ -252,7 +258,6 @@ def train_and_evaluate(strategy, *, model="mlp", dataset="mnist5k", epochs=1, ba
     ``compressor_name`` is how the results name the compressor (default: its shortest
     string form).
     """
-    import numpy as np
     import tf_keras as keras
 
     from tfgc import data as data_lib
@@ -294,8 +299,7 @@ def train_and_evaluate(strategy, *, model="mlp", dataset="mnist5k", epochs=1, ba
     stats_cb = None
     if hasattr(strategy, "compression_stats"):
         from tfgc.keras import CompressionStatsCallback
-        stats_cb = (CompressionStatsCallback(strategy, log_dir=tensorboard) if tensorboard
-                    else CompressionStatsCallback(strategy))
+        stats_cb = CompressionStatsCallback(strategy, log_dir=tensorboard or None)
         all_callbacks.append(stats_cb)
     elif tensorboard:
         raise ValueError("`tensorboard` writes tfgc's compression statistics; the stock "
@@ -316,13 +320,12 @@ def train_and_evaluate(strategy, *, model="mlp", dataset="mnist5k", epochs=1, ba
     train_seconds = time.perf_counter() - start
     loss, accuracy = net.evaluate(test_ds, verbose=0)
 
-    dense_bytes = sum(int(np.prod(v.shape)) * v.dtype.size for v in net.trainable_variables)
     if stats_cb is not None:
         stats = strategy.compression_stats()
     else:
-        # The stock ring all-reduce: 2(N-1)/N of the gradients each way.
-        ring = 2 * (num_workers - 1) * dense_bytes // num_workers
-        stats = {"dense_bytes": dense_bytes, "payload_bytes": dense_bytes, "sent_bytes": ring,
+        dense = dense_bytes(net)
+        ring = stock_ring_bytes(net, num_workers)
+        stats = {"dense_bytes": dense, "payload_bytes": dense, "sent_bytes": ring,
                  "received_bytes": ring, "dense_sent_bytes": ring, "ratio": 1.0,
                  "wire_ratio": 1.0 if ring else 0.0}
     compressor = getattr(strategy, "compressor", None)
@@ -353,6 +356,16 @@ def train_and_evaluate(strategy, *, model="mlp", dataset="mnist5k", epochs=1, ba
     return results, net
 
 
+def dense_bytes(net):
+    """Bytes of the model's gradients, dense."""
+    return sum(int(v.shape.num_elements()) * v.dtype.size for v in net.trainable_variables)
+
+
+def stock_ring_bytes(net, num_workers):
+    """What the stock ring all-reduce sends per worker and step: 2(N-1)/N of the gradients."""
+    return 2 * (num_workers - 1) * dense_bytes(net) // num_workers
+
+
 def _make_curve_recorder(strategy, net, test_ds, num_workers):
     """A callback that evaluates after each epoch and records the accuracy-bytes-time curve.
 
@@ -360,7 +373,6 @@ def _make_curve_recorder(strategy, net, test_ds, num_workers):
     the compression statistics' totals, or for the stock strategy its ring all-reduce
     (2(N-1)/N of the gradients per step).
     """
-    import numpy as np
     import tf_keras as keras
 
     class Curve(keras.callbacks.Callback):
@@ -383,9 +395,7 @@ def _make_curve_recorder(strategy, net, test_ds, num_workers):
             if hasattr(strategy, "compression_stats"):
                 sent = int(strategy.compression_stats()["total_sent_bytes"])
             else:
-                dense = sum(int(np.prod(v.shape)) * v.dtype.size
-                            for v in net.trainable_variables)
-                sent = self._steps * (2 * (num_workers - 1) * dense // num_workers)
+                sent = self._steps * stock_ring_bytes(net, num_workers)
             self.curve.append({"epoch": epoch + 1, "test_accuracy": float(accuracy),
                                "cumulative_sent_bytes": sent, "train_seconds": self._train})
             if logs is not None:
