@@ -146,8 +146,8 @@ def main():
                                                       "kernels.json"))
     args = parser.parse_args()
     if not _loader.custom_ops_available():
-        print("custom op library not available: build it with "
-              "`python setup.py build_ext --inplace`", file=sys.stderr)
+        print("custom op library not available: `python -m tfgc.ops.build` builds it "
+              "and says why it cannot", file=sys.stderr)
         return 1
 
     report = {"sizes": [], "repeats": args.repeats, "cpu_count": os.cpu_count()}

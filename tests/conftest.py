@@ -12,11 +12,15 @@ def mode(request, monkeypatch):
     """Runs a test through the compiled kernels ("custom") and the pure-TF references."""
     if request.param == "custom":
         monkeypatch.setenv(_loader.DISABLE_ENV_VAR, "0")
-        if not os.path.exists(_loader.library_path()):
-            pytest.skip(f"custom op library {_loader.library_path()} is not built "
-                        "(run `python setup.py build_ext --inplace`)")
+        built = os.path.exists(_loader.library_path())
+        # Loads the installed or cached library, compiling it into the cache
+        # first when neither exists.
+        available = _loader.custom_ops_available()
+        if not built and not available:
+            pytest.skip("no custom op library could be built or loaded "
+                        f"(run `{_loader.BUILD_COMMAND}` to see why)")
         # Built but not loadable is a failure, not a skip.
-        assert _loader.custom_ops_available(), "custom op library failed to load"
+        assert available, f"custom op library {_loader.library_path()} failed to load"
     else:
         monkeypatch.setenv(_loader.DISABLE_ENV_VAR, "1")
         assert not _loader.custom_ops_available()

@@ -253,6 +253,7 @@ def launch(
     restarts: int = 0,
     log: IO[str] | None = None,
     echo: Callable[[str], bool] | None = None,
+    prebuild_ops: bool = True,
 ) -> LaunchResult:
     """Run ``command`` as ``num_workers`` local TF workers and wait for them.
 
@@ -276,6 +277,10 @@ def launch(
     after a worker failure (see the module docstring).  ``timeout`` covers
     the whole run, restarts included.  ``outputs``, ``addresses`` and
     ``worker_returncodes`` of the result describe the last start only.
+
+    ``prebuild_ops`` (default on): when tfgc was installed without its
+    compiled op library (a plain ``pip install``), compile it into the cache
+    once before the workers start (see ``_prebuild_custom_ops``).
     """
     command = list(command)
     if not command:
@@ -301,6 +306,8 @@ def launch(
     base_env = dict(os.environ)
     if env:
         base_env.update({str(k): str(v) for k, v in env.items()})
+    if prebuild_ops:
+        _prebuild_custom_ops(base_env, cwd, log)
 
     start = time.monotonic()
     deadline = None if timeout is None else start + timeout
@@ -336,6 +343,56 @@ def launch(
                     f"{result.message}\n{PROG}: worker {result.failed_worker} "
                     f"{_describe_exit(result.worker_returncodes[result.failed_worker])}; "
                     f"restarting the cluster (restart {attempt} of {restarts})")
+
+
+def _prebuild_custom_ops(env: Mapping[str, str], cwd, log: IO[str]) -> None:
+    """Compile tfgc's op library into the cache before the workers start.
+
+    Only needed after an install that could not compile it (pip's isolated
+    build has no TensorFlow). The workers would otherwise build it at their
+    first step, one compiling under the cache's file lock and the others
+    waiting for about a minute; doing it here keeps that out of the timed
+    run and shows its progress once. Runs ``python -m tfgc.ops.build`` in a
+    child (this module stays free of TensorFlow); a no-op when the installed
+    library exists, the ops are disabled, or another library is named. A
+    failed build is reported and the workers still start: each then says once
+    that it runs the reference ops.
+    """
+    # Imports absl but not TensorFlow: starting the launcher stays fast.
+    from tfgc.ops import _loader  # pylint: disable=import-outside-toplevel
+
+    def flag(name, default=""):
+        return env.get(name, default).strip().lower()
+
+    off = ("0", "false", "no", "off")
+    if (flag(_loader.DISABLE_ENV_VAR) not in ("",) + off or flag(_loader.LIBRARY_ENV_VAR)
+            or flag(_loader.JIT_ENV_VAR, "1") in off
+            or os.path.exists(_loader.packaged_library_path())):
+        return
+    build_env = dict(env)
+    build_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    try:
+        proc = subprocess.run([sys.executable, "-m", "tfgc.ops.build"], env=build_env, cwd=cwd,
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=log if _has_fileno(log) else subprocess.PIPE,
+                              text=True, check=False)
+    except OSError as exc:
+        _notify(log, log, f"{PROG}: could not run `{_loader.BUILD_COMMAND}` ({exc}); "
+                          "the workers will try to build the custom ops themselves")
+        return
+    if proc.stderr:
+        _notify(log, log, proc.stderr.rstrip("\n"))
+    if proc.returncode != 0:
+        _notify(log, log, f"{PROG}: building the custom ops failed (exit status "
+                          f"{proc.returncode}); the workers will run the reference ops")
+
+
+def _has_fileno(stream) -> bool:
+    try:
+        stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        return False
+    return True
 
 
 def _describe_exit(returncode: int) -> str:
