@@ -12,9 +12,9 @@ importing TensorFlow.
 import importlib as _importlib
 import os as _os
 
-# Multi-worker Keras training goes through tf-keras (Keras 2): Keras 3 cannot run
-# model.fit under MultiWorkerMirroredStrategy today. Make ``tf.keras`` resolve to
-# tf-keras for scripts that import tfgc before touching ``tf.keras``.
+# ``tf.keras`` resolves to tf-keras (Keras 2) for scripts that import tfgc before
+# touching it: tfgc's own Keras pieces (tfgc.keras, tfgc.models) are tf-keras. Keras 3
+# (``import keras``) trains under tfgc's strategy too.
 _os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
 __version__ = "0.1.0"

@@ -91,8 +91,9 @@ def build_user_model(spec: str, input_shape, num_classes: int, seed: int = 0):
         kind = type(model)
         hint = ""
         if kind.__module__.split(".")[0] == "keras":
-            hint = (" It is a Keras 3 model: build it with `import tf_keras as keras` (tfgc's "
-                    "multi-worker strategy trains tf-keras models).")
+            hint = (" It is a Keras 3 model: build it with `import tf_keras as keras` (the "
+                    "trainer's models, data and callbacks are tf-keras; Keras 3 models train "
+                    "under tfgc.CompressedMultiWorkerMirroredStrategy in a script of your own).")
         raise TypeError(f"--model={spec!r} returned a {kind.__module__}.{kind.__name__}, not a "
                         f"tf_keras.Model.{hint}")
     return model

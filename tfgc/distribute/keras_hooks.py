@@ -1,4 +1,4 @@
-"""Where tf-keras hands its gradients, with their variables, to tfgc.
+"""Where tf-keras and Keras 3 hand their gradients, with their variables, to tfgc.
 
 tf-keras optimizers all-reduce a list of gradients without saying which variables
 they belong to, and the strategy cannot tell them from any other all-reduce. Two
@@ -53,13 +53,75 @@ def _wrap_aggregate(original):
 def _wrap_make_train_function(original):
     @functools.wraps(original)
     def make_train_function(self, force=False):
-        strategy = getattr(self, "_distribution_strategy", None)
+        # tf-keras keeps the strategy in _distribution_strategy, Keras 3 in
+        # _distribute_strategy.
+        strategy = (getattr(self, "_distribution_strategy", None)
+                    or getattr(self, "_distribute_strategy", None))
         register = getattr(strategy, "_register_model", None)
         if register is not None:
+            _check_keras3_compressor(self, strategy)
             register(self)
+            _turn_off_xla(self)
         return original(self, force=force)
     make_train_function.__tfgc_hook__ = True
     return make_train_function
+
+
+def _keras3_targets():
+    """Keras 3's counterparts, when Keras 3 is installed (TensorFlow backend).
+
+    Its TensorFlow optimizer all-reduces the gradients in
+    ``TFOptimizer._all_reduce_sum_gradients(grads_and_vars)``, with the
+    variables beside them, and its trainer builds train functions in
+    ``TensorFlowTrainer.make_train_function``.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("keras") is None:
+        return []
+    import keras
+    if int(keras.__version__.split(".")[0]) < 3:
+        return []
+    try:
+        from keras.src.backend.tensorflow import optimizer as k3_optimizer
+        from keras.src.backend.tensorflow import trainer as k3_trainer
+    except ImportError:  # another backend, or a layout we do not know
+        return []
+    return [(k3_optimizer.TFOptimizer, "_all_reduce_sum_gradients", _wrap_aggregate),
+            (k3_trainer.TensorFlowTrainer, "make_train_function", _wrap_make_train_function)]
+
+
+def _is_keras3(model):
+    return type(model).__module__.split(".")[0] == "keras" and not any(
+        c.__module__.startswith("tf_keras") for c in type(model).__mro__)
+
+
+def _check_keras3_compressor(model, strategy):
+    """Variance-based compression reads per-sample moments from tfgc.keras.MomentDense,
+    a tf-keras layer: under Keras 3 it cannot work, so it stops before the first step."""
+    compressor = getattr(strategy, "compressor", None)
+    if getattr(compressor, "needs_second_moment", False) and _is_keras3(model):
+        raise ValueError(
+            f"compressor {compressor!r} needs per-sample gradient moments from "
+            "tfgc.keras.MomentDense layers, which are tf-keras layers; this model is a "
+            "Keras 3 model. Build it with tf-keras (import tf_keras as keras) to use "
+            "variance-based compression, or choose another compressor: every other one "
+            "works with Keras 3.")
+
+
+def _turn_off_xla(model):
+    """XLA cannot compile tfgc's reductions: train functions run as plain graphs.
+
+    Keras 3's ``jit_compile="auto"`` picks XLA on a GPU; the compressed
+    reduction's custom ops and collective control flow have no XLA form. Said
+    once per model, at its first train function.
+    """
+    if getattr(model, "jit_compile", False) is True:
+        from absl import logging
+        logging.warning("tfgc: %s trains without XLA (jit_compile=False) under "
+                        "CompressedMultiWorkerMirroredStrategy: the compressed gradient "
+                        "reduction cannot be XLA-compiled.", getattr(model, "name", "the model"))
+        model.jit_compile = False
 
 
 def install():
@@ -75,6 +137,7 @@ def install():
         targets = [(optimizer_lib.Optimizer, "aggregate_gradients", _wrap_aggregate),
                    (optimizer_v2.OptimizerV2, "_aggregate_gradients", _wrap_aggregate),
                    (training.Model, "make_train_function", _wrap_make_train_function)]
+        targets += _keras3_targets()
         for cls, name, wrap in targets:
             original = getattr(cls, name)
             if not getattr(original, "__tfgc_hook__", False):

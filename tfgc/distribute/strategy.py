@@ -95,6 +95,25 @@ class CompressedMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStr
         distribute_lib.Strategy.__init__(  # pylint: disable=non-parent-init-called
             self, _CompressedExtended(self, cluster_resolver, communication_options, kwargs))
 
+    def reduce(self, reduce_op, value, axis=None):
+        """``tf.distribute.Strategy.reduce``, also for what Keras 3's ``model.fit`` asks.
+
+        Keras 3 (TensorFlow backend) calls it, on a multi-worker strategy, with
+        what the stock strategy rejects: a whole batch (a tuple of per-replica
+        values) before the first step, and ``axis=0`` on the scalar logs of
+        every step (keras-team/keras#20585). A nest is reduced leaf by leaf,
+        and ``axis`` is ignored for rank-0 values, which have no batch axis to
+        reduce: their reduction over the replicas is the whole of it.
+        Everything else goes to the stock method unchanged.
+        """
+        if isinstance(value, (tuple, list, dict)):
+            return tf.nest.map_structure(lambda v: self.reduce(reduce_op, v, axis), value)
+        if axis is not None:
+            local = self.experimental_local_results(value)
+            if local and getattr(local[0], "shape", None) is not None and local[0].shape.rank == 0:
+                axis = None
+        return super().reduce(reduce_op, value, axis)
+
     @property
     def cross_device_ops(self) -> CompressedAllReduce:
         return self.extended._cross_device_ops  # pylint: disable=protected-access

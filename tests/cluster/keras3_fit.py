@@ -1,0 +1,158 @@
+"""A cluster worker for tests/test_keras3.py: Keras 3's model.fit under tfgc's strategy.
+
+Keras 3 (``import keras``, TensorFlow backend), not tf-keras. Three runs on MNIST-5k
+with the MLP of the other distributed tests (784-256-128-10), one strategy whose
+compressor is switched between them:
+
+* ``none``: plain SGD on unshuffled shards, with what each step fed this worker
+  recorded, so that the test can replay the run in one process;
+* ``ef+topk:ratio=0.01`` with momentum, ``jit_compile=True`` (which the strategy turns
+  off: its kernels have no XLA form), ``CompressionStatsCallback`` and
+  ``model.evaluate``; then a checkpoint round trip of the compressor state;
+* ``qsgd``: the quantized all-gather path;
+* every other compressor but variance-based for a few steps.
+
+Writes OUT_DIR/<name>.w<rank>.npz (weights; for ``none`` also the initial weights
+and the recorded batches) and OUT_DIR/<name>.w<rank>.json (sweep.w<rank>.json for the
+sweep, with per-weight checksums).
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+
+STEPS_NONE = 12
+# The compressors not trained above (variance-based needs tf-keras layers).
+SWEEP = ["adaptive", "bf16", "dgc:ratio=0.01,warmup_steps=2", "efsignsgd", "fft", "fp16",
+         "graddrop", "gradiveq", "importance", "onebit", "powersgd", "randomk", "scaledsign",
+         "signsgd", "terngrad", "threshold"]
+SWEEP_STEPS = 6
+BATCH = 64  # per worker; the strategy splits it between the replicas of the cluster
+
+
+def build(keras, seed):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([
+        keras.Input((28, 28, 1)),
+        keras.layers.Flatten(),
+        keras.layers.Dense(256, activation="relu"),
+        keras.layers.Dense(128, activation="relu"),
+        keras.layers.Dense(10),
+    ])
+
+
+def save(out_dir, name, rank, results, arrays=None):
+    if arrays is not None:
+        np.savez(os.path.join(out_dir, f"{name}.w{rank}.npz"), **arrays)
+    with open(os.path.join(out_dir, f"{name}.w{rank}.json"), "w") as f:
+        json.dump(results, f)
+
+
+def weights(model):
+    return {f"w{i}": w.numpy() for i, w in enumerate(model.weights)}
+
+
+def main(out_dir):
+    import keras
+    import tensorflow as tf
+
+    import tfgc
+    from tfgc import data as data_lib
+
+    assert int(keras.__version__.split(".")[0]) >= 3, keras.__version__
+    ds = data_lib.load_dataset("mnist5k", seed=0)
+    strategy = tfgc.CompressedMultiWorkerMirroredStrategy("none")
+    rank, n = strategy.worker_index, strategy.num_replicas_in_sync
+    x, y = data_lib.shard(ds.x_train, ds.y_train, rank, n)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    # --- none: plain SGD, unshuffled, every fed batch recorded -------------------
+    train = data_lib.make_tf_dataset(x, y, BATCH, shuffle=False, repeat=True)
+    with strategy.scope():
+        model = build(keras, seed=3)
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss=loss)
+    initial = weights(model)
+    history = model.fit(train, epochs=1, steps_per_epoch=STEPS_NONE, verbose=0)
+    # A fresh iterator over the same unshuffled data yields what fit consumed.
+    fed = iter(strategy.experimental_distribute_dataset(train))
+    batches = {}
+    for step in range(STEPS_NONE):
+        xb, yb = next(fed)
+        batches[f"x{step}"] = strategy.experimental_local_results(xb)[0].numpy()
+        batches[f"y{step}"] = strategy.experimental_local_results(yb)[0].numpy()
+    stats = strategy.compression_stats()
+    save(out_dir, "none", rank,
+         {"loss": history.history["loss"], "stats": stats, "num_workers": n,
+          "state_slots": strategy.compression_state(model.optimizer).num_slots()},
+         {**weights(model), **{f"init_{k}": v for k, v in initial.items()}, **batches})
+
+    # --- ef+topk: momentum, jit_compile asked for, stats callback, evaluate ---------
+    strategy.compressor = "ef+topk:ratio=0.01"
+    train = data_lib.make_tf_dataset(x, y, BATCH, seed=rank, repeat=False)
+    test = data_lib.make_tf_dataset(ds.x_test, ds.y_test, 256, shuffle=False,
+                                    drop_remainder=False)
+    with strategy.scope():
+        model = build(keras, seed=4)
+        model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss=loss,
+                      metrics=["accuracy"], jit_compile=True)
+    callback = tfgc.keras.CompressionStatsCallback(strategy)
+    before = strategy.compression_stats()
+    history = model.fit(train, epochs=2, verbose=0, callbacks=[callback])
+    after = strategy.compression_stats()
+    evaluated = model.evaluate(test, verbose=0, return_dict=True)
+    state = strategy.compression_state(model.optimizer)
+    norms = state.residual_norms()
+    checkpoint = tf.train.Checkpoint(optimizer=model.optimizer)
+    path = checkpoint.write(os.path.join(out_dir, f"ckpt.w{rank}", "state"))
+    state.reset()
+    zeroed = state.residual_norms()
+    checkpoint.read(path).assert_existing_objects_matched()
+    restored = state.residual_norms()
+    save(out_dir, "eftopk", rank,
+         {"history": {k: [float(v) for v in vs] for k, vs in history.history.items()},
+          "stats": after, "reductions": after["steps"] - before["steps"],
+          "evaluate": {k: float(v) for k, v in evaluated.items()},
+          "jit_compile": bool(model.jit_compile), "norms": norms, "zeroed": zeroed,
+          "restored": restored, "state_slots": state.num_slots()},
+         weights(model))
+
+    # --- qsgd: the quantized all-gather ------------------------------------------
+    strategy.compressor = "qsgd"
+    with strategy.scope():
+        model = build(keras, seed=5)
+        model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss=loss,
+                      metrics=["accuracy"])
+    before = strategy.compression_stats()
+    model.fit(train, epochs=1, verbose=0)
+    after = strategy.compression_stats()
+    evaluated = model.evaluate(test, verbose=0, return_dict=True)
+    save(out_dir, "qsgd", rank,
+         {"stats": after, "reductions": after["steps"] - before["steps"],
+          "evaluate": {k: float(v) for k, v in evaluated.items()}},
+         weights(model))
+    # --- every other compressor, briefly (plain SGD: DGC brings its own momentum) ---
+    sweep = {}
+    for spec in SWEEP:
+        strategy.compressor = spec
+        with strategy.scope():
+            model = build(keras, seed=6)
+            model.compile(optimizer=keras.optimizers.SGD(0.02), loss=loss)
+        before = strategy.compression_stats()
+        history = model.fit(train, epochs=1, steps_per_epoch=SWEEP_STEPS, verbose=0)
+        after = strategy.compression_stats()
+        sweep[spec] = {"loss": float(history.history["loss"][0]),
+                       "reductions": after["steps"] - before["steps"],
+                       "payload_bytes": after["payload_bytes"],
+                       "checksum": [float(np.sum(np.abs(w.numpy()), dtype=np.float64))
+                                    for w in model.weights]}
+    save(out_dir, "sweep", rank, sweep)
+    print("keras3 runs done", flush=True)
+
+
+if __name__ == "__main__":
+    # Keras 3 for tf.keras too, whatever tfgc would default to. Set here, not at
+    # import, so that the test can import build() without changing its process.
+    os.environ["TF_USE_LEGACY_KERAS"] = "0"
+    main(sys.argv[1])

@@ -1,0 +1,205 @@
+"""Keras 3 (``import keras``) trains multi-worker under tfgc's strategy.
+
+The stock MultiWorkerMirroredStrategy cannot run Keras 3's ``model.fit``
+(keras-team/keras#20585). One 2-worker cluster (tests/cluster/keras3_fit.py) trains
+the MLP of the other distributed tests with Keras 3 three times; the tests read what
+it left behind:
+
+* the identity compressor, replayed here in one process from the batches each
+  worker was fed: the cluster's weights must equal the replay's bit for bit;
+* ef+topk and QSGD: identical weights on both workers, bytes equal to the wire
+  formula of the tf-keras sweep, training that learns, the stats callback,
+  ``model.evaluate``, a checkpoint round trip of the residuals, and XLA turned off.
+
+The single-process tests check the strategy's ``reduce`` for what Keras 3 asks of it.
+"""
+
+import importlib.util
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfgc.launch import launch
+from test_distributed import DENSE_BYTES, ENV, REPO, expected_bytes
+
+keras = pytest.importorskip("keras")
+if int(keras.__version__.split(".")[0]) < 3:  # pragma: no cover - tf-keras-only installs
+    pytest.skip("Keras 3 is not installed", allow_module_level=True)
+
+SCRIPT = os.path.join(REPO, "tests", "cluster", "keras3_fit.py")
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("keras3_fit", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def keras3_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("keras3")
+    result = launch([sys.executable, SCRIPT, str(out)], 2, env=ENV, timeout=600,
+                    output=open(os.devnull, "w"))
+    assert result.ok, result.message
+    return out
+
+
+def _load(out, name, rank):
+    with open(out / f"{name}.w{rank}.json") as f:
+        results = json.load(f)
+    with np.load(out / f"{name}.w{rank}.npz") as z:
+        arrays = {k: z[k] for k in z.files}
+    return results, arrays
+
+
+def _weights(arrays, prefix="w"):
+    keys = sorted((k for k in arrays if k.startswith(prefix) and k[len(prefix):].isdigit()),
+                  key=lambda k: int(k[len(prefix):]))
+    return [arrays[k] for k in keys]
+
+
+def test_identity_equals_a_single_process_replay_bit_for_bit(keras3_run):
+    """2 workers, compressor "none": each step sums the two workers' gradients of their
+    own batches (the loss scaled by 1/2, as Keras 3 does under a strategy), then plain
+    SGD. The replay runs the same model and optimizer in this process, without any
+    strategy; with two workers the sum has one order, so equality is exact."""
+    script = _script()
+    results = [_load(keras3_run, "none", r) for r in range(2)]
+    _, a0 = results[0]
+    _, a1 = results[1]
+    assert results[0][0]["num_workers"] == 2
+    model = script.build(keras, seed=3)
+    initial = _weights(a0, "init_w")
+    # Both workers started from the same weights, those of the seeded build.
+    for w, v, o in zip(initial, model.weights, _weights(a1, "init_w")):
+        np.testing.assert_array_equal(w, v.numpy())
+        np.testing.assert_array_equal(w, o)
+    optimizer = keras.optimizers.SGD(0.05)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    variables = model.trainable_variables
+
+    @tf.function
+    def gradients(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True)) * 0.5
+        return tape.gradient(loss, [v.value for v in variables])
+
+    # Different per-worker batches: the workers really trained on their own shards.
+    assert not np.array_equal(a0["x0"], a1["x0"])
+    for step in range(script.STEPS_NONE):
+        g0 = gradients(a0[f"x{step}"], a0[f"y{step}"])
+        g1 = gradients(a1[f"x{step}"], a1[f"y{step}"])
+        optimizer.apply([x + y for x, y in zip(g0, g1)], variables)
+    final = _weights(a0)
+    assert not all(np.array_equal(a, b) for a, b in zip(final, initial))
+    for got, want in zip(final, model.weights):
+        np.testing.assert_array_equal(got, want.numpy())
+    for a, b in zip(final, _weights(a1)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_identity_reaches_the_strategy(keras3_run):
+    results, _ = _load(keras3_run, "none", 0)
+    # Every step's gradients went through tfgc's reduction, with state per kernel.
+    assert results["stats"]["steps"] == _script().STEPS_NONE
+    assert results["stats"]["sent_bytes"] == DENSE_BYTES  # 2 workers: the ring sends n
+    assert results["state_slots"] == 3
+
+
+@pytest.mark.parametrize("name,spec", [("eftopk", "ef+topk:ratio=0.01"), ("qsgd", "qsgd")])
+def test_compressed_fit_matches_on_workers_and_formula(keras3_run, name, spec):
+    (r0, a0), (r1, a1) = (_load(keras3_run, name, r) for r in range(2))
+    for a, b in zip(_weights(a0), _weights(a1)):
+        np.testing.assert_array_equal(a, b)
+    payload, sent = expected_bytes(spec, 2)
+    for r in (r0, r1):
+        assert r["reductions"] > 0
+        assert r["stats"]["payload_bytes"] == payload
+        assert r["stats"]["sent_bytes"] == sent
+        assert r["stats"]["dense_bytes"] == DENSE_BYTES
+        # model.evaluate gives every worker the same figures, and training learned
+        # (chance is 0.1; the dense MLP reaches about 0.87 in two epochs).
+        assert r["evaluate"] == r0["evaluate"]
+        assert r["evaluate"]["accuracy"] > 0.6
+
+
+def test_stats_callback_jit_and_checkpoint(keras3_run):
+    results, _ = _load(keras3_run, "eftopk", 0)
+    history = results["history"]
+    payload, sent = expected_bytes("ef+topk:ratio=0.01", 2)
+    # CompressionStatsCallback's figures land in Keras 3's History.
+    assert history["sent_MB"] == [pytest.approx(sent / 1e6)] * 2
+    assert history["dense_sent_MB"] == [pytest.approx(DENSE_BYTES / 1e6)] * 2
+    assert history["loss"][1] < history["loss"][0]
+    # Loss and accuracy are the cluster's (averaged, not summed over workers).
+    assert 0.0 < history["accuracy"][0] <= 1.0
+    # jit_compile=True was asked for; the strategy turned XLA off.
+    assert results["jit_compile"] is False
+    # The residuals are saved with the Keras 3 optimizer and restored into the state.
+    assert results["state_slots"] == 3
+    assert len(results["norms"]) == 3 and all(v > 0 for v in results["norms"].values())
+    assert all(v == 0 for v in results["zeroed"].values())
+    assert results["restored"] == results["norms"]
+
+
+def test_every_compressor_trains_under_keras3(keras3_run):
+    script = _script()
+    runs = [_load_json(keras3_run, "sweep", r) for r in range(2)]
+    assert sorted(runs[0]) == sorted(script.SWEEP)
+    for spec in script.SWEEP:
+        mine, theirs = runs[0][spec], runs[1][spec]
+        assert mine["reductions"] == script.SWEEP_STEPS, spec
+        assert np.isfinite(mine["loss"]), spec
+        if spec == "gradiveq":  # learns its basis from dense gradients in the first window
+            assert mine["payload_bytes"] == DENSE_BYTES
+        else:
+            assert 0 < mine["payload_bytes"] < DENSE_BYTES, spec
+        assert mine["checksum"] == theirs["checksum"], spec  # the same weights
+        assert mine["loss"] == theirs["loss"], spec
+
+
+def _load_json(out, name, rank):
+    with open(out / f"{name}.w{rank}.json") as f:
+        return json.load(f)
+
+
+# ---------------------------------------------------------------------------
+# Single process: the strategy's reduce for what Keras 3 asks
+
+
+@pytest.fixture(scope="module")
+def strategy():
+    import tfgc
+
+    return tfgc.CompressedMultiWorkerMirroredStrategy("none")
+
+
+def test_reduce_takes_a_nest_and_scalar_axis(strategy):
+    batch = (tf.constant([[1.0, 2.0], [3.0, 5.0]]), tf.constant([1, 2]))
+    reduced = strategy.reduce("MEAN", batch, axis=None)
+    assert isinstance(reduced, tuple) and len(reduced) == 2
+    np.testing.assert_array_equal(reduced[0].numpy(), batch[0].numpy())
+    # A rank-0 value has no axis 0: the reduction over replicas is all there is.
+    assert float(strategy.reduce("MEAN", tf.constant(2.5), axis=0)) == 2.5
+    # Reductions with an axis of a tensor of rank >= 1 keep their meaning.
+    assert float(strategy.reduce("SUM", tf.constant([1.0, 2.0]), axis=0)) == 3.0
+    assert float(strategy.reduce("MEAN", tf.constant([1.0, 2.0]), axis=0)) == 1.5
+    out = strategy.reduce("SUM", {"a": tf.constant(1.0), "b": [tf.constant(2.0)]})
+    assert float(out["a"]) == 1.0 and float(out["b"][0]) == 2.0
+
+
+def test_variance_based_stops_a_keras3_model_before_training(strategy):
+    strategy.compressor = "variance"
+    try:
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+            model.compile(optimizer="sgd", loss="mse")
+        with pytest.raises(ValueError, match="tf-keras.*other compressor"):
+            model.fit(np.zeros((8, 4), np.float32), np.zeros((8, 2), np.float32), verbose=0)
+    finally:
+        strategy.compressor = "none"
