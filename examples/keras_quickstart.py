@@ -5,7 +5,7 @@ Local 2-worker cluster:   tfgc-launch --workers 2 -- python examples/keras_quick
 Real cluster:             set TF_CONFIG on every machine and run the script there.
 """
 
-import tf_keras as keras
+import tf_keras as keras  # or `import keras`: Keras 3 trains the same way
 
 import tfgc
 from tfgc import data

@@ -277,6 +277,8 @@ def test_gradiveq_dim_counts_the_kept_directions():
 def test_variance_reports_what_waits():
     var = Variance()
     r = np.array([[3.0, -4.0], [0.0, 0.0]], np.float32)
-    out = var.diagnostics({"r": tf.constant(r), "v": tf.ones([2, 2])})
-    assert set(out) == {"held_norm"} and float(out["held_norm"]) == pytest.approx(5.0)
+    out = var.diagnostics({"r": tf.constant(r), "v": tf.ones([2, 2]), "sent": tf.constant(1.0)})
+    assert set(out) == {"held_norm", "send_rate"}
+    assert float(out["held_norm"]) == pytest.approx(5.0)
+    assert float(out["send_rate"]) == pytest.approx(0.25)
     assert var.diagnostics(None, step=1) == {}

@@ -60,6 +60,11 @@ def test_steps_match_numpy_model_and_conserve_mass():
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(state["r"].numpy(), r, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(state["v"].numpy(), v, rtol=1e-5, atol=1e-7)
+        # The state counts what went out; the diagnostics report it as a rate.
+        assert float(state["sent"]) == np.count_nonzero(want)
+        rate = float(c.diagnostics(state)["send_rate"])
+        assert rate == pytest.approx(np.count_nonzero(want) / want.size)
+        assert 0 < float(state["sent"]) <= c.capacity(tf.TensorShape(shape))
         total_g += g
         total_sent += got
     np.testing.assert_allclose(total_sent + state["r"].numpy(), total_g, atol=1e-4)

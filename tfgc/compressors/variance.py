@@ -79,20 +79,25 @@ class Variance(Compressor):
         return min(n, max(1, int(math.ceil(self.max_density * n))))
 
     def init_state(self, shape, dtype):
-        return {"r": tf.zeros(shape, dtype), "v": tf.zeros(shape, dtype)}
+        # "sent": how many entries the last step sent. Neither r nor v can tell:
+        # a sent entry leaves v = 0, but so does a dead unit (and zeta = 0), and
+        # an entry sent exactly (the largest, at exponent 0) leaves r = 0.
+        return {"r": tf.zeros(shape, dtype), "v": tf.zeros(shape, dtype),
+                "sent": tf.zeros([])}
 
     def diagnostics(self, state, step=None):
-        """Per gradient: ``held_norm``, the l2 norm of r, what waits unsent.
-
-        The send rate is not reported: the state cannot tell it. A sent entry
-        leaves v = 0, but so does an entry whose second moment has stayed zero
-        (a dead unit), and zeta = 0 zeroes every v; r is no better, as an entry
-        sent exactly (the largest one, at exponent 0) leaves r = 0.
+        """Per gradient: ``held_norm``, the l2 norm of r, what waits unsent, and
+        ``send_rate``, the fraction of entries the last step sent (at most
+        ``max_density``).
         """
         del step
         if state is None or "r" not in state:
             return {}
-        return {"held_norm": tf.norm(tf.cast(state["r"], tf.float32))}
+        out = {"held_norm": tf.norm(tf.cast(state["r"], tf.float32))}
+        if "sent" in state:
+            size = max(1, num_elements(state["r"].shape))
+            out["send_rate"] = tf.convert_to_tensor(state["sent"]) / float(size)
+        return out
 
     def compress(self, x, state, ctx):
         if ctx.second_moment is None:
@@ -130,7 +135,8 @@ class Variance(Compressor):
         count = tf.shape(sent)[0]
         words = tf.ensure_shape(tf.concat([words, tf.zeros([cap - count], tf.int32)], 0), [cap])
         payload = (words, tf.reshape(scale, [1]), tf.reshape(count, [1]))
-        return payload, {"r": tf.reshape(new_r, x.shape), "v": tf.reshape(new_v, x.shape)}
+        return payload, {"r": tf.reshape(new_r, x.shape), "v": tf.reshape(new_v, x.shape),
+                         "sent": tf.cast(count, tf.float32)}
 
     @staticmethod
     def _values(code, scale):
