@@ -8,7 +8,6 @@ compressors' ``diagnostics`` are also checked on their own against hand-built st
 """
 
 import glob
-import itertools
 import os
 import pathlib
 
@@ -21,16 +20,10 @@ import tfgc
 from tfgc.compressors import DGC, GradiVeQ, Variance, get as get_compressor
 from tfgc.keras import CompressionStatsCallback
 
-# Several strategies in one process: each needs collective keys of its own, or the
-# second one's collectives collide with instances the first one left in the runtime.
-_KEY_BASES = itertools.count(1)
-
-
 @pytest.fixture
-def make_strategy(monkeypatch):
+def make_strategy():
+    # Several strategies in one process: each gets collective keys of its own.
     def make(compressor, **kwargs):
-        monkeypatch.setattr(tfgc.CompressedMultiWorkerMirroredStrategy, "_collective_key_base",
-                            100000 * next(_KEY_BASES), raising=False)
         return tfgc.CompressedMultiWorkerMirroredStrategy(
             compressor=compressor, policy=tfgc.CompressionPolicy(min_elements=0), **kwargs)
     return make

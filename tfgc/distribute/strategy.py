@@ -1,5 +1,8 @@
 """``CompressedMultiWorkerMirroredStrategy``: MultiWorkerMirroredStrategy with compression."""
 
+import itertools
+import threading
+
 import tensorflow as tf
 from tensorflow.python.distribute import collective_all_reduce_strategy as mwms_lib
 from tensorflow.python.distribute import collective_util
@@ -46,6 +49,22 @@ class _CompressedExtended(mwms_lib.CollectiveAllReduceExtended):
         self._install_compression(worker_index)
 
 
+# Collective keys: every strategy of a process gets a range of its own. The
+# stock strategy starts every instance at the same group key, so a second one in
+# the same process (a notebook trying another compressor) reuses the first one's
+# groups and instance keys, and its collectives meet the first one's in the
+# runtime (a shape mismatch). Workers build their strategies in the same order,
+# so the n-th strategy has the same range on every worker.
+_KEY_RANGE = 100_000
+_strategy_count = itertools.count()
+_count_lock = threading.Lock()
+
+
+def _next_key_base(base):
+    with _count_lock:
+        return base + _KEY_RANGE * next(_strategy_count)
+
+
 class CompressedMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
     """``tf.distribute.MultiWorkerMirroredStrategy`` whose gradients cross the network compressed.
 
@@ -90,6 +109,8 @@ class CompressedMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStr
         # Keras optimizers name their variables to us; Keras models get rebuilt
         # train functions when the compressor is switched.
         keras_hooks.install()
+        # Read by the parent's extended class when it creates the collective keys.
+        self._collective_key_base = _next_key_base(type(self)._collective_key_base)
         # The parent's __init__ hard-codes its own extended class; build ours and
         # hand it to the common Strategy base instead.
         distribute_lib.Strategy.__init__(  # pylint: disable=non-parent-init-called

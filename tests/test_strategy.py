@@ -1,0 +1,27 @@
+"""The strategy in one process (no TF_CONFIG): what a notebook does with it."""
+
+import numpy as np
+import tf_keras as keras
+
+import tfgc
+
+
+def test_several_strategies_in_one_process_train_one_after_another():
+    # A second strategy once reused the first one's collective keys, and its
+    # first step met the first one's collectives in the runtime (a shape mismatch).
+    x = np.random.default_rng(0).normal(size=(64, 16)).astype(np.float32)
+    y = 2.0 * x[:, :4]
+    bases = []
+    for compressor, width in (("ef+topk:ratio=0.1", 32), ("qsgd", 48), ("none", 40)):
+        strategy = tfgc.CompressedMultiWorkerMirroredStrategy(
+            compressor, policy=tfgc.CompressionPolicy(min_elements=0))
+        bases.append(strategy.extended._collective_key_base)  # pylint: disable=protected-access
+        with strategy.scope():
+            model = keras.Sequential([keras.layers.Dense(width, activation="relu",
+                                                         input_shape=(16,)),
+                                      keras.layers.Dense(4)])
+            model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        history = model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+        assert strategy.compression_stats()["steps"] == 8, compressor
+        assert np.isfinite(history.history["loss"]).all(), compressor
+    assert len(set(bases)) == 3
