@@ -193,13 +193,37 @@ def test_reduce_takes_a_nest_and_scalar_axis(strategy):
     assert float(out["a"]) == 1.0 and float(out["b"][0]) == 2.0
 
 
-def test_variance_based_stops_a_keras3_model_before_training(strategy):
+class OwnModel(keras.Model):
+    """A user's subclass, defined outside the keras package."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(2)
+
+    def call(self, x):
+        return self.dense(x)
+
+
+@pytest.mark.parametrize("build", [
+    lambda: keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]),
+    OwnModel,
+])
+def test_variance_based_stops_a_keras3_model_before_training(strategy, build):
     strategy.compressor = "variance"
     try:
         with strategy.scope():
-            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+            model = build()
             model.compile(optimizer="sgd", loss="mse")
         with pytest.raises(ValueError, match="tf-keras.*other compressor"):
             model.fit(np.zeros((8, 4), np.float32), np.zeros((8, 2), np.float32), verbose=0)
     finally:
         strategy.compressor = "none"
+
+
+def test_tf_keras_models_are_not_taken_for_keras3():
+    import tf_keras
+
+    from tfgc.distribute.keras_hooks import _is_keras3
+
+    assert not _is_keras3(tf_keras.Sequential())
+    assert _is_keras3(keras.Sequential()) and _is_keras3(OwnModel())

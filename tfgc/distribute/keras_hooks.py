@@ -1,9 +1,10 @@
 """Where tf-keras and Keras 3 hand their gradients, with their variables, to tfgc.
 
-tf-keras optimizers all-reduce a list of gradients without saying which variables
+Keras optimizers all-reduce a list of gradients without saying which variables
 they belong to, and the strategy cannot tell them from any other all-reduce. Two
 thin hooks, active only under ``tfgc.CompressedMultiWorkerMirroredStrategy``, close
-that gap:
+that gap (tf-keras's methods are named here; Keras 3's are
+``TFOptimizer._all_reduce_sum_gradients`` and ``TensorFlowTrainer.make_train_function``):
 
 * ``Optimizer.aggregate_gradients`` (and the legacy ``OptimizerV2._aggregate_gradients``)
   run inside ``tfgc.compress_gradients(variables, owner=optimizer)``, so the
@@ -12,7 +13,8 @@ that gap:
   through its inner optimizer's method, so mixed precision goes the same way.
 * ``Model.make_train_function`` registers the model with the strategy, so that
   switching compressor rebuilds its train function and the switch takes effect at
-  the next step, also in the middle of ``fit``.
+  the next step, also in the middle of ``fit``; it also turns XLA off for the model
+  and stops a Keras 3 model whose compressor needs tf-keras layers.
 
 Under any other strategy the hooks call the original methods and do nothing else.
 """
@@ -92,8 +94,9 @@ def _keras3_targets():
 
 
 def _is_keras3(model):
-    return type(model).__module__.split(".")[0] == "keras" and not any(
-        c.__module__.startswith("tf_keras") for c in type(model).__mro__)
+    """A Keras 3 model, also a user's subclass defined outside the keras package."""
+    roots = {c.__module__.split(".")[0] for c in type(model).__mro__}
+    return "keras" in roots and "tf_keras" not in roots
 
 
 def _check_keras3_compressor(model, strategy):
