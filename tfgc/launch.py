@@ -361,12 +361,8 @@ def _prebuild_custom_ops(env: Mapping[str, str], cwd, log: IO[str]) -> None:
     # Imports absl but not TensorFlow: starting the launcher stays fast.
     from tfgc.ops import _loader  # pylint: disable=import-outside-toplevel
 
-    def flag(name, default=""):
-        return env.get(name, default).strip().lower()
-
-    off = ("0", "false", "no", "off")
-    if (flag(_loader.DISABLE_ENV_VAR) not in ("",) + off or flag(_loader.LIBRARY_ENV_VAR)
-            or flag(_loader.JIT_ENV_VAR, "1") in off
+    if (_loader.custom_ops_disabled(env) or env.get(_loader.LIBRARY_ENV_VAR, "").strip()
+            or not _loader.jit_build_enabled(env)
             or os.path.exists(_loader.packaged_library_path())):
         return
     build_env = dict(env)

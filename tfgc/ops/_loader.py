@@ -90,14 +90,17 @@ def loaded_library_path():
     return _loaded_path
 
 
-def custom_ops_disabled():
-    """True when ``TFGC_DISABLE_CUSTOM_OPS`` asks for the reference ops."""
-    value = os.environ.get(DISABLE_ENV_VAR, "").strip().lower()
-    return value not in ("", "0", "false", "no", "off")
+def custom_ops_disabled(env=None):
+    """True when ``TFGC_DISABLE_CUSTOM_OPS`` (in ``env``, default this process's
+    environment) asks for the reference ops."""
+    value = (os.environ if env is None else env).get(DISABLE_ENV_VAR, "")
+    return value.strip() != "" and not _falsy(value)
 
 
-def jit_build_enabled():
-    return not _falsy(os.environ.get(JIT_ENV_VAR, "1"))
+def jit_build_enabled(env=None):
+    """False when ``TFGC_JIT_BUILD`` (in ``env``, default this process's
+    environment) turns off building the library at first use."""
+    return not _falsy((os.environ if env is None else env).get(JIT_ENV_VAR, "1"))
 
 
 def _fallback(cause, fix):
