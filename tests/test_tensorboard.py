@@ -17,7 +17,7 @@ import tensorflow as tf
 import tf_keras as keras
 
 import tfgc
-from tfgc.compressors import DGC, GradiVeQ, Variance, get as get_compressor
+from tfgc.compressors import DGC, ErrorFeedback, GradiVeQ, TopK, Variance, get as get_compressor
 from tfgc.keras import CompressionStatsCallback
 
 @pytest.fixture
@@ -236,6 +236,32 @@ def test_base_diagnostics_are_empty():
     assert topk.diagnostics(state) == {} and topk.diagnostics(None, step=3) == {}
     ef = get_compressor("ef+topk:ratio=0.1")
     assert ef.diagnostics(ef.init_state(tf.TensorShape([4, 4]), tf.float32)) == {}
+
+
+def test_error_feedback_reports_its_momentum_and_the_inner_figures():
+    u = np.arange(6, dtype=np.float32).reshape(2, 3)
+    for spec in ("onebit:momentum=0.9", "ef+topk:ratio=0.1,momentum=0.9"):
+        ef = get_compressor(spec)
+        state = dict(ef.init_state(tf.TensorShape([2, 3]), tf.float32), momentum=tf.constant(u))
+        assert set(ef.diagnostics(state)) == {"momentum_norm"}, spec
+        assert float(ef.diagnostics(state)["momentum_norm"]) == pytest.approx(
+            np.linalg.norm(u)), spec
+        assert ef.diagnostics(None, step=2) == {}, spec
+
+    # What the inner compressor reports comes through, read from the inner state.
+    class Counting(TopK):
+        def diagnostics(self, state, step=None):
+            if state is None:
+                return {"step": tf.constant(float(step))}
+            return {"size": tf.cast(tf.size(state["seen"]), tf.float32)}
+
+        def init_state(self, shape, dtype):
+            return {"seen": tf.zeros(shape, dtype)}
+
+    ef = ErrorFeedback(Counting(ratio=0.5))
+    state = ef.init_state(tf.TensorShape([2, 3]), tf.float32)
+    assert float(ef.diagnostics(state)["size"]) == 6.0
+    assert float(ef.diagnostics(None, step=4)["step"]) == 4.0
 
 
 def test_dgc_density_matches_the_schedule():

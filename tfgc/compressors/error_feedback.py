@@ -112,6 +112,15 @@ class ErrorFeedback(Compressor):
             state["momentum"] = tf.zeros(shape, dtype)
         return state
 
+    def diagnostics(self, state, step=None):
+        """The inner compressor's figures, and ``momentum_norm`` (the l2 norm of the
+        velocity u) per gradient when momentum is applied on the workers. The residual
+        is the state's ``residual``, which the stats callback reports itself."""
+        out = dict(self.inner.diagnostics(None if state is None else state["inner"], step))
+        if state is not None and self.momentum and "momentum" in state:
+            out["momentum_norm"] = tf.norm(tf.cast(state["momentum"], tf.float32))
+        return out
+
     def corrected(self, x, state):
         """Momentum correction of ``x``: ``(what to compress, the new state entries)``.
 
