@@ -68,7 +68,7 @@ _warn = _build._print_warning  # pylint: disable=protected-access
 
 def build_custom_ops(jobs=2, force=False):
     """Builds tfgc/ops/_tfgc_ops.so; returns its path, or None if skipped."""
-    if _build._falsy(os.environ.get("TFGC_BUILD_CUSTOM_OPS", "1")):  # pylint: disable=protected-access
+    if _build.falsy(os.environ.get("TFGC_BUILD_CUSTOM_OPS", "1")):
         _warn("TFGC_BUILD_CUSTOM_OPS=0: not building the custom-op library now; "
               "tfgc will compile it at first use (or run `python -m tfgc.ops.build`).")
         return None

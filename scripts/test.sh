@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec "${PYTHON:-python3}" -m pytest -q tests "$@"
+exec "${PYTHON:-python3}" -m pytest -q --durations=15 tests "$@"

@@ -90,6 +90,16 @@ def test_user_model_errors_name_the_flag(user_module):
         models.build_model("resnet")
 
 
+def test_module_exists_finds_without_importing(user_module):
+    import sys
+    sys.modules.pop("my_task", None)
+    assert entry_points.module_exists("my_task:build")  # the current directory
+    assert "my_task" not in sys.modules  # located, not imported
+    assert entry_points.module_exists("tfgc.models:build_model")
+    assert not entry_points.module_exists("nowhere:build")
+    assert not entry_points.module_exists("nowhere.sub:build")  # missing parent package
+
+
 def test_user_dataset_from_keras_style_tuples(user_module):
     ds = data_lib.load_dataset("my_task:load", seed=1)
     assert ds.name == "my_task:load"

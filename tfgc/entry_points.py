@@ -24,6 +24,7 @@ next to where the trainer is started is found as well as an installed package.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import os
 import re
@@ -40,6 +41,21 @@ def is_entry_point(name: Any) -> bool:
     return isinstance(name, str) and bool(_SPEC.match(name.strip()))
 
 
+def _cwd_on_path():
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+
+
+def module_exists(spec: str) -> bool:
+    """Whether the module that ``spec`` names is on the path (the current directory
+    included). It is located, not imported, so nothing it imports is loaded."""
+    _cwd_on_path()
+    try:
+        return importlib.util.find_spec(spec.strip().split(":", 1)[0]) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
+
+
 def resolve(spec: str, what: str) -> Callable:
     """The callable that ``spec`` (``package.module:attr.path``) names.
 
@@ -49,8 +65,7 @@ def resolve(spec: str, what: str) -> Callable:
     if not is_entry_point(spec):
         raise ValueError(f"{what}={spec!r} is not of the form package.module:function")
     module_name, attr_path = spec.split(":", 1)
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    _cwd_on_path()
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:

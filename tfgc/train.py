@@ -436,21 +436,13 @@ def _check_entry_points():
     stops the run at once with one message instead of once per worker. The module is
     located, not imported (importing it would import TensorFlow here too); the workers
     import it and check the function."""
-    import importlib.util
-
     from tfgc import entry_points
     for flag in ("model", "dataset"):
         value = getattr(FLAGS, flag).strip()
         if not entry_points.is_entry_point(value):
             continue
         module = value.split(":", 1)[0]
-        if os.getcwd() not in sys.path and "" not in sys.path:
-            sys.path.insert(0, os.getcwd())
-        try:
-            found = importlib.util.find_spec(module) is not None
-        except ModuleNotFoundError:
-            found = False
-        if not found:
+        if not entry_points.module_exists(value):
             sys.exit(f"tfgc-train: --{flag}={value!r}: no module named {module!r} on the Python "
                      f"path (the current directory {os.getcwd()!r} included)")
 

@@ -29,6 +29,8 @@ import threading
 
 from absl import logging
 
+from tfgc.ops import build
+
 LIBRARY_NAME = "_tfgc_ops.so"
 DISABLE_ENV_VAR = "TFGC_DISABLE_CUSTOM_OPS"
 # Loads the library from another path (a private build, a packaged copy).
@@ -45,10 +47,6 @@ _library = None
 _loaded_path = None
 
 
-def _falsy(value):
-    return value.strip().lower() in ("0", "false", "no", "off")
-
-
 def packaged_library_path():
     """The library built by setup.py, next to this file (may not exist)."""
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), LIBRARY_NAME)
@@ -59,7 +57,6 @@ def _cached_library_path():
 
     Imports TensorFlow (the cache key contains its version and flags).
     """
-    from tfgc.ops import build  # pylint: disable=import-outside-toplevel
 
     src_root = build.find_source_root()
     if src_root is None:
@@ -94,13 +91,13 @@ def custom_ops_disabled(env=None):
     """True when ``TFGC_DISABLE_CUSTOM_OPS`` (in ``env``, default this process's
     environment) asks for the reference ops."""
     value = (os.environ if env is None else env).get(DISABLE_ENV_VAR, "")
-    return value.strip() != "" and not _falsy(value)
+    return value.strip() != "" and not build.falsy(value)
 
 
 def jit_build_enabled(env=None):
     """False when ``TFGC_JIT_BUILD`` (in ``env``, default this process's
     environment) turns off building the library at first use."""
-    return not _falsy((os.environ if env is None else env).get(JIT_ENV_VAR, "1"))
+    return not build.falsy((os.environ if env is None else env).get(JIT_ENV_VAR, "1"))
 
 
 def _fallback(cause, fix):
@@ -122,7 +119,6 @@ def _try_load(tf, path):
 
 def _load_from_cache(tf, stale=None):
     """Loads the library from the build cache, compiling it first if needed."""
-    from tfgc.ops import build  # pylint: disable=import-outside-toplevel
 
     global _loaded_path
     prefix = f"{stale}; " if stale else ""

@@ -81,7 +81,8 @@ class BuildError(RuntimeError):
         self.log_path = log_path
 
 
-def _falsy(value):
+def falsy(value):
+    """Whether an environment flag's value turns it off ("0", "false", "no", "off")."""
     return value.strip().lower() in ("0", "false", "no", "off")
 
 
@@ -261,7 +262,7 @@ def _same_cuda_major(nvcc_version, tf_version):
 
 def cuda_config(info, src_root, log=print, warn=_print_warning):
     """nvcc command prefix and CUDA link flags, or None for a CPU-only build."""
-    if _falsy(os.environ.get("TFGC_BUILD_CUDA", "1")):
+    if falsy(os.environ.get("TFGC_BUILD_CUDA", "1")):
         return None
     if not info.get("cuda") or not cuda_sources(src_root):
         return None
@@ -485,7 +486,7 @@ def estimated_seconds(src_root, info, jobs):
     # nvcc about four times that per CUDA file.
     cpu_seconds = 15 * len(cc_sources(src_root))
     nvcc = _find_nvcc() if info.get("cuda") else None
-    if (nvcc is not None and not _falsy(os.environ.get("TFGC_BUILD_CUDA", "1"))
+    if (nvcc is not None and not falsy(os.environ.get("TFGC_BUILD_CUDA", "1"))
             and _same_cuda_major(_nvcc_version(nvcc), info.get("cuda_version", ""))):
         cpu_seconds += 60 * len(cuda_sources(src_root))
     return int(round(cpu_seconds / max(1, min(jobs, len(cc_sources(src_root)) or 1)) + 5, -1))
