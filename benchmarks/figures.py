@@ -11,10 +11,11 @@ Reads the stored results (nothing is rerun, nothing is typed in by hand) and wri
   each worker sends per step against the number of workers N: on the shaped links
   (veth counters and the strategy's own count) and, for every compressor of
   ``bytes_per_step.py``, the strategy's count on the trainer's MLP.
-* ``convergence_accuracy_vs_bytes.png`` and ``convergence_accuracy_vs_time.png``
-  (``convergence.json``): test accuracy after each epoch against the cumulative bytes
-  sent per worker and against training time, for every compressor; the right panel
-  zooms on the runs near the dense one.
+* ``convergence_<model>_accuracy_vs_bytes.png`` and
+  ``convergence_<model>_accuracy_vs_time.png`` for each model of ``convergence.json``
+  (``mlp``, ``cnn``): test accuracy after each epoch against the cumulative bytes sent
+  per worker and against training time, for every compressor; the right panel zooms on
+  the runs near the dense one.
 
 The stock strategy (or the dense ``none`` compressor, which the tests check is
 bit-identical to it) is drawn in black in every figure. Needs matplotlib (Agg backend;
@@ -33,8 +34,10 @@ import network  # noqa: E402  (stdlib only: its rate parsing and names)
 
 DEFAULT_OUT = os.path.join(_common.REPO_ROOT, "docs", "figures")
 REQUIRED = ("network.json", "bytes_per_step.json", "convergence.json")
-FIGURES = ("speedup_vs_link_rate.png", "bytes_per_worker_vs_n.png",
-           "convergence_accuracy_vs_bytes.png", "convergence_accuracy_vs_time.png")
+FIGURES = ("speedup_vs_link_rate.png", "bytes_per_worker_vs_n.png")
+# Per model of convergence.json: CONVERGENCE_FIGURE.format(model=..., x=...).
+CONVERGENCE_FIGURE = "convergence_{model}_accuracy_vs_{x}.png"
+CONVERGENCE_X_NAMES = (("cumulative_sent_bytes", "bytes"), ("train_seconds", "time"))
 DPI = 100
 STOCK = network.STOCK
 STOCK_LABEL = "stock MultiWorkerMirroredStrategy"
@@ -140,6 +143,19 @@ def bytes_per_step_vs_n(report):
             out.setdefault((run["model"], r["spec"]), []).append(
                 (run["workers"], r["sent_bytes"], r["expected"]["sent"]))
     return {k: sorted(v) for k, v in out.items()}
+
+
+def convergence_models(report):
+    """The sweep's models that have at least one finished run, in the sweep's order."""
+    done = {r["model"] for r in _ok(report["runs"])}
+    return [m for m in report["config"]["models"] if m in done]
+
+
+def figure_names(convergence_report):
+    """Every file make_figures writes, given convergence.json's report."""
+    return list(FIGURES) + [CONVERGENCE_FIGURE.format(model=m, x=x)
+                            for m in convergence_models(convergence_report)
+                            for _, x in CONVERGENCE_X_NAMES]
 
 
 def convergence_curves(report, xkey, model=None):
@@ -358,11 +374,11 @@ CONVERGENCE_X = {
 }
 
 
-def plot_convergence(report, xkey, path, zoom_points=0.03):
+def plot_convergence(report, xkey, path, model, zoom_points=0.03):
     """Two panels: every run, and the runs that come within zoom_points of dense's best."""
     plt = _plt()
     xlabel, xlog = CONVERGENCE_X[xkey]
-    curves = convergence_curves(report, xkey)
+    curves = convergence_curves(report, xkey, model)
     cfg = report["config"]
     fig, (ax_all, ax_zoom) = plt.subplots(1, 2, figsize=(10, 4.6), layout="constrained")
     i = 0
@@ -400,17 +416,19 @@ def plot_convergence(report, xkey, path, zoom_points=0.03):
         ax.grid(True, alpha=0.3)
     ax_zoom.legend(loc="center left", bbox_to_anchor=(1.02, 0.5), frameon=False)
     epochs = cfg.get("epochs", {})
-    model = cfg["models"][0]
     ep = epochs.get(model) if isinstance(epochs, dict) else epochs
     what = "cumulative bytes sent" if xlog else "training time"
     loads = [r["load_before"] for r in _ok(report["runs"])
              if r["model"] == model and r.get("load_before") is not None]
     busy = (f" (load average before a run: {min(loads):.1f} to {max(loads):.1f})"
             if loads and not xlog else "")
+    n_runs, n_settings = len(curves), len(report.get("settings", ())) or len(curves)
+    partial = f" ({n_runs} of {n_settings} settings run)" if n_runs < n_settings else ""
     fig.suptitle(
         f"Test accuracy vs {what} (benchmarks/convergence.py): {model} on {cfg['dataset']}, "
         f"{cfg['workers']} workers, batch {cfg['batch_size']} per worker, {ep} epochs, "
-        f"one run each, {report.get('cpu_count', '?')}-core machine{busy}", wrap=True)
+        f"one run each{partial}, {report.get('cpu_count', '?')}-core machine{busy}",
+        wrap=True)
     _save(fig, path)
 
 
@@ -421,8 +439,12 @@ def make_figures(results_dir, out_dir):
     paths = [os.path.join(out_dir, name) for name in FIGURES]
     plot_speedup(res["network.json"], paths[0])
     plot_bytes_vs_n(res["network.json"], res["bytes_per_step.json"], paths[1])
-    plot_convergence(res["convergence.json"], "cumulative_sent_bytes", paths[2])
-    plot_convergence(res["convergence.json"], "train_seconds", paths[3])
+    conv = res["convergence.json"]
+    for model in convergence_models(conv):
+        for xkey, x in CONVERGENCE_X_NAMES:
+            path = os.path.join(out_dir, CONVERGENCE_FIGURE.format(model=model, x=x))
+            plot_convergence(conv, xkey, path, model)
+            paths.append(path)
     return paths
 
 

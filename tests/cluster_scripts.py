@@ -1,4 +1,5 @@
-"""What the cluster tests share: the repository, the workers' environment, the scripts."""
+"""What the tests share: the repository, the workers' environment, the cluster scripts,
+the benchmark scripts as modules."""
 
 import importlib.util
 import json
@@ -11,13 +12,22 @@ ENV = {"PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
        "TF_CPP_MIN_LOG_LEVEL": "2"}
 
 
+def _load(path, module_name):
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def cluster_script(name):
     """``(path, module)`` of ``tests/cluster/<name>.py``; the module gives its constants."""
     path = os.path.join(REPO, "tests", "cluster", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"cluster_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return path, module
+    return path, _load(path, f"cluster_{name}")
+
+
+def benchmark_module(name):
+    """``benchmarks/<name>.py`` as a module (its driver functions, no run)."""
+    return _load(os.path.join(REPO, "benchmarks", f"{name}.py"), f"tfgc_benchmarks_{name}")
 
 
 def assert_fit_identical_and_learning(out, num_workers):

@@ -1,26 +1,17 @@
 """benchmarks/figures.py: the README's PNGs from the stored benchmark results."""
 
-import importlib.util
 import json
 import os
 import shutil
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from cluster_scripts import REPO, benchmark_module
+
 RESULTS = os.path.join(REPO, "benchmarks", "results")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
-
-def _load_figures():
-    spec = importlib.util.spec_from_file_location(
-        "tfgc_benchmarks_figures", os.path.join(REPO, "benchmarks", "figures.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-figures = _load_figures()
+figures = benchmark_module("figures")
 
 
 def _read(name):
@@ -33,7 +24,14 @@ def test_main_writes_valid_pngs(tmp_path):
     out = tmp_path / "figs"
     assert figures.main(["--results", RESULTS, "--out", str(out)]) == 0
     names = sorted(os.listdir(out))
-    assert names == sorted(figures.FIGURES)
+    conv = _read("convergence.json")
+    assert names == sorted(figures.figure_names(conv))
+    # Two figures per model that has finished runs, and the two network ones.
+    models = sorted({r["model"] for r in conv["runs"] if r["status"] == "ok"})
+    assert len(names) == 2 + 2 * len(models)
+    for model in models:
+        assert f"convergence_{model}_accuracy_vs_bytes.png" in names
+        assert f"convergence_{model}_accuracy_vs_time.png" in names
     for name in names:
         data = (out / name).read_bytes()
         assert data[:8] == PNG_MAGIC, name
@@ -41,6 +39,14 @@ def test_main_writes_valid_pngs(tmp_path):
         # IHDR: width and height, big-endian, right after the chunk header.
         width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
         assert width >= 600 and height >= 300, (name, width, height)
+
+
+def test_readme_embeds_every_figure():
+    with open(os.path.join(REPO, "README.md")) as f:
+        readme = f.read()
+    for name in figures.figure_names(_read("convergence.json")):
+        assert f"(docs/figures/{name})" in readme, name
+        assert os.path.isfile(os.path.join(REPO, "docs", "figures", name)), name
 
 
 def test_missing_results_file_is_named(tmp_path):
@@ -102,14 +108,65 @@ def test_bytes_vs_n_are_the_json_ones():
 
 def test_convergence_curves_are_the_json_ones():
     report = _read("convergence.json")
-    for xkey in ("cumulative_sent_bytes", "train_seconds"):
-        got = {label: pts for label, _, pts in figures.convergence_curves(report, xkey)}
-        # The figure draws the first model of the sweep (its other models may be
-        # partly run).
-        model = report["config"]["models"][0]
-        want = {r["label"]: [(c[xkey], c["test_accuracy"]) for c in r["curve"]]
-                for r in report["runs"] if r["status"] == "ok" and r["model"] == model}
-        assert got == want
-    labels = [(label, spec) for label, spec, _ in
-              figures.convergence_curves(report, "train_seconds")]
-    assert sum(figures.is_dense_baseline(label, spec) for label, spec in labels) == 1
+    models = figures.convergence_models(report)
+    assert models == [m for m in report["config"]["models"]
+                      if any(r["model"] == m and r["status"] == "ok" for r in report["runs"])]
+    for model in models:
+        for xkey in ("cumulative_sent_bytes", "train_seconds"):
+            got = {label: pts for label, _, pts in
+                   figures.convergence_curves(report, xkey, model)}
+            want = {r["label"]: [(c[xkey], c["test_accuracy"]) for c in r["curve"]]
+                    for r in report["runs"] if r["status"] == "ok" and r["model"] == model}
+            assert got == want
+        labels = [(label, spec) for label, spec, _ in
+                  figures.convergence_curves(report, "train_seconds", model)]
+        assert sum(figures.is_dense_baseline(label, spec) for label, spec in labels) == 1
+
+
+def _conv_report():
+    def run(model, label, accs, status="ok", spec=None):
+        return {"model": model, "label": label, "spec": spec or label, "status": status,
+                "curve": [{"test_accuracy": a, "cumulative_sent_bytes": 1e6 * (i + 1),
+                           "train_seconds": 10.0 * (i + 1)} for i, a in enumerate(accs)]}
+    return {"config": {"models": ["mlp", "cnn", "resnet"], "dataset": "fashion_mnist",
+                       "workers": 4, "batch_size": 64, "epochs": {"mlp": 2, "cnn": 3}},
+            "settings": [{}, {}], "cpu_count": 2,
+            "runs": [run("mlp", "none", [0.5, 0.6]), run("mlp", "onebit", [0.4, float("nan")]),
+                     run("cnn", "none", [0.7, 0.8, 0.85]), run("cnn", "qsgd", [0.1], "failed"),
+                     run("resnet", "none", [0.1], "failed")]}
+
+
+def test_convergence_series_from_a_hand_made_report():
+    report = _conv_report()
+    # resnet has only a failed run: no figure for it.
+    assert figures.convergence_models(report) == ["mlp", "cnn"]
+    assert figures.figure_names(report)[2:] == [
+        "convergence_mlp_accuracy_vs_bytes.png", "convergence_mlp_accuracy_vs_time.png",
+        "convergence_cnn_accuracy_vs_bytes.png", "convergence_cnn_accuracy_vs_time.png"]
+    # The NaN point is left out; the failed run is not drawn.
+    assert figures.convergence_curves(report, "train_seconds", "mlp") == [
+        ("none", "none", [(10.0, 0.5), (20.0, 0.6)]), ("onebit", "onebit", [(10.0, 0.4)])]
+    assert figures.convergence_curves(report, "cumulative_sent_bytes", "cnn") == [
+        ("none", "none", [(1e6, 0.7), (2e6, 0.8), (3e6, 0.85)])]
+
+
+def test_each_convergence_figure_draws_its_own_model(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib", reason="scripts/setup.sh installs matplotlib")
+    drawn = {}
+
+    def record(fig, path):
+        labels = sorted({line.get_label() for ax in fig.axes for line in ax.get_lines()})
+        drawn[os.path.basename(path)] = (fig._suptitle.get_text(), labels)
+        import matplotlib.pyplot as plt
+        plt.close(fig)
+
+    monkeypatch.setattr(figures, "_save", record)
+    report = _conv_report()
+    for model in ("mlp", "cnn"):
+        figures.plot_convergence(report, "train_seconds", str(tmp_path / f"{model}.png"), model)
+    title, labels = drawn["mlp.png"]
+    assert "mlp on fashion_mnist" in title and "2 epochs" in title
+    assert any(lbl.startswith("onebit") for lbl in labels)
+    title, labels = drawn["cnn.png"]
+    assert "cnn on fashion_mnist" in title and "3 epochs" in title
+    assert not any(lbl.startswith("onebit") for lbl in labels)

@@ -98,6 +98,14 @@ def test_module_exists_finds_without_importing(user_module):
     assert entry_points.module_exists("tfgc.models:build_model")
     assert not entry_points.module_exists("nowhere:build")
     assert not entry_points.module_exists("nowhere.sub:build")  # missing parent package
+    pkg = user_module / "my_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "nets.py").write_text("raise RuntimeError('imported')\n")
+    sys.modules.pop("my_pkg", None)
+    assert entry_points.module_exists("my_pkg.nets:build")  # found, not run
+    assert "my_pkg.nets" not in sys.modules
+    assert not entry_points.module_exists("my_pkg.other:build")
 
 
 def test_user_dataset_from_keras_style_tuples(user_module):

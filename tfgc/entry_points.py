@@ -48,7 +48,8 @@ def _cwd_on_path():
 
 def module_exists(spec: str) -> bool:
     """Whether the module that ``spec`` names is on the path (the current directory
-    included). It is located, not imported, so nothing it imports is loaded."""
+    included). The module itself is located, not imported; its parent packages, for a
+    dotted name, are imported (locating a submodule needs them)."""
     _cwd_on_path()
     try:
         return importlib.util.find_spec(spec.strip().split(":", 1)[0]) is not None
