@@ -151,20 +151,23 @@ def convergence_models(report):
     return [m for m in report["config"]["models"] if m in done]
 
 
+def convergence_figures(report):
+    """[(model, curve field, file name), ...]: the convergence figures of a report."""
+    return [(m, xkey, CONVERGENCE_FIGURE.format(model=m, x=x))
+            for m in convergence_models(report) for xkey, x in CONVERGENCE_X_NAMES]
+
+
 def figure_names(convergence_report):
     """Every file make_figures writes, given convergence.json's report."""
-    return list(FIGURES) + [CONVERGENCE_FIGURE.format(model=m, x=x)
-                            for m in convergence_models(convergence_report)
-                            for _, x in CONVERGENCE_X_NAMES]
+    return list(FIGURES) + [name for _, _, name in convergence_figures(convergence_report)]
 
 
-def convergence_curves(report, xkey, model=None):
+def convergence_curves(report, xkey, model):
     """[(label, spec, [(x, test accuracy), ...]), ...] per run, in the sweep's order.
 
     ``xkey`` is a curve field: ``cumulative_sent_bytes`` or ``train_seconds``. Points
     whose accuracy is NaN, and (for bytes, plotted on a log axis) x <= 0, are left out.
     """
-    model = model or report["config"]["models"][0]
     out = []
     for r in _ok(report["runs"]):
         if r["model"] != model:
@@ -440,11 +443,9 @@ def make_figures(results_dir, out_dir):
     plot_speedup(res["network.json"], paths[0])
     plot_bytes_vs_n(res["network.json"], res["bytes_per_step.json"], paths[1])
     conv = res["convergence.json"]
-    for model in convergence_models(conv):
-        for xkey, x in CONVERGENCE_X_NAMES:
-            path = os.path.join(out_dir, CONVERGENCE_FIGURE.format(model=model, x=x))
-            plot_convergence(conv, xkey, path, model)
-            paths.append(path)
+    for model, xkey, name in convergence_figures(conv):
+        paths.append(os.path.join(out_dir, name))
+        plot_convergence(conv, xkey, paths[-1], model)
     return paths
 
 

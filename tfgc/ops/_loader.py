@@ -57,7 +57,6 @@ def _cached_library_path():
 
     Imports TensorFlow (the cache key contains its version and flags).
     """
-
     src_root = build.find_source_root()
     if src_root is None:
         return None
@@ -119,7 +118,6 @@ def _try_load(tf, path):
 
 def _load_from_cache(tf, stale=None):
     """Loads the library from the build cache, compiling it first if needed."""
-
     global _loaded_path
     prefix = f"{stale}; " if stale else ""
     src_root = build.find_source_root()
