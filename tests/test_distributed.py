@@ -248,12 +248,47 @@ def test_state_belongs_to_each_optimizer(sweep2):
     assert extras["retrace_state_variables"] == 1 + len(KERNELS)  # step counter + residuals
 
 
+def assert_error_feedback_conserves(out, num_workers):
+    """w_T - w_0 = -lr * sum over workers of (sum_t g_t - residual_T): error feedback
+    with plain SGD applies every gradient exactly once, whatever top-k chose, so this
+    holds up to float32 rounding of 20 steps (a few ulps of the weights and of the
+    summed gradients), where a lost residual, a mean for a sum or a dropped worker
+    misses by a whole update."""
+    parts = []
+    for rank in range(num_workers):
+        with np.load(out / f"custom_loop_conservation.w{rank}.npz") as z:
+            parts.append({k: z[k].astype(np.float64) for k in z.files})
+    lr = float(parts[0]["learning_rate"])
+    for p in parts[1:]:
+        np.testing.assert_array_equal(p["initial"], parts[0]["initial"])
+        np.testing.assert_array_equal(p["final"], parts[0]["final"])
+    applied = sum(p["gradient_sum"] - p["residual"] for p in parts)
+    change = parts[0]["final"] - parts[0]["initial"]
+    assert np.any(parts[0]["residual"] != 0), "nothing was held back: no compression"
+    scale = np.max(np.abs(parts[0]["initial"])) + lr * np.max(np.abs(applied))
+    np.testing.assert_allclose(change, -lr * applied, rtol=0, atol=1e-5 * scale)
+
+
+def assert_matches_replay(extras, num_workers):
+    """The weights match the in-process replay of EF top-k on every worker's batches.
+
+    Two workers: a + b == b + a in floating point, so the ring's sums equal the
+    replay's and the match is exact up to the graph and eager kernels' rounding
+    (1e-5 of the largest change: a wrong algorithm misses by 15-50 % of it). Three or
+    more: a swap at the top-k boundary (see fit_sweep.custom_loop_check) may move the
+    weights by lr * tau per worker."""
+    bound = 1e-5 * max(1.0, extras["custom_loop_max_change"])
+    if num_workers > 2:
+        bound += extras["custom_loop_swap_bound"]
+    assert extras["custom_loop_max_diff_from_replay"] < bound, (extras, bound)
+
+
 def test_custom_training_loop(sweep2):
     extras, _ = load(sweep2, "extras", 0)
     assert extras["custom_loop_reductions"] == 20
     assert extras["custom_loop_changed"]
-    # The weights match a replay of EF top-k on both workers' batches.
-    assert extras["custom_loop_max_diff_from_replay"] < 1e-5
+    assert_matches_replay(extras, 2)
+    assert_error_feedback_conserves(sweep2, 2)
     _, w0 = load_npz(sweep2, "custom_loop", 0)
     _, w1 = load_npz(sweep2, "custom_loop", 1)
     for a, b in zip(w0, w1):
@@ -480,7 +515,8 @@ def test_three_workers_custom_loop(sweep3):
     extras, _ = load(sweep3, "extras", 2)
     assert extras["custom_loop_reductions"] == 20
     assert extras["custom_loop_changed"]
-    assert extras["custom_loop_max_diff_from_replay"] < 1e-5
+    assert_matches_replay(extras, 3)
+    assert_error_feedback_conserves(sweep3, 3)
     _, w0 = load_npz(sweep3, "custom_loop", 0)
     for rank in (1, 2):
         _, wr = load_npz(sweep3, "custom_loop", rank)

@@ -1,7 +1,9 @@
-"""benchmarks/figures.py: the README's PNGs from the stored benchmark results."""
+"""benchmarks/figures.py: the PNGs of the README and docs/results.md from the stored
+benchmark results."""
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -41,12 +43,35 @@ def test_main_writes_valid_pngs(tmp_path):
         assert width >= 600 and height >= 300, (name, width, height)
 
 
-def test_readme_embeds_every_figure():
-    with open(os.path.join(REPO, "README.md")) as f:
-        readme = f.read()
+def _page_links(page):
+    """The Markdown links (``![..](target)`` images included) of ``page``, a path from the
+    repository root: (is an image, target resolved from the root), anchors dropped."""
+    with open(os.path.join(REPO, page)) as f:
+        text = f.read()
+    links = []
+    for bang, target in re.findall(r"(!?)\[[^\]]*\]\(([^)\s#]+)(?:#[^)\s]*)?\)", text):
+        if not re.match(r"[a-z]+:", target):
+            path = os.path.normpath(os.path.join(os.path.dirname(page), target))
+            links.append((bool(bang), path))
+    return links
+
+
+def test_every_figure_is_embedded_where_users_read_it():
+    # Users read the README and the pages under docs/ that it links. docs/results.md, one
+    # of them, shows every figure that figures.py writes (the README shows some too).
+    pages = ["README.md"] + sorted({t for is_image, t in _page_links("README.md")
+                                    if not is_image and t.startswith("docs" + os.sep)
+                                    and t.endswith(".md")})
+    assert os.path.join("docs", "results.md") in pages
+    shown = {page: {t for is_image, t in _page_links(page) if is_image} for page in pages}
     for name in figures.figure_names(_read("convergence.json")):
-        assert f"(docs/figures/{name})" in readme, name
-        assert os.path.isfile(os.path.join(REPO, "docs", "figures", name)), name
+        path = os.path.join("docs", "figures", name)
+        assert os.path.isfile(os.path.join(REPO, path)), name
+        assert path in shown[os.path.join("docs", "results.md")], name
+    # Every embedded image of those pages exists.
+    for page, images in shown.items():
+        for path in images:
+            assert os.path.isfile(os.path.join(REPO, path)), (page, path)
 
 
 def test_missing_results_file_is_named(tmp_path):

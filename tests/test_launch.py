@@ -133,6 +133,65 @@ def test_two_workers_get_distinct_tf_config(tmp_path):
     assert all("to stderr" in o and "[w" not in o for o in result.outputs)
 
 
+# What a worker of a TensorFlow script prints: the runtime's native start-up lines, the
+# script's own line, and Keras 3's progress bar, which redraws with backspaces and
+# carriage returns even into a pipe.
+_NOISY = """
+    import sys
+    i = sys.argv[1]
+    print("WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
+          file=sys.stderr)
+    print("I0000 00:00:1795606793.283869    2482 port.cc:153] oneDNN custom operations are on.",
+          file=sys.stderr)
+    print("E0000 00:00:1795606793.2 2482 cuda_executor.cc:1309] failed call to cuInit: ...",
+          file=sys.stderr)
+    print(f"worker says hello")
+    bar = ""
+    for step in range(1, 201):
+        previous = bar
+        bar = f"{step}/200 [" + "=" * (step // 10) + "] - loss: 0.5"
+        sys.stdout.write("\\b" * len(previous) + "\\r" + bar)
+    sys.stdout.write("\\n")
+    print("done")
+"""
+
+
+def test_cli_shows_worker_zero_without_tensorflow_noise(tmp_path):
+    script = _write(tmp_path, "noisy.py", _NOISY)
+    proc = subprocess.run(_launcher_cmd("--workers", "2", "--", sys.executable, script, "x"),
+                          capture_output=True, text=True, timeout=60, env=_launcher_env(),
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    # Worker 0 alone, TensorFlow's lines hidden, the progress bar at its final state.
+    assert lines == ["[w0] worker says hello",
+                     "[w0] 200/200 [" + "=" * 20 + "] - loss: 0.5",
+                     "[w0] done"], lines
+    assert "--all-workers" in proc.stderr
+
+    proc = subprocess.run(_launcher_cmd("--workers", "2", "--all-workers", "--tf-logs", "--",
+                                        sys.executable, script, "x"),
+                          capture_output=True, text=True, timeout=60, env=_launcher_env(),
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    for i in range(2):
+        mine = [l[5:] for l in proc.stdout.splitlines() if l.startswith(f"[w{i}] ")]
+        assert "worker says hello" in mine and "done" in mine
+        assert any("oneDNN custom operations" in l for l in mine)
+        assert any(l.startswith("E0000") and "cuInit" in l for l in mine)
+
+
+@pytest.mark.parametrize("raw, shown", [
+    ("plain line\n", "plain line\n"),
+    ("\r1/3 [=]\b\b\b\b\b\b\b\r2/3 [==]\b\b\b\b\b\b\b\b\r3/3 [===] done\n", "3/3 [===] done\n"),
+    ("step 1\rstep 2\r\n", "step 2\n"),         # a trailing carriage return keeps the text
+    ("\r\b\b\n", "\n"),                         # nothing but redraws: an empty line
+    ("no newline\rlast", "last"),
+])
+def test_collapse_progress(raw, shown):
+    assert tl.collapse_progress(raw) == shown
+
+
 def test_failing_worker_stops_cluster_cli(tmp_path):
     # Worker 1 fails once worker 0 is up; worker 0 ignores SIGTERM and sleeps,
     # standing in for a peer stuck in a collective: only SIGKILL stops it.
@@ -150,8 +209,8 @@ def test_failing_worker_stops_cluster_cli(tmp_path):
     """)
     start = time.monotonic()
     proc = subprocess.run(
-        _launcher_cmd("--workers", "2", "--grace", "1", "--", sys.executable, script,
-                      str(tmp_path)),
+        _launcher_cmd("--workers", "2", "--grace", "1", "--all-workers", "--",
+                      sys.executable, script, str(tmp_path)),
         capture_output=True, text=True, timeout=60, env=_launcher_env(), cwd=tmp_path)
     elapsed = time.monotonic() - start
     assert proc.returncode == 3, (proc.returncode, proc.stderr)
@@ -197,7 +256,7 @@ def test_timeout_kills_cluster(tmp_path, capsys):
     """)
     start = time.monotonic()
     # 3 s: long enough for both workers to start and record their pids on a busy machine.
-    rc = tl.main(["--workers", "2", "--timeout", "3", "--grace", "1", "--",
+    rc = tl.main(["--workers", "2", "--timeout", "3", "--grace", "1", "--all-workers", "--",
                   sys.executable, script, str(tmp_path)])
     elapsed = time.monotonic() - start
     captured = capsys.readouterr()
@@ -214,7 +273,9 @@ def _signal_when_ready(tmp_path, launcher_args, script, ready_lines, sig, pids_f
     Returns (launcher exit code, its stderr, the worker pids read once ready).
     """
     proc = subprocess.Popen(
-        _launcher_cmd(*launcher_args, "--", sys.executable, script, str(tmp_path)),
+        # Every worker's ready line is awaited: show them all.
+        _launcher_cmd(*launcher_args, "--all-workers", "--", sys.executable, script,
+                      str(tmp_path)),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=_launcher_env(), cwd=tmp_path)
     lines: queue.Queue = queue.Queue()
@@ -425,7 +486,7 @@ def test_restarts_cli_succeeds(tmp_path, capsys):
     print(f"done {count}")
     """)
     rc = tl.main(["--workers", "2", "--grace", "1", "--timeout", "60", "--restarts", "3",
-                  "--", sys.executable, script, str(tmp_path)])
+                  "--all-workers", "--", sys.executable, script, str(tmp_path)])
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     assert ("tfgc-launch: worker 1 exited with code 5; "

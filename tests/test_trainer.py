@@ -181,3 +181,37 @@ def test_progress_bar_draws_tenths_and_epoch_figures():
     assert "loss" not in lines[0] and "loss 0.5  accuracy 0.75" in lines[9]
     assert all("sent 20.0 kB/step" in line for line in lines)
     assert lines[10].startswith("epoch 2/2")
+
+
+def _trainer(*flags, timeout=120):
+    import os
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, "-c", "from tfgc.train import run; run()", *flags],
+                          capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def test_help_lists_the_trainers_own_flags_and_exits_0():
+    proc = _trainer("--help")
+    assert proc.returncode == 0, proc.stderr
+    for flag in ("--compressor", "--workers", "--optimizer", "--communication", "--[no]tf_logs"):
+        assert flag in proc.stdout
+    assert "--helpfull" in proc.stdout
+    assert "--alsologtostderr" not in proc.stdout  # absl's own flags stay out
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--compressor=tpok:ratio=0.01"], ["--compressor='tpok:ratio=0.01'", "did you mean 'topk'"]),
+    (["--compressor=topk:ratoi=0.01"], ["no hyperparameter `ratoi`", "did you mean 'ratio'"]),
+    (["--compressor=qsgd", "--communication=low_rank"], ["--communication=low_rank", "powersgd"]),
+])
+def test_a_bad_compressor_stops_before_any_worker_starts(flags, words):
+    proc = _trainer("--workers=2", "--timeout=60", *flags)
+    assert proc.returncode == 1
+    message = proc.stderr.strip().splitlines()
+    assert len(message) == 1, proc.stderr  # one line, no traceback, no TensorFlow noise
+    assert message[0].startswith("tfgc-train: ")
+    for word in words:
+        assert word in message[0]
+    assert "[w0]" not in proc.stdout + proc.stderr  # no worker was started

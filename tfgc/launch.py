@@ -32,6 +32,7 @@ import dataclasses
 import json
 import numbers
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -50,6 +51,37 @@ __all__ = [
 ]
 
 PROG = "tfgc-launch"
+
+# TensorFlow's native start-up lines, which its own log-level settings do not silence
+# (glog-style INFO and WARNING lines, the absl pre-initialisation notice, the CPU
+# feature hint, the CUDA probe of a CPU-only host). Hidden from the console unless asked
+# for (--tf-logs, tfgc-train --tf_logs); a failing worker's report still shows its tail.
+_TF_NOISE = re.compile(
+    r"^([IW]\d{4} [\d:.]+ +\d+ \S+:\d+\]"
+    r"|WARNING: All log messages before absl::InitializeLog"
+    r"|To enable the following instructions:"
+    r"|E\d{4} \S+ +\d+ cuda_(platform|executor)\.cc:\d+\] failed call to cuInit)")
+
+
+def is_tensorflow_noise(line: str) -> bool:
+    """Whether ``line`` is one of TensorFlow's native start-up lines (see ``_TF_NOISE``)."""
+    return bool(_TF_NOISE.match(line))
+
+
+def collapse_progress(line: str) -> str:
+    """The last state of a line that a progress bar redrew in place.
+
+    Keras 3's progress bar redraws with backspaces and carriage returns whatever its
+    output is, so a pipe receives one line per epoch holding every redraw (thousands
+    of characters). What a terminal would show at the end is what follows the last
+    carriage return that is followed by text, without the backspaces.
+    """
+    if "\r" not in line and "\b" not in line:
+        return line
+    end = "\n" if line.endswith("\n") else ""
+    parts = [p.replace("\b", "") for p in line.rstrip("\n").split("\r")]
+    shown = [p for p in parts if p.strip()]
+    return (shown[-1].rstrip() if shown else "") + end
 # How many trailing output lines of a failed worker are shown in the report.
 TAIL_LINES = 20
 # Main-loop polling period.  Small enough that failures are noticed promptly,
@@ -151,7 +183,7 @@ class _Worker:
 
     def __init__(self, index: int, address: str, proc: subprocess.Popen,
                  output: IO[str], lock: threading.Lock,
-                 echo: Callable[[str], bool] | None = None):
+                 echo: Callable[[str], bool] | None = None, shown: bool = True):
         self.index = index
         self.address = address
         self.proc = proc
@@ -162,6 +194,7 @@ class _Worker:
         self._lock = lock
         self._output_broken = False
         self._echo = echo
+        self._shown = shown
         self.reader = threading.Thread(
             target=self._relay, name=f"tfgc-launch-w{index}", daemon=True)
 
@@ -172,12 +205,12 @@ class _Worker:
         stream = self.proc.stdout
         assert stream is not None
         for raw in iter(stream.readline, b""):
-            line = raw.decode("utf-8", errors="replace")
+            line = collapse_progress(raw.decode("utf-8", errors="replace"))
             if not line.endswith("\n"):
                 line += "\n"  # last line without newline: still keep lines whole
             self.lines.append(line)
             self.tail.append(line.rstrip("\n"))
-            if self._output_broken:
+            if self._output_broken or not self._shown:
                 continue  # keep draining so the worker never blocks on the pipe
             if self._echo is not None and not self._echo(line):
                 continue  # kept in lines and tail, not shown
@@ -254,6 +287,7 @@ def launch(
     log: IO[str] | None = None,
     echo: Callable[[str], bool] | None = None,
     prebuild_ops: bool = True,
+    show_workers: Iterable[int] | None = None,
 ) -> LaunchResult:
     """Run ``command`` as ``num_workers`` local TF workers and wait for them.
 
@@ -266,7 +300,10 @@ def launch(
     failure); only restart notices are written, to ``log`` (default: the
     current ``sys.stderr``). ``echo``, if given, decides which lines are
     echoed (it gets each line, newline included); the others are still kept in
-    ``outputs`` and in the tail shown when a worker fails.
+    ``outputs`` and in the tail shown when a worker fails. ``show_workers``, if
+    given, names the workers whose output is echoed at all (the CLI shows worker
+    0 alone unless ``--all-workers``: every worker of a data-parallel script
+    prints the same progress); the others' output is kept all the same.
 
     When called from the main thread, SIGINT/SIGTERM sent to this process are
     forwarded to every worker's process group; workers still alive ``grace``
@@ -319,7 +356,8 @@ def launch(
         while True:
             result = _run_cluster(
                 command, num_workers, base_env, grace, output, host, cwd,
-                catcher, start, timeout, deadline, attempt, echo)
+                catcher, start, timeout, deadline, attempt, echo,
+                None if show_workers is None else frozenset(show_workers))
             result.restarts = attempt
             if result.ok or result.failed_worker is None or result.spawn_failed:
                 # Success, timeout, interruption, or a command that cannot even
@@ -424,6 +462,7 @@ def _run_cluster(
     deadline: float | None,
     restart_count: int,
     echo: Callable[[str], bool] | None = None,
+    shown: frozenset[int] | None = None,
 ) -> LaunchResult:
     """Start the cluster once (fresh ports), supervise it, and tear it down."""
     ports = pick_free_ports(num_workers, host)
@@ -462,7 +501,8 @@ def _run_cluster(
                 worker_returncodes=[w.proc.returncode for w in workers]
                 + [None] * (num_workers - len(workers)),
                 spawn_failed=True)
-        worker = _Worker(i, addresses[i], proc, output, lock, echo)
+        worker = _Worker(i, addresses[i], proc, output, lock, echo,
+                         shown=shown is None or i in shown)
         workers.append(worker)
         worker.reader.start()
 
@@ -586,11 +626,18 @@ def _parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(
         prog=PROG,
         usage=f"{PROG} --workers N [--host HOST] [--grace S] [--timeout S] "
-              "[--restarts N] -- COMMAND [ARGS...]",
+              "[--restarts N] [--all-workers] [--tf-logs] -- COMMAND [ARGS...]",
         description="Run COMMAND as N local TensorFlow multi-worker processes "
-                    "(TF_CONFIG set per worker), prefix their output with [w<i>], "
-                    "and stop the whole cluster as soon as one worker fails.",
+                    "(TF_CONFIG set per worker), show worker 0's output prefixed with "
+                    "[w0], and stop the whole cluster as soon as one worker fails "
+                    "(its last lines are always shown).",
     )
+    parser.add_argument("--all-workers", action="store_true",
+                        help="show every worker's output, each line prefixed with [w<i>] "
+                             "(default: worker 0's only)")
+    parser.add_argument("--tf-logs", action="store_true",
+                        help="keep TensorFlow's own start-up and INFO lines (default: "
+                             "hidden, and TF_CPP_MIN_LOG_LEVEL=2 unless already set)")
     parser.add_argument("--workers", "-n", type=int, required=True,
                         help="number of worker processes")
     parser.add_argument("--host", default="127.0.0.1",
@@ -627,9 +674,17 @@ def _parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; returns the exit status (console scripts sys.exit it)."""
     args, command = _parse_args(sys.argv[1:] if argv is None else argv)
-    result = launch(command, args.workers, timeout=args.timeout, grace=args.grace,
+    env = {}
+    if not args.tf_logs and "TF_CPP_MIN_LOG_LEVEL" not in os.environ:
+        env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    if args.workers > 1 and not args.all_workers:
+        _notify(sys.stdout, sys.stderr, f"{PROG}: showing worker 0's output; --all-workers shows every "
+                          "worker's (a failing worker's last lines are always shown)")
+    result = launch(command, args.workers, env=env, timeout=args.timeout, grace=args.grace,
                     output=sys.stdout, host=args.host, restarts=args.restarts,
-                    log=sys.stderr)
+                    log=sys.stderr,
+                    echo=None if args.tf_logs else (lambda line: not is_tensorflow_noise(line)),
+                    show_workers=None if args.all_workers else (0,))
     if result.returncode != 0:
         try:
             sys.stdout.flush()

@@ -13,10 +13,11 @@ ratio and step time, and a final ``RESULT {json}`` line.
 optional gradual warm-up (Goyal et al. 2017; see ``tfgc.keras.LinearScalingWarmup``).
 """
 
+import contextlib
 import json
 import os
-import re
 import sys
+import tempfile
 import time
 
 from absl import app, flags
@@ -447,20 +448,10 @@ def _check_entry_points():
                      f"path (the current directory {os.getcwd()!r} included)")
 
 
-# TensorFlow's native start-up lines, which its own log-level settings do not silence
-# (glog-style INFO and WARNING lines, the absl pre-initialisation notice, the CPU
-# feature hint, the CUDA probe of a CPU-only host). Hidden from a local run's console
-# unless --tf_logs; a failing worker's report still shows its whole tail.
-_TF_NOISE = re.compile(
-    r"^([IW]\d{4} [\d:.]+ +\d+ \S+:\d+\]"
-    r"|WARNING: All log messages before absl::InitializeLog"
-    r"|To enable the following instructions:"
-    r"|E\d{4} \S+ +\d+ cuda_(platform|executor)\.cc:\d+\] failed call to cuInit)")
-
-
 def shown_line(line):
-    """False for a line of TensorFlow's start-up noise (see ``_TF_NOISE``)."""
-    return not _TF_NOISE.match(line)
+    """False for a line of TensorFlow's start-up noise (``tfgc.launch.is_tensorflow_noise``)."""
+    from tfgc.launch import is_tensorflow_noise
+    return not is_tensorflow_noise(line)
 
 
 def _quiet_tensorflow():
@@ -477,6 +468,7 @@ def _quiet_tensorflow():
 def main(argv):
     _quiet_tensorflow()
     _check_entry_points()
+    _check_compression_flags()
     if FLAGS.workers > 1 and not os.environ.get("TF_CONFIG"):
         if FLAGS.tensorboard and FLAGS.baseline:
             sys.exit("tfgc-train: --tensorboard writes tfgc's compression statistics; the "
@@ -531,7 +523,61 @@ def main(argv):
                 json.dump(results, f, indent=2, sort_keys=True)
 
 
+_HELP_ARGS = ("-h", "--help", "-help", "--helpshort", "-?")
+
+
+def _print_help():
+    """--help: what the trainer does and its own flags (absl's default lists none when the
+    trainer runs as the tfgc-train console script, and exits 1)."""
+    print(__doc__.strip().replace("``", "'"))
+    print("\nflags (--helpfull adds absl's and TensorFlow's own):\n")
+    print(FLAGS.module_help(__name__).strip("\n"))
+
+
+@contextlib.contextmanager
+def _native_noise_hidden(enabled=True):
+    """Holds back what native code writes to stderr (TensorFlow's start-up lines, which
+    its log-level settings do not silence) and passes on the rest afterwards."""
+    if not enabled:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            for raw in held:
+                line = raw.decode("utf-8", errors="replace")
+                if shown_line(line):
+                    sys.stderr.write(line)
+            sys.stderr.flush()
+
+
+def _check_compression_flags():
+    """Builds the compressor from --compressor (and checks --communication against it)
+    before any worker starts: a typo stops the run with one message naming the flag,
+    instead of a traceback from every worker."""
+    if FLAGS.baseline:
+        return
+    with _native_noise_hidden(enabled=not FLAGS.tf_logs):  # imports TensorFlow
+        from tfgc.distribute.cross_device_ops import check_compression_args
+    try:
+        check_compression_args(FLAGS.compressor, None, FLAGS.communication, 1)
+    except ValueError as exc:
+        sys.exit(f"tfgc-train: --compressor={FLAGS.compressor!r}"
+                 f"{'' if FLAGS.communication == 'auto' else f' --communication={FLAGS.communication}'}"
+                 f": {exc}")
+
+
 def run():
+    if any(arg in _HELP_ARGS for arg in sys.argv[1:]):
+        _print_help()
+        sys.exit(0)
     app.run(main)
 
 

@@ -51,7 +51,7 @@ def fit_sweep(strategy, ds, args):
         optimizer, lr = learning_setup(spec)
         results, net = train_and_evaluate(
             strategy, model="mlp", data=ds, epochs=args.epochs, batch_size=32,
-            learning_rate=lr, optimizer=optimizer, seed=0, verbose=0)
+            learning_rate=lr, optimizer=optimizer, seed=args.seed, verbose=0)
         after = strategy.compression_stats()
         rank = results["rank"]
         results.update(spec=spec, reductions=after["steps"] - before["steps"],
@@ -94,6 +94,16 @@ def custom_loop_check(strategy, ds, extras, out_dir):
     The final weights are checked against a replay of the same algorithm in this
     process: every worker's gradient on its own batches, error feedback and top-k
     per worker, payloads summed in rank order, plain SGD.
+
+    With three workers or more the replay cannot be exact: the ring all-reduce sums
+    the dense gradients (the biases) in an order of its own, floating-point addition of
+    three terms depends on the order, and a last-bit difference can swap an entry
+    at the top-k boundary for its neighbour. Error feedback sends a swapped entry a
+    step later, so the weights then differ by at most lr * tau, per worker, with tau
+    the k-th largest |g + residual| (the replay records the largest tau of each
+    worker: ``custom_loop_swap_bound``). Each worker also saves what it needs for the
+    exact invariant of error feedback with plain SGD, which holds whatever was
+    swapped: w_T - w_0 = -lr * sum over workers (sum_t g_t - residual_T).
     """
     import tensorflow as tf
     import tf_keras as keras
@@ -115,6 +125,8 @@ def custom_loop_check(strategy, ds, extras, out_dir):
         opt = keras.optimizers.SGD(lr)
     initial = [w.numpy() for w in net.trainable_variables]
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+    # This worker's own gradients, summed over the steps (outside the strategy: local).
+    local_sums = [tf.Variable(tf.zeros_like(w), trainable=False) for w in initial]
 
     @tf.function
     def train_step(xb, yb):
@@ -123,6 +135,8 @@ def custom_loop_check(strategy, ds, extras, out_dir):
                 loss = tf.nn.compute_average_loss(loss_fn(yb, net(xb, training=True)),
                                                   global_batch_size=batch * n)
             grads = tape.gradient(loss, net.trainable_variables)
+            for total, g in zip(local_sums, grads):
+                total.assign_add(g)
             opt.apply_gradients(zip(grads, net.trainable_variables))
             return loss
         return strategy.run(replica_fn, args=(xb, yb))
@@ -134,6 +148,16 @@ def custom_loop_check(strategy, ds, extras, out_dir):
     extras["custom_loop_reductions"] = strategy.compression_stats()["steps"] - before
     final = [w.numpy() for w in net.trainable_variables]
     np.savez(os.path.join(out_dir, f"custom_loop.w{rank}.npz"), *[w.numpy() for w in net.weights])
+    state = strategy.compression_state(opt)
+    residuals = [state.slot(v, 0)["residual"].numpy() if state.has_slot(v)
+                 and "residual" in state.slot(v, 0) else np.zeros_like(w)
+                 for v, w in zip(net.trainable_variables, initial)]
+    np.savez(os.path.join(out_dir, f"custom_loop_conservation.w{rank}.npz"),
+             initial=np.concatenate([w.ravel() for w in initial]),
+             final=np.concatenate([w.ravel() for w in final]),
+             gradient_sum=np.concatenate([t.numpy().ravel() for t in local_sums]),
+             residual=np.concatenate([r.ravel() for r in residuals]),
+             learning_rate=np.float64(lr))
 
     # The replay, without any strategy.
     compressor = compressors.get(spec)
@@ -143,6 +167,7 @@ def custom_loop_check(strategy, ds, extras, out_dir):
     iterators = [shard_batches(r) for r in range(n)]
     states = [[compressor.init_state(v.shape, v.dtype) for v in replica.trainable_variables]
               for _ in range(n)]
+    largest_tau = [0.0] * n  # per worker: the largest k-th |g + residual| of any step
     for step in range(steps):
         per_worker = []
         for r in range(n):
@@ -161,6 +186,10 @@ def custom_loop_check(strategy, ds, extras, out_dir):
             else:
                 payloads = []
                 for r in range(n):
+                    corrected = tf.abs(tf.reshape(grads[r] + states[r][j]["residual"], [-1]))
+                    k = compressor.inner.num_selected(corrected.shape)
+                    largest_tau[r] = max(largest_tau[r],
+                                         float(tf.math.top_k(corrected, k).values[-1]))
                     ctx = compressors.CompressContext(rank=r, num_workers=n, index=index,
                                                       step=tf.constant(step, tf.int64))
                     payload, states[r][j] = compressor.compress(grads[r], states[r][j], ctx)
@@ -171,6 +200,9 @@ def custom_loop_check(strategy, ds, extras, out_dir):
     extras["custom_loop_changed"] = not all(np.array_equal(a, b) for a, b in zip(initial, final))
     extras["custom_loop_max_diff_from_replay"] = max(
         float(np.max(np.abs(a - b.numpy()))) for a, b in zip(final, replica.trainable_variables))
+    extras["custom_loop_swap_bound"] = lr * sum(largest_tau)
+    extras["custom_loop_max_change"] = max(float(np.max(np.abs(a - b)))
+                                           for a, b in zip(initial, final))
 
 
 def dgc_check(strategy, ds, extras):
@@ -357,6 +389,10 @@ def main():
     parser.add_argument("--dataset", default="mnist5k")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--specs", nargs="*", default=[])
+    # Weights, data order and compressors; with --data-seed, also which examples are
+    # held out. benchmarks/seed_spread.py varies both to measure the accuracy margins.
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--data-seed", type=int, default=0)
     parser.add_argument("--retrace", action="store_true")
     parser.add_argument("--custom-loop", action="store_true")
     parser.add_argument("--eager-reduce", action="store_true")
@@ -370,7 +406,7 @@ def main():
     from tfgc import data as data_lib
 
     strategy = tfgc.CompressedMultiWorkerMirroredStrategy()
-    ds = data_lib.load_dataset(args.dataset, seed=0)
+    ds = data_lib.load_dataset(args.dataset, seed=args.data_seed)
     fit_sweep(strategy, ds, args)
     extras = {}
     if args.retrace:

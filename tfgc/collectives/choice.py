@@ -86,7 +86,7 @@ def auto_reduce_scatter(compressor) -> bool:
     both residuals. Error feedback under the optimizer's heavy-ball momentum is
     left on the all-gather: the owner's second residual delays more of every
     gradient, the optimizer's momentum amplifies every delayed part again, and that
-    cost 9 points of accuracy for 1-bit SGD on 4 workers (see the README); it takes
+    cost 9 points of accuracy for 1-bit SGD on 4 workers (see docs/results.md); it takes
     the reduce-scatter only when asked for.
     """
     if not compressor.recompressible:

@@ -14,6 +14,7 @@ Dict form (what ``serialize_config`` returns and ``get`` accepts)::
     {"name": "ef", "config": {"compressor": {"name": "topk", "config": {"ratio": 0.01, "k": 0}}}}
 """
 
+import difflib
 import inspect
 from typing import Any, Dict, Type
 
@@ -68,15 +69,23 @@ def _parse_value(text: str) -> Any:
     return text
 
 
+def _did_you_mean(word: str, options) -> str:
+    """' (did you mean 'x'?)' for the closest of ``options``, or ''."""
+    close = difflib.get_close_matches(word.lower(), list(options), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def _build(name: str, config: Dict[str, Any]) -> Compressor:
     if name not in _REGISTRY:
-        raise ValueError(f"unknown compressor {name!r}; known: {', '.join(names())}")
+        raise ValueError(f"unknown compressor {name!r}{_did_you_mean(name, names())}; "
+                         f"known: {', '.join(names())}")
     cls = _REGISTRY[name]
     params = inspect.signature(cls.__init__).parameters
     for key in config:
         if key not in params or key == "self":
             allowed = [p for p in params if p not in ("self", "args", "kwargs")]
-            raise ValueError(f"compressor {name!r} has no hyperparameter `{key}`; "
+            raise ValueError(f"compressor {name!r} has no hyperparameter "
+                             f"`{key}`{_did_you_mean(key, allowed)}; "
                              f"it takes: {', '.join(allowed) or 'none'}")
     return cls(**config)
 
@@ -99,7 +108,8 @@ def _parse_string(spec: str) -> Compressor:
             config[key.strip()] = _parse_value(value.strip())
     for wrapper in wrappers:
         if wrapper != "ef":
-            raise ValueError(f"unknown wrapper {wrapper!r} in {spec!r}; known: ef")
+            raise ValueError(f"unknown wrapper {wrapper!r} in {spec!r}; known: ef "
+                             "(error feedback, as in 'ef+topk')")
     cls = _REGISTRY.get(base)
     wrapped = bool(wrappers) or (cls is not None and cls.requires_error_feedback)
     own = inspect.signature(cls.__init__).parameters if cls is not None else {}

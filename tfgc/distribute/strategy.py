@@ -1,9 +1,12 @@
 """``CompressedMultiWorkerMirroredStrategy``: MultiWorkerMirroredStrategy with compression."""
 
 import itertools
+import os
+import sys
 import threading
 
 import tensorflow as tf
+from absl import logging
 from tensorflow.python.distribute import collective_all_reduce_strategy as mwms_lib
 from tensorflow.python.distribute import collective_util
 from tensorflow.python.distribute import distribute_lib
@@ -65,6 +68,27 @@ def _next_key_base(base):
         return base + _KEY_RANGE * next(_strategy_count)
 
 
+_single_worker_noted = False
+
+
+def _note_single_worker(cluster_resolver):
+    """Says once per process that a strategy without a cluster trains alone: gradients
+    still pass through the compressor, but nothing crosses a network, so the sent-byte
+    counters (and the wire ratio) read 0."""
+    global _single_worker_noted
+    if _single_worker_noted:
+        return
+    _single_worker_noted = True
+    why = ("TF_CONFIG is not set" if cluster_resolver is None and not os.environ.get("TF_CONFIG")
+           else "the cluster has one worker")
+    logging.warning(
+        "tfgc: %s, so this strategy trains as a single worker: gradients pass through "
+        "the compressor but cross no network, so sent bytes and the wire ratio read 0. "
+        "To train on several workers, start them with `tfgc-launch --workers N -- python "
+        "%s` (local), or set TF_CONFIG on each machine.", why,
+        os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "your_script.py")
+
+
 class CompressedMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
     """``tf.distribute.MultiWorkerMirroredStrategy`` whose gradients cross the network compressed.
 
@@ -115,6 +139,8 @@ class CompressedMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStr
         # hand it to the common Strategy base instead.
         distribute_lib.Strategy.__init__(  # pylint: disable=non-parent-init-called
             self, _CompressedExtended(self, cluster_resolver, communication_options, kwargs))
+        if self.extended._num_workers == 1:  # pylint: disable=protected-access
+            _note_single_worker(cluster_resolver)
 
     def reduce(self, reduce_op, value, axis=None):
         """``tf.distribute.Strategy.reduce``, also for what Keras 3's ``model.fit`` asks.

@@ -29,7 +29,6 @@ import threading
 
 from absl import logging
 
-from tfgc.ops import build
 
 LIBRARY_NAME = "_tfgc_ops.so"
 DISABLE_ENV_VAR = "TFGC_DISABLE_CUSTOM_OPS"
@@ -42,6 +41,15 @@ BUILD_COMMAND = "python -m tfgc.ops.build"
 REINSTALL_COMMAND = "pip install --no-build-isolation --force-reinstall --no-deps ."
 
 _lock = threading.Lock()
+
+
+def _build():
+    # Imported on use: ``python -m tfgc.ops.build`` imports this package first, and runpy
+    # warns when the module it is about to run was already imported by it.
+    from tfgc.ops import build  # pylint: disable=import-outside-toplevel
+
+    return build
+
 _attempted = False
 _library = None
 _loaded_path = None
@@ -57,10 +65,10 @@ def _cached_library_path():
 
     Imports TensorFlow (the cache key contains its version and flags).
     """
-    src_root = build.find_source_root()
+    src_root = _build().find_source_root()
     if src_root is None:
         return None
-    return build.cached_library_path(build.tensorflow_build_info_in_process(), src_root)
+    return _build().cached_library_path(_build().tensorflow_build_info_in_process(), src_root)
 
 
 def library_path():
@@ -90,13 +98,13 @@ def custom_ops_disabled(env=None):
     """True when ``TFGC_DISABLE_CUSTOM_OPS`` (in ``env``, default this process's
     environment) asks for the reference ops."""
     value = (os.environ if env is None else env).get(DISABLE_ENV_VAR, "")
-    return value.strip() != "" and not build.falsy(value)
+    return value.strip() != "" and not _build().falsy(value)
 
 
 def jit_build_enabled(env=None):
     """False when ``TFGC_JIT_BUILD`` (in ``env``, default this process's
     environment) turns off building the library at first use."""
-    return not build.falsy((os.environ if env is None else env).get(JIT_ENV_VAR, "1"))
+    return not _build().falsy((os.environ if env is None else env).get(JIT_ENV_VAR, "1"))
 
 
 def _fallback(cause, fix):
@@ -120,6 +128,7 @@ def _load_from_cache(tf, stale=None):
     """Loads the library from the build cache, compiling it first if needed."""
     global _loaded_path
     prefix = f"{stale}; " if stale else ""
+    build = _build()
     src_root = build.find_source_root()
     if src_root is None:
         return _fallback(

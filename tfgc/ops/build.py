@@ -45,6 +45,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -589,6 +590,48 @@ def build_cached(info, src_root, jobs=None, force=False, notify=None, done=None)
         return lib
 
 
+def _build_inplace(jobs, force):
+    """``--inplace``: scripts/setup.sh's build of an editable checkout.
+
+    Says once what it is compiling and how long that takes, then a line per
+    file; prints nothing when every object and the library are current.
+    """
+    src_root = os.path.dirname(os.path.dirname(_HERE))
+    if not cc_sources(src_root):
+        print(f"tfgc: no C++ sources under {cc_dir(src_root)}: --inplace needs a source "
+              "checkout", file=sys.stderr)
+        return 2
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    info = tensorflow_build_info_in_process()
+    announced = []
+    lock = threading.Lock()  # compile jobs log from a thread pool
+
+    def log(msg):
+        with lock:
+            _log_inplace(msg)
+
+    def _log_inplace(msg):
+        if msg.startswith("tfgc: compiling") and not announced:
+            announced.append(True)
+            print(f"tfgc: compiling the custom ops for TensorFlow {info['version']} (about "
+                  f"{estimated_seconds(src_root, info, jobs)} s for a full build with "
+                  f"{jobs} jobs; later runs recompile only what changed)", flush=True)
+        if msg.startswith(("tfgc: compiling", "tfgc: FAILED")) or not msg.startswith("tfgc:"):
+            print(msg.rstrip("\n"), flush=True)
+
+    start = time.time()
+    try:
+        build_library(src_root, os.path.join(_HERE, LIBRARY_NAME),
+                      os.path.join(src_root, "build", "tfgc_ops"), info, jobs=jobs,
+                      force=force, log=log)
+    except BuildError as exc:
+        print(f"tfgc: {exc}", file=sys.stderr)
+        return 1
+    if announced:
+        print(f"tfgc: custom ops built in {time.time() - start:.0f} s", flush=True)
+    return 0
+
+
 def main(argv=None):
     import argparse  # pylint: disable=import-outside-toplevel
 
@@ -600,7 +643,13 @@ def main(argv=None):
                         help="rebuild even if built, and retry after a failed build")
     parser.add_argument("--jobs", type=int, default=None,
                         help="parallel compile jobs (default $TFGC_BUILD_JOBS or the CPU count)")
+    parser.add_argument("--inplace", action="store_true",
+                        help="build next to the loader (tfgc/ops/%s, objects under build/), as "
+                             "setup.py does, recompiling only what changed; silent when the "
+                             "library is up to date" % LIBRARY_NAME)
     args = parser.parse_args(argv)
+    if args.inplace:
+        return _build_inplace(args.jobs or default_jobs(), args.force)
 
     src_root = find_source_root()
     if src_root is None:
