@@ -20,7 +20,7 @@ seen plus two points). Run from the repository root, in the project's venv:
         --specs none topk:ratio=0.01 qsgd onebit powersgd
     python benchmarks/seed_spread.py --onednn both            # oneDNN on and off
 
-Results: ``benchmarks/results/seed_spread_w<N>.json`` and a Markdown table printed.
+Results: ``benchmarks/results/seed_spread_w<N>.json`` and ``.md`` (also printed).
 """
 
 import argparse
@@ -85,7 +85,17 @@ def main():
                         help="extra environment for the workers")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--report", metavar="JSON", default=None,
+                        help="only write the Markdown report of a stored result")
     args = parser.parse_args()
+    if args.report:
+        with open(args.report) as f:
+            stored = json.load(f)
+        md_path = os.path.splitext(args.report)[0] + ".md"
+        with open(md_path, "w") as f:
+            f.write(render(stored))
+        print(f"written to {md_path}")
+        return
 
     specs = args.specs or suite_specs("MAX_LOSS" if args.workers == 2 else "MAX_LOSS3")
     if specs[0] != "none":
@@ -113,17 +123,49 @@ def main():
         table[spec] = {"gaps": gaps, "mean_gap": statistics.fmean(gaps),
                        "sd_gap": statistics.stdev(gaps) if len(gaps) > 1 else 0.0,
                        "worst_gap": max(gaps), "margin": margin(gaps)}
-    _common.write_json(out_path, {"workers": args.workers, "epochs": args.epochs,
-                                  "env": base_env, "runs": runs, "gaps": table,
-                                  "cpu": _cpu_name()})
-    print(f"\n{len(runs)} runs, {args.workers} workers; margin = max(0.02, mean + 4 sd, "
-          "worst + 0.02)\n")
-    print("| compressor | mean gap | sd | worst | margin |")
-    print("|:--|--:|--:|--:|--:|")
-    for spec, row in table.items():
-        print(f"| {spec} | {row['mean_gap']:+.3f} | {row['sd_gap']:.3f} | "
-              f"{row['worst_gap']:+.3f} | {math.ceil(row['margin'] * 100) / 100:.2f} |")
-    print(f"\nwritten to {out_path}; worker output in {log_path}")
+    stored = {"workers": args.workers, "epochs": args.epochs, "env": base_env, "runs": runs,
+              "specs": specs, "gaps": table, "cpu": _cpu_name()}
+    _common.write_json(out_path, stored)
+    report = render(stored)
+    md_path = os.path.splitext(out_path)[0] + ".md"
+    with open(md_path, "w") as f:
+        f.write(report)
+    print("\n" + report)
+    print(f"written to {out_path} and {md_path}; worker output in {log_path}")
+
+
+def render(stored):
+    """The Markdown report of a stored result: the margins, then every run's accuracy."""
+    runs, table = stored["runs"], stored["gaps"]
+    specs = stored.get("specs") or ["none"] + sorted(table)
+    seeds = sorted({r["seed"] for r in runs})
+    onednn = {r["onednn"] for r in runs}
+    onednn = "both" if len(onednn) > 1 else {"1": "on", "0": "off"}[onednn.pop()]
+    env = " ".join(f"{k}={v}" for k, v in sorted(stored.get("env", {}).items()))
+    lines = [f"# Seed spread of the suite's accuracy checks, {stored['workers']} workers",
+             "",
+             f"`python benchmarks/seed_spread.py --workers {stored['workers']} --seeds "
+             f"{' '.join(map(str, seeds))} --onednn {onednn}"
+             + (f" --env {env}" if env else "") + "`: "
+             f"{len(runs)} runs of {stored['epochs']} epochs on MNIST-5k ({stored.get('cpu')}). "
+             "A gap is dense minus the compressor, in accuracy; margin = max(0.02, mean + "
+             "4 sd, worst + 0.02), rounded up to the next hundredth. tests/test_distributed.py "
+             "uses these margins.",
+             "",
+             "| compressor | mean gap | sd | worst | margin |",
+             "|:--|--:|--:|--:|--:|"]
+    for spec in specs[1:]:
+        row = table[spec]
+        lines.append(f"| {spec} | {row['mean_gap']:+.3f} | {row['sd_gap']:.3f} | "
+                     f"{row['worst_gap']:+.3f} | {math.ceil(row['margin'] * 100) / 100:.2f} |")
+    lines += ["", "Test accuracy of every run (seed, oneDNN on or off):", "",
+              "| compressor | " + " | ".join(f"s{r['seed']}/{'on' if r['onednn'] == '1' else 'off'}"
+                                             for r in runs) + " |",
+              "|:--|" + "--:|" * len(runs)]
+    for spec in specs:
+        lines.append(f"| {spec} | " + " | ".join(f"{r['accuracy'][spec]:.3f}" for r in runs)
+                     + " |")
+    return "\n".join(lines) + "\n"
 
 
 def _cpu_name():

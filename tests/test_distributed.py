@@ -30,39 +30,40 @@ SWEEP = os.path.join(REPO, "tests", "cluster", "fit_sweep.py")
 ENV = {"PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
        "TF_CPP_MIN_LOG_LEVEL": "2"}
 
-# Accuracy is compared with the dense run ("none") of the same sweep: each
-# compressor may lose at most MAX_LOSS[spec] points of test accuracy against it.
-# MLP on MNIST-5k, 2 epochs, 2 workers, batch 32 per worker; momentum SGD lr 0.05,
-# except signSGD (plain SGD, lr 0.002) and EF-signSGD and the error-feedback pairs
-# (plain SGD, lr 0.05). Measured on a 2-core machine (none 0.866): fp16 0.886,
-# bf16 0.884, topk(1%) 0.812, ef+topk(1%) 0.800, randomk(10%) 0.822, onebit 0.766,
-# signsgd 0.884, efsignsgd 0.840, qsgd 0.888, qsgd 4-bit 0.876, terngrad 0.886;
-# plain SGD: topk(0.1%) 0.416, ef+topk(0.1%) 0.790, randomk(1%) 0.156,
-# ef+randomk(1%) 0.738; DGC at 0.1 % after a warm-up of 4 x 20 steps (SGD, its own
-# momentum 0.9) 0.752; PowerSGD rank 2 (momentum SGD) 0.812, and 0.826 vs 0.865 on
-# 3 workers; gradient dropping at 99 % (momentum SGD) 0.822 (0.842 with
-# scope=global, and adaptive quantization at pi = 100 0.748, not in the sweep);
-# variance-based (alpha 2, MomentDense layers, momentum SGD) 0.756.
-# Margins are the measured gap plus about 4 points for seeds
-# and rounding (the compressors without error feedback at 0.1% and 1% are only
-# held to chance or better: error feedback is what makes them learn, which
-# test_error_feedback_helps checks), so a compressor that stops learning, or a
-# broken reduction, fails.
+# Accuracy is compared with the dense run ("none") of the same sweep: each compressor
+# may lose at most MAX_LOSS[spec] of test accuracy against it (MLP on MNIST-5k, 2 epochs,
+# 2 workers, batch 32 per worker; momentum SGD lr 0.05, except signSGD (plain SGD, lr
+# 0.002) and EF-signSGD, variance-based compression and the error-feedback pairs (plain
+# SGD, lr 0.05): fit_sweep.learning_setup says why).
+# A margin is not one run's gap. On another CPU oneDNN picks other kernels, the rounding
+# moves, and the run drifts from this one like a run with another seed would (variance-
+# based compression under heavy-ball momentum went from 0.756 on one CPU to 0.706 on
+# another, and turning oneDNN off here reproduces that move). So each margin comes from
+# ten runs, seeds 0-4 (weights, data order, compressors' draws and held-out examples),
+# each with oneDNN on and off: max(0.02, mean gap + 4 sd, worst gap + 0.02), rounded up
+# (benchmarks/seed_spread.py; every run is in benchmarks/results/seed_spread_w2.md).
+# Without error feedback, top-k at 0.1 % and random-k at 1 % learn little: they are held
+# to their margins and to better than chance, and test_error_feedback_helps checks that
+# error feedback is what makes them learn. DGC at 0.1 % with a 4 x 20-step warm-up swings
+# most (0.65 to 0.88); tests/test_dgc.py checks its algorithm on fixed gradients.
 MAX_LOSS = {
-    "none": 0.0, "fp16": 0.04, "bf16": 0.04, "topk:ratio=0.01": 0.10,
-    "ef+topk:ratio=0.01": 0.11, "topk:ratio=0.001": 0.60, "ef+topk:ratio=0.001": 0.12,
-    "randomk:ratio=0.01": 0.76, "ef+randomk:ratio=0.01": 0.17,
-    "randomk:ratio=0.1": 0.09, "onebit": 0.14, "signsgd": 0.04, "efsignsgd": 0.07,
-    "qsgd": 0.04, "qsgd:levels=7,bucket_size=128": 0.04, "terngrad": 0.04,
-    "dgc:ratio=0.001,warmup_steps=20": 0.16, "powersgd": 0.10, "graddrop": 0.09,
-    "variance": 0.15,
+    "none": 0.0, "fp16": 0.07, "bf16": 0.08, "topk:ratio=0.01": 0.15,
+    "ef+topk:ratio=0.01": 0.13, "topk:ratio=0.001": 0.49, "ef+topk:ratio=0.001": 0.15,
+    "randomk:ratio=0.01": 0.83, "ef+randomk:ratio=0.01": 0.20,
+    "randomk:ratio=0.1": 0.11, "onebit": 0.16, "signsgd": 0.12, "efsignsgd": 0.07,
+    "qsgd": 0.08, "qsgd:levels=7,bucket_size=128": 0.10, "terngrad": 0.09,
+    "dgc:ratio=0.001,warmup_steps=20": 0.42, "powersgd": 0.10, "graddrop": 0.10,
+    "variance": 0.08,
 }
+# Ten balanced classes.
+CHANCE = 0.1
 SPECS2 = list(MAX_LOSS)
 # Where error feedback is supposed to help: (with EF, without EF), plain SGD.
 EF_PAIRS = [("ef+topk:ratio=0.001", "topk:ratio=0.001"),
             ("ef+randomk:ratio=0.01", "randomk:ratio=0.01")]
-# 3 workers, 2 epochs (the references, not the custom ops, run here).
-MAX_LOSS3 = {"none": 0.0, "topk:ratio=0.01": 0.18, "qsgd": 0.08, "onebit": 0.18, "powersgd": 0.08}
+# 3 workers, 2 epochs (the references, not the custom ops, run here); margins by the same
+# rule from benchmarks/results/seed_spread_w3.md (83 steps: the spread is wider).
+MAX_LOSS3 = {"none": 0.0, "topk:ratio=0.01": 0.26, "qsgd": 0.09, "onebit": 0.34, "powersgd": 0.26}
 SPECS3 = list(MAX_LOSS3)
 
 # The MLP's gradients: kernels are compressed, biases (1-D) go dense.
@@ -231,7 +232,8 @@ def test_two_workers_every_compressor(sweep2, i, spec):
     # Every worker ends with the same weights.
     assert_identical_weights(sweep2, str(i), 2)
     dense = accuracy(sweep2, "none", SPECS2)
-    assert results["test_accuracy"] >= dense - MAX_LOSS[spec], (spec, results["test_accuracy"], dense)
+    floor = max(dense - MAX_LOSS[spec], CHANCE) if spec != "none" else dense
+    assert results["test_accuracy"] >= floor, (spec, results["test_accuracy"], dense)
 
 
 @pytest.mark.parametrize("with_ef, without", EF_PAIRS)

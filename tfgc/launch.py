@@ -82,6 +82,8 @@ def collapse_progress(line: str) -> str:
     parts = [p.replace("\b", "") for p in line.rstrip("\n").split("\r")]
     shown = [p for p in parts if p.strip()]
     return (shown[-1].rstrip() if shown else "") + end
+
+
 # How many trailing output lines of a failed worker are shown in the report.
 TAIL_LINES = 20
 # Main-loop polling period.  Small enough that failures are noticed promptly,
@@ -678,8 +680,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.tf_logs and "TF_CPP_MIN_LOG_LEVEL" not in os.environ:
         env["TF_CPP_MIN_LOG_LEVEL"] = "2"
     if args.workers > 1 and not args.all_workers:
-        _notify(sys.stdout, sys.stderr, f"{PROG}: showing worker 0's output; --all-workers shows every "
-                          "worker's (a failing worker's last lines are always shown)")
+        _notify(sys.stdout, sys.stderr,
+                f"{PROG}: showing worker 0's output; --all-workers shows every worker's "
+                "(a failing worker's last lines are always shown)")
     result = launch(command, args.workers, env=env, timeout=args.timeout, grace=args.grace,
                     output=sys.stdout, host=args.host, restarts=args.restarts,
                     log=sys.stderr,

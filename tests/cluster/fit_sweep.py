@@ -38,6 +38,15 @@ def learning_setup(spec):
         # sparsified SGD with memory do: heavy-ball momentum on top of released
         # residuals overshoots (DGC's momentum correction exists for that).
         return "sgd", 0.05
+    if spec == "variance":
+        # Variance-based compression fills its 1 % capacity at every step here, so
+        # each step releases the largest of many held residuals at 4-bit precision;
+        # heavy-ball momentum amplifies those bursts, and test accuracy swung by 5-8
+        # points within a few steps (seed 0, read every 4 steps over the last 60: from
+        # 0.84 down to 0.71 at the end, or to 0.76 with oneDNN off), so the final value
+        # was a draw that a CPU's rounding decided. With plain SGD it climbs smoothly
+        # (0.78 to 0.82 over the same steps, on and off alike).
+        return "sgd", 0.05
     return "momentum", 0.05
 
 

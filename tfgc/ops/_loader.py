@@ -29,7 +29,6 @@ import threading
 
 from absl import logging
 
-
 LIBRARY_NAME = "_tfgc_ops.so"
 DISABLE_ENV_VAR = "TFGC_DISABLE_CUSTOM_OPS"
 # Loads the library from another path (a private build, a packaged copy).
@@ -41,6 +40,9 @@ BUILD_COMMAND = "python -m tfgc.ops.build"
 REINSTALL_COMMAND = "pip install --no-build-isolation --force-reinstall --no-deps ."
 
 _lock = threading.Lock()
+_attempted = False
+_library = None
+_loaded_path = None
 
 
 def _build():
@@ -49,10 +51,6 @@ def _build():
     from tfgc.ops import build  # pylint: disable=import-outside-toplevel
 
     return build
-
-_attempted = False
-_library = None
-_loaded_path = None
 
 
 def packaged_library_path():
