@@ -533,7 +533,7 @@ def test_importance_selects_by_gradient_over_weight_and_keeps_the_rest():
 
 
 def test_importance_needs_weights_and_checks_eps():
-    from tfgc.collectives import choose_communication
+    from tfgc.distribute.paths import choose_communication
     c = tfgc.get_compressor("importance")
     assert choose_communication(c, 4)[0] == "shared_index"
     assert tfgc.get_compressor(tfgc.serialize(c)) == c

@@ -129,7 +129,7 @@ def test_supports_only_matrices_that_shrink():
 
 
 def test_registry_round_trip_and_paths():
-    from tfgc.collectives import check_communication, choose_communication
+    from tfgc.distribute.paths import check_communication, choose_communication
     c = tfgc.get_compressor("powersgd:rank=4,warm_start=false")
     assert c == PowerSGD(rank=4, warm_start=False)
     assert tfgc.get_compressor(tfgc.serialize(c)) == c

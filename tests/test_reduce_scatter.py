@@ -39,11 +39,19 @@ def cluster(request, tmp_path_factory):
     return n, out, runs
 
 
+def plan_of(compressor, shape, n):
+    """The chunk plan the reduce-scatter uses for ``compressor`` on a gradient of ``shape``."""
+    import tensorflow as tf
+
+    from tfgc.collectives import chunk_plan
+    shape = tf.TensorShape(shape)
+    return chunk_plan(compressor.chunk_layout(shape, n), shape, n)
+
+
 def replay(n, spec):
     """The two stages, worker by worker: per step the outputs, at the end both residuals."""
     import tensorflow as tf
 
-    from tfgc.collectives import chunk_plan
     from tfgc.compressors import CompressContext, ErrorFeedback, get
 
     compressor = get(spec)
@@ -61,7 +69,7 @@ def replay(n, spec):
         grads = [worker.gradients(w, step) for w in range(n)]
         outs = []
         for k, shape in enumerate(COMPRESSED):
-            plan = chunk_plan(compressor, tf.TensorShape(shape), n)
+            plan = plan_of(compressor, shape, n)
             for w in range(n):
                 velocity[w][k] = (np.float32(m) * velocity[w][k] + grads[w][k]).astype(np.float32)
             flats = [velocity[w][k] if m else grads[w][k] for w in range(n)]
@@ -210,16 +218,13 @@ def test_terngrad_sums_codes_exactly(cluster):
 @pytest.mark.parametrize("spec", EF_SPECS)
 def test_error_feedback_conserves_mass_at_both_stages(cluster, spec):
     """What was applied, plus every worker's two residuals, is every gradient ever sent."""
-    import tensorflow as tf
-
-    from tfgc.collectives import chunk_plan
     from tfgc.compressors import get
 
     n, _, runs = cluster
     j = worker.SPECS.index(spec)
     for k, shape in enumerate(COMPRESSED):
         applied = sum(runs[0][f"{j}_out{s}_{k}"].astype(np.float64) for s in range(worker.STEPS))
-        plan = chunk_plan(get(spec), tf.TensorShape(shape), n)
+        plan = plan_of(get(spec), shape, n)
         # Each owner's residual, padded flat, put back in its chunk's place.
         held = [runs[r][f"{j}_server_residual{k}"] for r in range(n)]
         owners = plan.join([h[:int(c.num_elements())] for h, (_, _, c) in zip(held, plan.chunks)],
@@ -240,25 +245,19 @@ def test_error_feedback_conserves_mass_at_both_stages(cluster, spec):
 
 
 def longest_chunks(spec, n):
-    import tensorflow as tf
-
-    from tfgc.collectives import chunk_plan
     from tfgc.compressors import get
     return [max(int(cshape.num_elements()) for _, _, cshape in
-                chunk_plan(get(spec), tf.TensorShape(shape), n).chunks) for shape in COMPRESSED]
+                plan_of(get(spec), shape, n).chunks) for shape in COMPRESSED]
 
 
 def chunk_words(spec, n):
     """Per tensor, the int32 words of the longest chunk's payload (the padded message width)."""
-    import tensorflow as tf
-
-    from tfgc.collectives import chunk_plan
     from tfgc.compressors import get
 
     compressor = get(spec)
     widths = []
     for shape in COMPRESSED:
-        plan = chunk_plan(compressor, tf.TensorShape(shape), n).chunks
+        plan = plan_of(compressor, shape, n).chunks
         longest = max(int(cshape.num_elements()) for _, _, cshape in plan)
         rows, cols = max((tuple(cshape.as_list()) for _, _, cshape in plan),
                          key=lambda s: s[0] * s[1])
@@ -331,11 +330,10 @@ def test_pair_rounds_meet_every_partner_once():
 def test_chunks_cut_at_units():
     import tensorflow as tf
 
-    from tfgc.collectives import chunk_plan
     from tfgc.compressors import get
 
     def cuts(spec, shape, n):
-        plan = chunk_plan(get(spec), tf.TensorShape(shape), n)
+        plan = plan_of(get(spec), shape, n)
         return plan.axis, [(a, b, s.as_list()) for a, b, s in plan.chunks]
 
     # 1-bit: whole columns, each keeping its two means over every row.
@@ -349,12 +347,12 @@ def test_chunks_cut_at_units():
     assert cuts("qsgd:bucket_size=512", [1000], 3) == \
         (1, [(0, 334, [1, 334]), (334, 667, [1, 333]), (667, 1000, [1, 333])])
     # Chunks put back together give the tensor.
-    plan = chunk_plan(get("onebit"), tf.TensorShape([10, 4]), 3)
+    plan = plan_of(get("onebit"), [10, 4], 3)
     x = tf.reshape(tf.range(40.0), [10, 4])
     np.testing.assert_array_equal(plan.join([plan.take(x, r) for r in range(3)], [10, 4]), x)
     np.testing.assert_array_equal(plan.take(x, 1), x[:, 2:3])
     # Row blocks and flat ranges are cut from the flat tensor.
-    plan = chunk_plan(get("onebit"), tf.TensorShape([2048, 3]), 2)
+    plan = plan_of(get("onebit"), [2048, 3], 2)
     assert plan.axis == 0 and [c.as_list() for _, _, c in plan.chunks] == [[1024, 3], [1024, 3]]
     x = tf.reshape(tf.range(2048.0 * 3), [2048, 3])
     np.testing.assert_array_equal(plan.take(x, 1), x[1024:])
@@ -364,7 +362,7 @@ def test_chunks_cut_at_units():
 def test_auto_takes_the_reduce_scatter_for_error_feedback_only_with_momentum_correction():
     """Two residuals under the optimizer's momentum lose accuracy (the README's table), so
     auto keeps plain onebit on the all-gather; with the momentum on the workers it may go."""
-    from tfgc.collectives import choice
+    from tfgc.distribute.paths import auto as choice
     from tfgc.compressors import get
 
     assert choice.choose_communication(get("onebit"), 4)[0] == "allgather"

@@ -350,7 +350,7 @@ def load_dataset(name: str, *, synthetic_examples: int = SYNTHETIC_DEFAULT_EXAMP
     """
     from tfgc import entry_points
     if entry_points.is_entry_point(name):
-        return entry_points.load_user_dataset(name, seed=seed)
+        return entry_points.load_user_dataset(name, Dataset, seed=seed)
     key = name.strip().lower().replace("-", "_") if isinstance(name, str) else name
     key = {"fashion": "fashion_mnist", "fmnist": "fashion_mnist",
            "mnist_5k": "mnist5k"}.get(key, key)

@@ -128,12 +128,11 @@ def outputs_probabilities(model) -> bool:
     return activation is keras.activations.softmax
 
 
-def load_user_dataset(spec: str, seed: int = 0):
-    """Loads the data set of ``spec`` as a ``tfgc.data.Dataset``."""
-    from tfgc.data import Dataset
-
+def load_user_dataset(spec: str, dataset_type, seed: int = 0):
+    """Loads the data set of ``spec`` as a ``dataset_type`` (``tfgc.data.Dataset``, which
+    ``tfgc.data.load_dataset`` hands in: data imports this module, not the reverse)."""
     loaded = _call_with(resolve(spec, "--dataset"), seed=int(seed))
-    if isinstance(loaded, Dataset):
+    if isinstance(loaded, dataset_type):
         return loaded
     try:
         (x_train, y_train), (x_test, y_test) = loaded
@@ -152,8 +151,8 @@ def load_user_dataset(spec: str, seed: int = 0):
         raise ValueError(f"--dataset={spec!r}: train examples are {x_train.shape[1:]} but test "
                          f"examples {x_test.shape[1:]}")
     num_classes = int(max(y_train.max(), y_test.max())) + 1
-    return Dataset(x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test,
-                   num_classes=num_classes, name=spec)
+    return dataset_type(x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test,
+                        num_classes=num_classes, name=spec)
 
 
 def _images(x, part: str, spec: str) -> np.ndarray:

@@ -7,6 +7,17 @@ import tensorflow as tf
 from tfgc.ops import packing
 
 
+def all_gather(launcher, tensor: tf.Tensor, options) -> tf.Tensor:
+    """Every member's ``tensor``, concatenated along axis 0 in rank order.
+
+    The one use of the launcher's private ``_all_gather`` in tfgc. The public
+    ``all_gather`` of TensorFlow 2.21 first all-gathers the shapes (a second collective
+    per call) and refuses eager mode; tfgc's payloads have static shapes, known to
+    every member, and its settings exchange runs eagerly.
+    """
+    return launcher._all_gather(tensor, options)  # pylint: disable=protected-access
+
+
 def payload_words(payload: Sequence[tf.Tensor]) -> tf.Tensor:
     """Packs a payload (tensors of any 1, 2 or 4-byte dtype) into one int32 word vector."""
     return tf.concat([packing.to_words(t) for t in payload], axis=0)
@@ -80,7 +91,7 @@ def gather_payloads(launcher, payloads: List[Sequence[tf.Tensor]], num_workers: 
             parts.append(tf.reshape(control, [-1]))
         buffer = tf.concat(parts, axis=0) if len(parts) > 1 else parts[0]
         total = int(buffer.shape[0])
-        gathered = tf.reshape(launcher._all_gather(buffer, options), [num_workers, total])  # pylint: disable=protected-access
+        gathered = tf.reshape(all_gather(launcher, buffer, options), [num_workers, total])
         offset = 0
         for i in bucket:
             per_worker = gathered[:, offset:offset + sizes[i]]

@@ -17,6 +17,8 @@ import threading
 import tensorflow as tf
 from tensorflow.python.distribute import cross_device_utils
 
+from tfgc.collectives.allgather import all_gather
+
 # Far above the group keys MultiWorkerMirroredStrategy hands out (it counts up
 # from 1 per set of devices), so a pair never takes the key of a strategy group.
 _PAIR_KEY_BASE = 1 << 24
@@ -77,7 +79,7 @@ class PairExchanger:
         flat = tf.reshape(tensor, [-1])
         words = tf.concat([tf.constant([self._rank], tf.int32),
                            _as_words(flat)], axis=0)
-        both = tf.reshape(self._launcher(partner)._all_gather(words, self._options), [2, -1])  # pylint: disable=protected-access
+        both = tf.reshape(all_gather(self._launcher(partner), words, self._options), [2, -1])
         theirs = tf.where(tf.equal(both[0, 0], self._rank), 1, 0)
         return tf.reshape(_from_words(tf.gather(both, theirs)[1:], tensor.dtype), tf.shape(tensor))
 

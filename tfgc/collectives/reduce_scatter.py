@@ -25,6 +25,7 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import tensorflow as tf
 
+from tfgc.collectives.allgather import all_gather
 from tfgc.collectives.pairwise import PairExchanger
 
 
@@ -104,15 +105,17 @@ class ChunkPlan(NamedTuple):
         return tf.reshape(tf.concat(parts, 1), shape)
 
 
-def chunk_plan(compressor, shape: tf.TensorShape, num_ranks: int) -> ChunkPlan:
-    """Each rank's chunk of a gradient, from the compressor's ``chunk_layout``.
+def chunk_plan(layout, shape: tf.TensorShape, num_ranks: int) -> ChunkPlan:
+    """Each rank's chunk of a gradient of ``shape``, from a compressor's ``layout``.
 
-    The cut falls at multiples of the layout's unit (whole buckets for QSGD), or
-    anywhere when there are fewer units than ranks; a gradient too narrow to cut
-    along its axis is cut per element, as one column.
+    ``layout`` is ``(view, axis, unit)``, what ``Compressor.chunk_layout`` returns:
+    the gradient viewed as a [rows, cols] ``view``, cut along ``axis``. The cut
+    falls at multiples of ``unit`` (whole buckets for QSGD), or anywhere when there
+    are fewer units than ranks; a gradient too narrow to cut along its axis is cut
+    per element, as one column.
     """
     total = shape.num_elements()
-    view, axis, unit = compressor.chunk_layout(shape, num_ranks)
+    view, axis, unit = layout
     if view[axis] < num_ranks:
         view, axis, unit = (total, 1), 0, 1
     length = view[axis]
@@ -146,6 +149,5 @@ def gather_from_owners(launcher, words: tf.Tensor, num_ranks: int, options,
     length = int(words.shape[0])
     parts = [words] if control is None else [words, tf.reshape(control, [-1])]
     buffer = tf.concat(parts, 0) if len(parts) > 1 else parts[0]
-    gathered = tf.reshape(launcher._all_gather(buffer, options),  # pylint: disable=protected-access
-                          [num_ranks, int(buffer.shape[0])])
+    gathered = tf.reshape(all_gather(launcher, buffer, options), [num_ranks, int(buffer.shape[0])])
     return gathered[:, :length], (gathered[:, length:] if control is not None else None)

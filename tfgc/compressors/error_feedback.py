@@ -24,6 +24,7 @@ a quantizer sends every entry.
 import tensorflow as tf
 
 from tfgc.compressors.base import Compressor, check_momentum, momentum_step
+from tfgc.compressors.sparse import TopK
 
 
 def _inner(name):
@@ -35,8 +36,8 @@ class ErrorFeedback(Compressor):
     """Wraps ``compressor`` with a per-gradient residual.
 
     Args:
-      compressor: the inner compressor: an instance, a registry string or a config
-        dict (``{"name": ..., "config": {...}}``).
+      compressor: the inner compressor: an instance (default: ``TopK()``, 1 %), a
+        registry string or a config dict (``{"name": ..., "config": {...}}``).
       momentum: momentum applied on the workers before compression (momentum
         correction), in [0, 1). 0 (the default) leaves momentum to the optimizer;
         with m > 0 compile the model with plain SGD, which the strategy checks.
@@ -52,9 +53,20 @@ class ErrorFeedback(Compressor):
     # The wrapper's own arguments; a registry string's other arguments are the inner's.
     wrapper_args = ("momentum", "nesterov")
 
-    def __init__(self, compressor="topk", momentum: float = 0.0, nesterov: bool = False):
-        from tfgc.compressors import registry  # the registry imports this module
-        inner = registry.get(compressor, wrap_error_feedback=False)
+    # Turns a registry string or config dict into the inner compressor. The registry sets
+    # it when it is imported: it parses both, and it imports this module, so this module
+    # does not import it back.
+    parse_inner = None
+
+    def __init__(self, compressor=None, momentum: float = 0.0, nesterov: bool = False):
+        if compressor is None:
+            inner = TopK()
+        elif isinstance(compressor, Compressor):
+            inner = compressor
+        elif ErrorFeedback.parse_inner is not None:
+            inner = ErrorFeedback.parse_inner(compressor)
+        else:
+            raise TypeError(f"`compressor` must be a Compressor, got {compressor!r}")
         if isinstance(inner, ErrorFeedback):
             raise ValueError("`compressor` is already wrapped in ErrorFeedback")
         if inner.keeps_residual:
@@ -96,7 +108,7 @@ class ErrorFeedback(Compressor):
         return self.inner.num_selected(shape)
 
     def get_config(self):
-        config = {"compressor": registry_config(self.inner)}
+        config = {"compressor": {"name": self.inner.name, "config": self.inner.get_config()}}
         if self.momentum:
             # Only when set, so that configs (and state keys) without it stay as they were.
             config.update(momentum=self.momentum, nesterov=self.nesterov)
@@ -143,8 +155,3 @@ class ErrorFeedback(Compressor):
 
     def aggregate(self, payloads, shape, dtype, ctx):
         return self.inner.aggregate(payloads, shape, dtype, ctx)
-
-
-def registry_config(compressor):
-    from tfgc.compressors import registry
-    return registry.serialize_config(compressor)

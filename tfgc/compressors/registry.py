@@ -159,6 +159,10 @@ def get(identifier=None, wrap_error_feedback: bool = True) -> Compressor:
     return compressor
 
 
+# ErrorFeedback's inner compressor may be named by a string or a config dict.
+ErrorFeedback.parse_inner = staticmethod(lambda spec: get(spec, wrap_error_feedback=False))
+
+
 def serialize_config(compressor: Compressor) -> Dict[str, Any]:
     """``{"name": ..., "config": ...}`` such that ``get`` rebuilds an equal compressor."""
     return {"name": compressor.name, "config": compressor.get_config()}

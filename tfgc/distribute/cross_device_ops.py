@@ -37,19 +37,14 @@ from typing import List
 import numpy as np
 import tensorflow as tf
 from absl import logging
-from tensorflow.python.distribute import collective_util
 from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
-from tensorflow.python.distribute import reduce_util
-from tensorflow.python.framework import indexed_slices
-from tensorflow.python.framework import ops
-from tensorflow.python.util import nest
 
 from tfgc import collectives
 from tfgc.collectives.allgather import (num_payload_words, padded_payload_words,
                                         unpack_payload_words)
 from tfgc.compressors import CompressContext, ErrorFeedback, get as get_compressor, serialize_config
 from tfgc.compressors.powersgd import orthogonalize
-from tfgc.distribute import fusion, gradients, moments
+from tfgc.distribute import fusion, gradients, moments, paths
 from tfgc.distribute import state as state_lib
 from tfgc.distribute.policy import CompressionPolicy
 from tfgc.distribute.stats import CompressionStats, WireBytes
@@ -82,7 +77,7 @@ def check_compression_args(compressor, policy, communication, bucket_bytes):
     policy = CompressionPolicy() if policy is None else policy
     if not isinstance(policy, CompressionPolicy):
         raise ValueError(f"`policy` must be a tfgc.CompressionPolicy, got {policy!r}")
-    collectives.check_communication(communication, compressor)
+    paths.check_communication(communication, compressor)
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
         raise ValueError(f"`bucket_bytes` must be a positive integer, got {bucket_bytes!r}")
     return compressor, policy
@@ -102,8 +97,9 @@ class _TwoStageState:
     def init_state(self, shape, dtype):
         template = self._compressor.init_state(shape, dtype)
         if isinstance(self._compressor, ErrorFeedback):
+            layout = self._compressor.chunk_layout(shape, self._num_ranks)
             width = max(int(c.num_elements()) for _, _, c in
-                        collectives.chunk_plan(self._compressor, shape, self._num_ranks).chunks)
+                        collectives.chunk_plan(layout, shape, self._num_ranks).chunks)
             template = dict(template, server_residual=tf.zeros([width], dtype))
         return template
 
@@ -134,7 +130,7 @@ def _checked(any_bad, steps_agree, step, steps_seen):
         "tfgc: the workers' compression step counters differ: compressor state was "
         "reset or restored on some workers only. This worker's step and the "
         "counters seen:", step, steps_seen], summarize=64)
-    with ops.control_dependencies([agree]):
+    with tf.control_dependencies([agree]):
         return tf.identity(tf.logical_not(any_bad))
 
 
@@ -160,7 +156,7 @@ def _commit_or_skip(ok, step_var, compressed, tensors, reduced, decode_and_commi
     """
     def decode_and_commit():
         outs = [decode_and_commit_one(i) for i in compressed]
-        with ops.control_dependencies(outs):
+        with tf.control_dependencies(outs):
             step_var.assign_add(1)
         return outs
 
@@ -200,7 +196,7 @@ def _dense_momentum(compressor, state, variables, mask, reduced, ok, replica_id)
         new = old * tf.cast(m, old.dtype) + reduced[i]
         out[i] = reduced[i] + tf.cast(m, old.dtype) * new if compressor.nesterov else new
         updates.append(buffer.assign(tf.where(finite, new, old)))
-    with ops.control_dependencies(updates):
+    with tf.control_dependencies(updates):
         return [tf.identity(r) for r in out]
 
 
@@ -232,7 +228,7 @@ def _optimizer_momentum(optimizer):
     name = type(inner).__name__
     value = getattr(inner, "momentum", 0.0)
     try:
-        with ops.init_scope():
+        with tf.init_scope():
             value = float(tf.get_static_value(value) if tf.is_tensor(value) else value)
     except (TypeError, ValueError):
         value = 0.0
@@ -270,7 +266,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         the reduce-scatter from 3 workers on for quantizers whose second stage
         needs no error feedback or that apply momentum correction, the low-rank
         path for PowerSGD, the shared index for importance-weighted pruning,
-        all-gather otherwise; see ``collectives.choice``), "allreduce" (summable
+        all-gather otherwise; see ``paths.auto``), "allreduce" (summable
         compressors only), "allgather", "reduce_scatter" (quantizers whose sum can
         be compressed again), "shared_index" (sparsifiers that select indices),
         "sparse_allreduce" (sparsifiers with (values, indices) payloads) or
@@ -290,7 +286,15 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         self._bucket_bytes = bucket_bytes
         self._worker_rank = worker_rank
         super().__init__(devices, group_size, options, collective_keys, canonicalize_devices)
-        self._stats = CompressionStats(self._devices[0])
+        # Our own copies of the constructor's arguments, instead of the parent's private
+        # fields. Two are read from the parent once, here: the devices in its canonical
+        # form, and the collective keys it made when none were given.
+        self._num_replicas = group_size
+        self._comm_options = options
+        self._canonicalize = canonicalize_devices
+        self._replica_devices = tuple(self._devices)  # pylint: disable=protected-access
+        self._keys = self._collective_keys  # pylint: disable=protected-access
+        self._stats = CompressionStats(self._replica_devices[0])
         self._generation = 0
         self._generation_var = None
         self._settings_checked = -1
@@ -320,7 +324,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         migrated at the next trace: residuals carry over, the rest starts fresh.
         """
         compressor = get_compressor(value)
-        collectives.check_communication(self._communication, compressor)
+        paths.check_communication(self._communication, compressor)
         self._compressor = compressor
         self._generation += 1
         if self._generation_var is not None:
@@ -339,11 +343,11 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
 
     @property
     def local_devices(self):
-        return tuple(self._devices)
+        return tuple(self._replica_devices)
 
     @property
     def group_size(self) -> int:
-        return self._group_size
+        return self._num_replicas
 
     @property
     def worker_rank(self) -> int:
@@ -369,7 +373,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             return self._communication
         if self._auto_choice is not None and self._auto_choice[0] == self._generation:
             return self._auto_choice[1]
-        return collectives.choose_communication(self._compressor, self._group_size)[0]
+        return paths.choose_communication(self._compressor, self._num_replicas)[0]
 
     def _choose(self, tensors, mask):
         """Settles auto's choice from the compressed gradients' shapes (once per compressor)."""
@@ -377,17 +381,17 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                 self._auto_choice is not None and self._auto_choice[0] == self._generation):
             return
         gradients_ = [(t.shape, t.dtype) for t, m in zip(tensors, mask)
-                      if m and t.shape.num_elements() >= self._group_size]
-        path, figures = collectives.choose_communication(self._compressor, self._group_size,
+                      if m and t.shape.num_elements() >= self._num_replicas]
+        path, figures = paths.choose_communication(self._compressor, self._num_replicas,
                                                          gradients_)
         self._auto_choice = (self._generation, path)
         if figures:
             logging.info("tfgc: communication='auto' chose %s for %r on %d workers; bytes sent "
-                         "per worker and step: %s", path, self._compressor, self._group_size,
+                         "per worker and step: %s", path, self._compressor, self._num_replicas,
                          ", ".join(f"{k} {v}" for k, v in sorted(figures.items())))
         else:
             logging.info("tfgc: communication='auto' chose %s for %r on %d workers", path,
-                         self._compressor, self._group_size)
+                         self._compressor, self._num_replicas)
 
     def _use_allreduce(self) -> bool:
         return self._path() == "allreduce"
@@ -402,7 +406,8 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
     # -- exchanges outside the training step ----------------------------------------
 
     def _exchange_options(self):
-        return self._options.merge(collective_util.Options(timeout_seconds=_EXCHANGE_TIMEOUT_S))
+        return self._comm_options.merge(
+            tf.distribute.experimental.CommunicationOptions(timeout_seconds=_EXCHANGE_TIMEOUT_S))
 
     def gather_rows(self, rows: List[tf.Tensor]) -> tf.Tensor:
         """All-gathers one int32 vector per local replica; returns ``[group_size, words]``.
@@ -410,16 +415,16 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         Runs eagerly (under ``init_scope``); every worker must call it at the same
         point with vectors of the same length.
         """
-        with ops.init_scope():
+        with tf.init_scope():
             words = int(rows[0].shape[0])
-            if self._group_size == 1:
+            if self._num_replicas == 1:
                 return tf.stack(rows)
             options = self._exchange_options()
 
             def gather_all():
                 out = []
                 for launcher, row in zip(self._launchers, rows):
-                    out.append(launcher._all_gather(row, options))  # pylint: disable=protected-access
+                    out.append(collectives.all_gather(launcher, row, options))
                 return out
 
             if len(self._launchers) == 1:
@@ -427,7 +432,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             else:
                 # Several local replicas must join the collective at once.
                 gathered = tf.function(gather_all, autograph=False)()[0]
-            return tf.reshape(gathered, [self._group_size, words])
+            return tf.reshape(gathered, [self._num_replicas, words])
 
     def _exchange_settings(self):
         """Stops with a clear error if the workers' compression settings differ."""
@@ -440,10 +445,10 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                 digest = hashlib.sha1(raw).hexdigest().encode()
                 raw = raw[:4 * _SETTINGS_WORDS - len(digest) - 4] + b" ..." + digest
             raw = raw.ljust(4 * _SETTINGS_WORDS, b"\0")
-            with ops.init_scope():
+            with tf.init_scope():
                 rows = []
-                for device in self._devices:
-                    with ops.device(device):
+                for device in self._replica_devices:
+                    with tf.device(device):
                         rows.append(tf.constant(np.frombuffer(raw, dtype=np.int32)))
                 table = self.gather_rows(rows).numpy()
             everyone = [bytes(table[i].tobytes()).rstrip(b"\0").decode(errors="replace")
@@ -460,7 +465,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         if self._settings_checked == self._generation:
             return
         replica_ctx = tf.distribute.get_replica_context()
-        if replica_ctx is not None and len(self._devices) > 1:
+        if replica_ctx is not None and len(self._replica_devices) > 1:
             # Replica threads take turns; the exchange runs once, in the merge.
             replica_ctx.merge_call(lambda _: self._exchange_settings())
         else:
@@ -470,7 +475,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         """An op that fails if the compressor was switched after this graph was traced."""
         if tf.executing_eagerly():
             return None
-        with ops.init_scope(), ops.device(self._devices[0]):
+        with tf.init_scope(), tf.device(self._replica_devices[0]):
             if self._generation_var is None:
                 self._generation_var = tf.Variable(self._generation, dtype=tf.int64,
                                                    trainable=False, name="tfgc_generation")
@@ -490,9 +495,9 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         lets a one-machine run show the accuracy and the byte figures that the
         compressor gives on a cluster.
         """
-        if self._group_size == 1 and value_destination_pairs:
+        if self._num_replicas == 1 and value_destination_pairs:
             if options is None:
-                options = collective_util.Options()
+                options = tf.distribute.experimental.CommunicationOptions()
             pairs = value_destination_pairs
             if not cross_device_ops_lib._validate_value_destination_pairs(pairs):  # pylint: disable=protected-access
                 pairs = cross_device_ops_lib._normalize_value_destination_pairs(pairs)  # pylint: disable=protected-access
@@ -518,7 +523,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
 
     def _all_reduce(self, reduce_op, value, replica_id, options):
         """Replica-context all-reduce; also reached by the cross-replica reductions."""
-        flat = nest.flatten(value)
+        flat = tf.nest.flatten(value)
         ctx = gradients.current() or self._cross_replica_ctx
         if ctx is None or not ctx.matches(flat, replica_id):
             # Not a gradient aggregation: the stock, exact path.
@@ -526,27 +531,27 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         ctx.mark_used(replica_id)
         self._check_settings_from_replica()
         results = self._gradient_reduce(flat, ctx, replica_id, options)
-        if reduce_op == reduce_util.ReduceOp.MEAN:
+        if reduce_op == tf.distribute.ReduceOp.MEAN:
             def mean(r):
-                if isinstance(r, indexed_slices.IndexedSlices):
-                    return indexed_slices.IndexedSlices(
-                        r.values / tf.cast(self._group_size, r.values.dtype), r.indices,
+                if isinstance(r, tf.IndexedSlices):
+                    return tf.IndexedSlices(
+                        r.values / tf.cast(self._num_replicas, r.values.dtype), r.indices,
                         r.dense_shape)
-                return r / tf.cast(self._group_size, r.dtype)
+                return r / tf.cast(self._num_replicas, r.dtype)
 
-            with ops.device(self._devices[replica_id]):
+            with tf.device(self._replica_devices[replica_id]):
                 results = [mean(r) for r in results]
-        return nest.pack_sequence_as(value, results)
+        return tf.nest.pack_sequence_as(value, results)
 
     def _gradient_reduce(self, flat, ctx, replica_id, options):
         launcher = self._launchers[replica_id]
-        options = self._options.merge(options)
-        device = self._devices[replica_id]
+        options = self._comm_options.merge(options)
+        device = self._replica_devices[replica_id]
         compressor = self._compressor
-        n = self._group_size
+        n = self._num_replicas
         rank = self._worker_rank + replica_id
         results = [None] * len(flat)
-        slices_pos = [i for i, v in enumerate(flat) if isinstance(v, indexed_slices.IndexedSlices)]
+        slices_pos = [i for i, v in enumerate(flat) if isinstance(v, tf.IndexedSlices)]
         tensor_pos = [i for i in range(len(flat)) if i not in slices_pos]
         # Moment probes' gradients (tfgc.keras.MomentDense) travel with the gradients
         # but are not sent: they are handed to the compressor of their kernel, and
@@ -554,11 +559,11 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         probes = {i: moments.kernel_key_of(ctx.variables[i]) for i in tensor_pos}
         probes = {i: key for i, key in probes.items() if key is not None}
         self._second_moments[replica_id] = {
-            key: ops.convert_to_tensor(flat[i]) for i, key in probes.items()}
+            key: tf.convert_to_tensor(flat[i]) for i, key in probes.items()}
         for i in probes:
             results[i] = tf.zeros_like(flat[i])
         tensor_pos = [i for i in tensor_pos if i not in probes]
-        tensors = [ops.convert_to_tensor(flat[i]) for i in tensor_pos]
+        tensors = [tf.convert_to_tensor(flat[i]) for i in tensor_pos]
         variables = [ctx.variables[i] for i in tensor_pos]
         mask = [self._policy.should_compress(t, compressor) for t in tensors]
         if compressor.needs_second_moment:
@@ -570,7 +575,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         state = None
         if not any(mask):
             # Nothing worth compressing (biases only, float64): the stock path.
-            reduced = super()._all_reduce(reduce_util.ReduceOp.SUM, tensors, replica_id, options) \
+            reduced = super()._all_reduce(tf.distribute.ReduceOp.SUM, tensors, replica_id, options) \
                 if tensors else []
             for t in tensors:
                 wire.allreduce(_nbytes(t), dense=_nbytes(t))
@@ -584,8 +589,8 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                          "low_rank": self._low_rank_reduce}.get(
                              self._path(), self._compressed_reduce)
             guard = self._generation_guard()
-            with ops.device(device), \
-                    ops.control_dependencies([guard] if guard is not None else []):
+            with tf.device(device), \
+                    tf.control_dependencies([guard] if guard is not None else []):
                 step_var = state.step(replica_id)
                 unfuse = None
                 if compressor.fuses_gradients:
@@ -607,7 +612,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         if compressor.applied_momentum and tensors:
             if state is None:
                 state = self._state_for(ctx.owner, compressor, variables, mask)
-            with ops.device(device):
+            with tf.device(device):
                 reduced = _dense_momentum(compressor, state, variables, mask, reduced, ok,
                                           replica_id)
         for i, r in zip(tensor_pos, reduced):
@@ -616,7 +621,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         if slices_pos:
             # Embedding gradients (IndexedSlices) keep the stock gather-based path.
             slices = [flat[i] for i in slices_pos]
-            reduced_slices = super()._all_reduce(reduce_util.ReduceOp.SUM, slices, replica_id,
+            reduced_slices = super()._all_reduce(tf.distribute.ReduceOp.SUM, slices, replica_id,
                                                  options)
             for i, s, r in zip(slices_pos, slices, reduced_slices):
                 results[i] = r
@@ -664,7 +669,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
 
     def _state_for(self, owner, compressor, variables, mask):
         """The owner's compression state, registered for ``variables`` on this path."""
-        layout = _TwoStageState(compressor, self._group_size) \
+        layout = _TwoStageState(compressor, self._num_replicas) \
             if self._path() == "reduce_scatter" else compressor
         state = state_lib.state_for(owner, self, layout, repr(serialize_config(compressor)),
                                     variables, mask)
@@ -688,7 +693,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
 
         def branch(stage_compressor):
             def run():
-                w = WireBytes(self._group_size)
+                w = WireBytes(self._num_replicas)
                 outs, ok = reduce_fn(stage_compressor, *args, w)
                 dense.append(w.dense)
                 sent = tf.constant(w.static_sent, tf.int64)
@@ -710,7 +715,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         """
         payloads, contexts, slots, new_states = {}, {}, {}, {}
         for index, i in enumerate(compressed):
-            cctx = CompressContext(rank=rank, num_workers=self._group_size, index=index,
+            cctx = CompressContext(rank=rank, num_workers=self._num_replicas, index=index,
                                    step=step, weight=_weight(compressor, variables[i]),
                                    second_moment=self._second_moment(compressor, variables[i],
                                                                      replica_id))
@@ -722,7 +727,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
 
     def _compressed_reduce(self, compressor, tensors, variables, mask, state, step_var, launcher,
                            rank, replica_id, options, wire):
-        n = self._group_size
+        n = self._num_replicas
         use_allreduce = self._use_allreduce()
         step = step_var.read_value()
 
@@ -816,7 +821,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         feedback the new residual is v with the sent entries zeroed.
         """
         error_feedback = isinstance(compressor, ErrorFeedback)
-        n = self._group_size
+        n = self._num_replicas
         step = step_var.read_value()
         is_root = tf.equal(tf.math.floormod(step, n), rank)
         compressed = [i for i, m in enumerate(mask) if m]
@@ -889,7 +894,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         M_i - P^ Q^T / N and the next query Q / N, committed only when every worker's
         gradients were finite (see ``tfgc.compressors.powersgd``).
         """
-        n = self._group_size
+        n = self._num_replicas
         step = step_var.read_value()
         compressed = [i for i, m in enumerate(mask) if m]
         slots, matrices, factors = {}, {}, {}
@@ -939,8 +944,8 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
     def _exchanger(self, replica_id):
         if replica_id not in self._exchangers:
             self._exchangers[replica_id] = collectives.PairExchanger(
-                self._worker_rank + replica_id, self._group_size, self._devices[replica_id],
-                self._options)
+                self._worker_rank + replica_id, self._num_replicas,
+                self._replica_devices[replica_id], self._comm_options)
         return self._exchangers[replica_id]
 
     def _sparse_reduce(self, compressor, tensors, variables, mask, state, step_var, launcher,
@@ -952,7 +957,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         (``collectives.sparse_all_reduce``); the control words take one small int32
         all-reduce of the whole group.
         """
-        n = self._group_size
+        n = self._num_replicas
         step = step_var.read_value()
         compressed = [i for i, m in enumerate(mask) if m]
         payloads, _, slots, new_states = self._compress_each(
@@ -1010,7 +1015,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         error_feedback = isinstance(compressor, ErrorFeedback)
         base = compressor.inner if error_feedback else compressor
         shared_scale = hasattr(base, "sum_codes") and not error_feedback
-        n = self._group_size
+        n = self._num_replicas
         step = step_var.read_value()
         dense_pos = [i for i, t in enumerate(tensors)
                      if not mask[i] or t.shape.num_elements() < n]
@@ -1027,7 +1032,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         flats, velocities = {}, {}
         for i in compressed:
             t = tensors[i]
-            plans[i] = collectives.chunk_plan(compressor, t.shape, n)
+            plans[i] = collectives.chunk_plan(compressor.chunk_layout(t.shape, n), t.shape, n)
             slots[i] = state.slot(variables[i], replica_id)
             if error_feedback:
                 t, velocities[i] = _corrected(compressor, t, slots[i])
@@ -1036,7 +1041,8 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         if shared_scale:
             # TernGrad's shared scaler: the largest of the workers' (a tiny all-gather).
             local = tf.stack([tf.reduce_max(tf.abs(flats[i])) for i in compressed])
-            everyone = tf.reshape(launcher._all_gather(local, options), [n, len(compressed)])  # pylint: disable=protected-access
+            everyone = tf.reshape(collectives.all_gather(launcher, local, options),
+                                  [n, len(compressed)])
             wire.gather(_nbytes(local))
             shared = tf.reduce_max(everyone, axis=0)
             scales = {i: shared[j] for j, i in enumerate(compressed)}
@@ -1189,8 +1195,8 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
     def __deepcopy__(self, memo):
         # distribute_coordinator deep-copies strategies; keep the class and settings.
         return CompressedAllReduce(
-            self._devices, self._group_size, self._options,
-            copy.deepcopy(self._collective_keys, memo), self._canonicalize_devices,
+            self._replica_devices, self._num_replicas, self._comm_options,
+            copy.deepcopy(self._keys, memo), self._canonicalize,
             compressor=self._compressor, policy=self._policy,
             communication=self._communication, bucket_bytes=self._bucket_bytes,
             worker_rank=self._worker_rank)

@@ -17,7 +17,8 @@ import contextlib
 import threading
 from typing import List, Optional, Sequence
 
-from tensorflow.python.framework import indexed_slices
+import tensorflow as tf
+
 
 # One stack for the process, not per thread: tf.distribute runs replica functions in
 # threads of their own and ``merge_call`` functions in the main thread, so the
@@ -51,7 +52,7 @@ class GradientReduction:
         if replica_id in self.used or len(values) != len(self.variables):
             return False
         for value, var in zip(values, self.variables):
-            shape = value.dense_shape if isinstance(value, indexed_slices.IndexedSlices) else None
+            shape = value.dense_shape if isinstance(value, tf.IndexedSlices) else None
             if shape is None and not value.shape.is_compatible_with(var.shape):
                 return False
         return True

@@ -29,13 +29,18 @@ _installed = False
 
 
 def _compressed_strategy():
+    """The strategy in scope if it is tfgc's (it compresses gradients), else None.
+
+    Recognised by what it does rather than by class, as ``make_train_function``'s
+    hook does: the strategy module installs these hooks, so importing it here would
+    close an import circle.
+    """
     import tensorflow as tf
 
-    from tfgc.distribute.strategy import CompressedMultiWorkerMirroredStrategy
     if not tf.distribute.has_strategy():
         return None
     strategy = tf.distribute.get_strategy()
-    return strategy if isinstance(strategy, CompressedMultiWorkerMirroredStrategy) else None
+    return strategy if getattr(strategy, "compresses_gradients", False) else None
 
 
 def _wrap_aggregate(original):

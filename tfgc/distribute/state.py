@@ -37,7 +37,6 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import tensorflow as tf
 from absl import logging
-from tensorflow.python.framework import ops
 from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.saved_model import save_context
 from tensorflow.python.trackable import base as trackable
@@ -117,10 +116,10 @@ class CompressionState(trackable.Trackable):
         compressed (``compress_mask`` False) get no state.
         """
         cdo = self._ops
-        with self._lock, ops.init_scope():
+        with self._lock, tf.init_scope():
             if not self._steps:
                 for r, device in enumerate(cdo.local_devices):
-                    with ops.device(device):
+                    with tf.device(device):
                         self._steps.append(_local_variable(tf.constant(0, tf.int64),
                                                            f"tfgc_step_r{r}"))
                 self._apply_pending(_STEP_FIELD, "step", self._steps)
@@ -147,7 +146,7 @@ class CompressionState(trackable.Trackable):
         name, shape, dtype = self._vars[key]
         per_replica = []
         for r, device in enumerate(self._ops.local_devices):
-            with ops.device(device):
+            with tf.device(device):
                 template = compressor.init_state(shape, dtype)
                 fields = {}
                 for path, value in flatten_fields(template):
@@ -370,7 +369,7 @@ def state_for(owner, cross_device_ops, compressor, compressor_key, variables, co
         state = CompressionState(cross_device_ops)
     state.register(compressor, compressor_key, variables, compress_mask)
     if fresh:
-        with ops.init_scope():
+        with tf.init_scope():
             state._restoring = True  # pylint: disable=protected-access
             try:
                 owner._track_trackable(state, name=DEPENDENCY_NAME, overwrite=True)  # pylint: disable=protected-access

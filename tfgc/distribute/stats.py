@@ -22,7 +22,6 @@ this worker's own size standing in for every worker's.
 import threading
 
 import tensorflow as tf
-from tensorflow.python.framework import ops
 from tensorflow.python.ops import resource_variable_ops
 
 _BYTE_FIELDS = ("dense_bytes", "payload_bytes", "sent_bytes", "received_bytes",
@@ -104,7 +103,7 @@ class CompressionStats:
     def _variables(self):
         with self._lock:
             if self._vars is None:
-                with ops.init_scope(), ops.device(self._device):
+                with tf.init_scope(), tf.device(self._device):
                     self._vars = {
                         f: resource_variable_ops.ResourceVariable(
                             tf.constant(0, tf.int64), trainable=False, name=f"tfgc_{f}")
@@ -114,7 +113,7 @@ class CompressionStats:
     def record(self, wire: WireBytes, ok=None):
         """Adds one reduction's figures; ``ok`` is False when its step was skipped."""
         v = self._variables()
-        with ops.device(self._device):
+        with tf.device(self._device):
             dynamic = tf.add_n(wire.dynamic) if wire.dynamic else tf.constant(0, tf.int64)
             exchanged = tf.add_n(wire.dynamic_sent) if wire.dynamic_sent \
                 else tf.constant(0, tf.int64)

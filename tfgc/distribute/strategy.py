@@ -8,13 +8,16 @@ import threading
 import tensorflow as tf
 from absl import logging
 from tensorflow.python.distribute import collective_all_reduce_strategy as mwms_lib
-from tensorflow.python.distribute import collective_util
 from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import multi_worker_util
 
 from tfgc.distribute import keras_hooks
 from tfgc.distribute import state as state_lib
+from tfgc.distribute import versions
 from tfgc.distribute.cross_device_ops import CompressedAllReduce, check_compression_args
+
+
+versions.warn_if_unchecked()
 
 
 class _CompressedExtended(mwms_lib.CollectiveAllReduceExtended):
@@ -120,6 +123,9 @@ class CompressedMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStr
     Invalid arguments raise ``ValueError`` here, before any worker connects.
     """
 
+    # What tfgc's Keras hooks look for (keras_hooks._compressed_strategy).
+    compresses_gradients = True
+
     def __init__(self, compressor="none", cluster_resolver=None, communication_options=None,
                  policy=None, communication="auto", bucket_bytes=32 << 20):
         # Everything is checked here, before the parent starts a server and waits
@@ -127,7 +133,7 @@ class CompressedMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStr
         compressor, policy = check_compression_args(compressor, policy, communication,
                                                     bucket_bytes)
         if communication_options is None:
-            communication_options = collective_util.Options()
+            communication_options = tf.distribute.experimental.CommunicationOptions()
         kwargs = dict(compressor=compressor, policy=policy, communication=communication,
                       bucket_bytes=bucket_bytes)
         # Keras optimizers name their variables to us; Keras models get rebuilt

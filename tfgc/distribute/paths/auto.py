@@ -29,7 +29,7 @@ import tensorflow as tf
 
 from tfgc.collectives.allgather import num_payload_words
 from tfgc.collectives.reduce_scatter import chunk_plan
-from tfgc.compressors.error_feedback import ErrorFeedback
+from tfgc.compressors import CompressContext, ErrorFeedback
 
 # Control words that ride on the gathers: a finite flag and the step counter.
 _CONTROL_WORDS = 2
@@ -42,7 +42,6 @@ def _payload_words(compressor, shape: tf.TensorShape, dtype: tf.DType) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def _cached_words(compressor, dims: Tuple[int, ...], dtype_name: str) -> int:
-    from tfgc.compressors import CompressContext  # the compressors import the ops
     shape, dtype = tf.TensorShape(dims), tf.as_dtype(dtype_name)
     with tf.Graph().as_default():
         payload, _ = compressor.compress(tf.zeros(shape, dtype),
@@ -58,7 +57,8 @@ def sent_bytes(path: str, compressor, gradients: Sequence[Tuple[tf.TensorShape, 
     if n < 2:
         return 0
     if path == "reduce_scatter":
-        plans = [(chunk_plan(compressor, tf.TensorShape(shape), n).chunks, dtype)
+        plans = [(chunk_plan(compressor.chunk_layout(tf.TensorShape(shape), n),
+                             tf.TensorShape(shape), n).chunks, dtype)
                  for shape, dtype in gradients]
         widths = sum(max(_payload_words(compressor, s, dtype) for _, _, s in plan)
                      for plan, dtype in plans)
