@@ -55,7 +55,8 @@ MAX_LOSS = {
     "dgc:ratio=0.001,warmup_steps=20": 0.42, "powersgd": 0.10, "graddrop": 0.10,
     "variance": 0.08,
 }
-# Ten balanced classes.
+# The test split holds exactly 10 % of each class (every seed), so a net that predicts one
+# class, or has stopped learning, scores exactly this.
 CHANCE = 0.1
 SPECS2 = list(MAX_LOSS)
 # Where error feedback is supposed to help: (with EF, without EF), plain SGD.
@@ -232,8 +233,9 @@ def test_two_workers_every_compressor(sweep2, i, spec):
     # Every worker ends with the same weights.
     assert_identical_weights(sweep2, str(i), 2)
     dense = accuracy(sweep2, "none", SPECS2)
-    floor = max(dense - MAX_LOSS[spec], CHANCE) if spec != "none" else dense
-    assert results["test_accuracy"] >= floor, (spec, results["test_accuracy"], dense)
+    assert results["test_accuracy"] >= dense - MAX_LOSS[spec], (spec, results["test_accuracy"],
+                                                                dense)
+    assert results["test_accuracy"] > CHANCE, (spec, results["test_accuracy"])
 
 
 @pytest.mark.parametrize("with_ef, without", EF_PAIRS)

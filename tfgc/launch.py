@@ -104,7 +104,8 @@ class LaunchResult:
     killed by a signal; 124 on timeout; 128+signal when the launcher itself was
     interrupted.  ``failed_worker`` is the index of the worker whose failure
     brought the cluster down (None on success, timeout or interruption).
-    ``outputs`` holds each worker's full merged stdout/stderr, unprefixed.
+    ``outputs`` holds each worker's full merged stdout/stderr, unprefixed (a line
+    that a progress bar redrew in place keeps only its last state).
     ``message`` is a human-readable summary (the failure report on error).
     ``restarts`` is how many times the cluster was started again after a
     worker failure; ``outputs``, ``addresses`` and ``worker_returncodes``
@@ -336,6 +337,8 @@ def launch(
             or restarts < 0):
         raise ValueError(f"restarts must be an integer >= 0, got {restarts!r}")
     restarts = int(restarts)
+    # Once, before the first start: restarts show the same workers.
+    shown = None if show_workers is None else frozenset(int(i) for i in show_workers)
     if output is None:
         # Resolve at call time, not import time, so redirected/captured stdout works.
         output = sys.stdout
@@ -358,8 +361,7 @@ def launch(
         while True:
             result = _run_cluster(
                 command, num_workers, base_env, grace, output, host, cwd,
-                catcher, start, timeout, deadline, attempt, echo,
-                None if show_workers is None else frozenset(show_workers))
+                catcher, start, timeout, deadline, attempt, echo, shown)
             result.restarts = attempt
             if result.ok or result.failed_worker is None or result.spawn_failed:
                 # Success, timeout, interruption, or a command that cannot even

@@ -13,11 +13,9 @@ ratio and step time, and a final ``RESULT {json}`` line.
 optional gradual warm-up (Goyal et al. 2017; see ``tfgc.keras.LinearScalingWarmup``).
 """
 
-import contextlib
 import json
 import os
 import sys
-import tempfile
 import time
 
 from absl import app, flags
@@ -468,8 +466,9 @@ def _quiet_tensorflow():
 def main(argv):
     _quiet_tensorflow()
     _check_entry_points()
-    _check_compression_flags()
-    if FLAGS.workers > 1 and not os.environ.get("TF_CONFIG"):
+    launching = FLAGS.workers > 1 and not os.environ.get("TF_CONFIG")
+    _check_compression_flags(launching)
+    if launching:
         if FLAGS.tensorboard and FLAGS.baseline:
             sys.exit("tfgc-train: --tensorboard writes tfgc's compression statistics; the "
                      "stock strategy (--baseline) has none")
@@ -534,44 +533,51 @@ def _print_help():
     print(FLAGS.module_help(__name__).strip("\n"))
 
 
-@contextlib.contextmanager
-def _native_noise_hidden(enabled=True):
-    """Holds back what native code writes to stderr (TensorFlow's start-up lines, which
-    its log-level settings do not silence) and passes on the rest afterwards."""
-    if not enabled:
-        yield
-        return
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile(mode="w+b") as held:
-        os.dup2(held.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            held.seek(0)
-            for raw in held:
-                line = raw.decode("utf-8", errors="replace")
-                if shown_line(line):
-                    sys.stderr.write(line)
-            sys.stderr.flush()
+def compression_error(compressor, communication):
+    """What is wrong with --compressor/--communication, as one line; None when nothing."""
+    from tfgc.distribute.cross_device_ops import check_compression_args
+    try:
+        check_compression_args(compressor, None, communication, 1)
+    except ValueError as exc:
+        return (f"tfgc-train: --compressor={compressor!r}"
+                f"{'' if communication == 'auto' else f' --communication={communication}'}"
+                f": {exc}")
+    return None
 
 
-def _check_compression_flags():
+def _check_compression_flags(launching):
     """Builds the compressor from --compressor (and checks --communication against it)
-    before any worker starts: a typo stops the run with one message naming the flag,
-    instead of a traceback from every worker."""
+    before training: a typo stops the run with one line naming the flag, instead of a
+    traceback from every worker.
+
+    A process that launches a local cluster asks a child process: importing TensorFlow
+    here would hold it, and its memory, for the whole run, and its native start-up lines
+    are filtered from the child's output like the workers'. Otherwise (one worker, or a
+    worker of a TF_CONFIG cluster) TensorFlow is imported anyway.
+    """
     if FLAGS.baseline:
         return
-    with _native_noise_hidden(enabled=not FLAGS.tf_logs):  # imports TensorFlow
-        from tfgc.distribute.cross_device_ops import check_compression_args
-    try:
-        check_compression_args(FLAGS.compressor, None, FLAGS.communication, 1)
-    except ValueError as exc:
-        sys.exit(f"tfgc-train: --compressor={FLAGS.compressor!r}"
-                 f"{'' if FLAGS.communication == 'auto' else f' --communication={FLAGS.communication}'}"
-                 f": {exc}")
+    if not launching:
+        error = compression_error(FLAGS.compressor, FLAGS.communication)
+        if error:
+            sys.exit(error)
+        return
+    import subprocess
+    code = ("import sys; from tfgc.train import compression_error; "
+            "e = compression_error(sys.argv[1], sys.argv[2]); print(e or ''); "
+            "sys.exit(1 if e else 0)")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"))
+    proc = subprocess.run([sys.executable, "-c", code, FLAGS.compressor, FLAGS.communication],
+                          capture_output=True, text=True, env=env)
+    if proc.returncode == 0:
+        return
+    if proc.stdout.strip():
+        sys.exit(proc.stdout.strip().splitlines()[-1])
+    # The check itself failed (TensorFlow would not import, say): show why.
+    shown = [line for line in proc.stderr.splitlines(keepends=True)
+             if FLAGS.tf_logs or shown_line(line)]
+    sys.exit("tfgc-train: checking --compressor failed (exit status "
+             f"{proc.returncode}):\n" + "".join(shown[-20:]).rstrip())
 
 
 def run():

@@ -108,9 +108,10 @@ def custom_loop_check(strategy, ds, extras, out_dir):
     the dense gradients (the biases) in an order of its own, floating-point addition of
     three terms depends on the order, and a last-bit difference can swap an entry
     at the top-k boundary for its neighbour. Error feedback sends a swapped entry a
-    step later, so the weights then differ by at most lr * tau, per worker, with tau
-    the k-th largest |g + residual| (the replay records the largest tau of each
-    worker: ``custom_loop_swap_bound``). Each worker also saves what it needs for the
+    step later, so the weights then differ by about lr * tau per worker, with tau the
+    k-th largest |g + residual| (to first order: the swapped entry also changes later
+    gradients a little; the replay records the largest tau of each worker,
+    ``custom_loop_swap_bound``). Each worker also saves what it needs for the
     exact invariant of error feedback with plain SGD, which holds whatever was
     swapped: w_T - w_0 = -lr * sum over workers (sum_t g_t - residual_T).
     """

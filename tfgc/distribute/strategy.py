@@ -84,12 +84,14 @@ def _note_single_worker(cluster_resolver):
     _single_worker_noted = True
     why = ("TF_CONFIG is not set" if cluster_resolver is None and not os.environ.get("TF_CONFIG")
            else "the cluster has one worker")
+    script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    command = (f"python {script}" if script.endswith(".py") else "python your_script.py")
     logging.warning(
         "tfgc: %s, so this strategy trains as a single worker: gradients pass through "
         "the compressor but cross no network, so sent bytes and the wire ratio read 0. "
-        "To train on several workers, start them with `tfgc-launch --workers N -- python "
-        "%s` (local), or set TF_CONFIG on each machine.", why,
-        os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "your_script.py")
+        "To train on several workers, start them with `tfgc-launch --workers N -- %s` "
+        "(local; tfgc-train takes --workers N itself), or set TF_CONFIG on each machine.",
+        why, command)
 
 
 class CompressedMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
@@ -145,7 +147,7 @@ class CompressedMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStr
         # hand it to the common Strategy base instead.
         distribute_lib.Strategy.__init__(  # pylint: disable=non-parent-init-called
             self, _CompressedExtended(self, cluster_resolver, communication_options, kwargs))
-        if self.extended._num_workers == 1:  # pylint: disable=protected-access
+        if self.num_replicas_in_sync == 1:
             _note_single_worker(cluster_resolver)
 
     def reduce(self, reduce_op, value, axis=None):
