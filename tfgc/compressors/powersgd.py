@@ -14,7 +14,9 @@ i, with residual e_i and the query Q (m x r) shared by all workers:
 
 Both messages are linear in M given the shared Q and P^, so they are plain dense
 all-reduces, r (n + m) floats per matrix, and their sums are what one worker would
-compute from the sum of the M_i. The reduction runs on its own path
+compute from the sum of the M_i. This file holds steps 1 and 3 and the query
+(``matrix``, ``orthogonalize``, ``query``); the two all-reduces, the residual and the
+next query (steps 2 and 4-7) are the path ``tfgc/distribute/paths/low_rank.py``
 (``communication="low_rank"``, which auto picks). Summed over workers, the residuals
 and what was applied conserve every gradient: sum_t out_t + sum_i e_i = sum_t,i g_i.
 

@@ -1,49 +1,37 @@
-"""The paths a compressed gradient can take across the cluster, and their names.
+"""The paths a compressed gradient can take across the cluster: one module each.
 
-``communication=`` names one of them; ``"auto"`` picks, per compressor and cluster
-size, the one that sends the fewest bytes (``auto.choose_communication``). The wire
-primitives a path uses are in ``tfgc.collectives``; the reductions themselves are
-methods of ``tfgc.distribute.cross_device_ops.CompressedAllReduce`` for now.
+``PATHS`` maps each name that ``communication=`` accepts to its ``base.Path``: what it
+accepts, how the logs describe it, its state layout and its ``reduce(step)``.
+``"auto"`` picks, per compressor and cluster size, the path that sends the fewest bytes
+(``auto.choose_communication``). The wire primitives the paths use are in
+``tfgc.collectives``; the guard they share (control words, agreement, commit or skip)
+is ``guard``. Adding a path is one module and its line here.
 """
 
+from tfgc.distribute.paths import allgather, low_rank, reduce_scatter, shared_index
+from tfgc.distribute.paths import sparse_allreduce
 from tfgc.distribute.paths.auto import choose_communication
+from tfgc.distribute.paths.base import Path, ReductionStep
 
-# Communication schemes a compressed gradient can use. "allreduce" needs a
-# summable payload; "allgather" works for any payload; "shared_index" needs a
-# sparsifier that selects indices (one worker's index set serves all);
-# "sparse_allreduce" needs a (values, indices) payload, merged stage by stage;
-# "reduce_scatter" needs a quantizer whose decoded sum can be compressed again;
-# "low_rank" (PowerSGD) all-reduces the two factors of a shared power iteration.
-COMMUNICATIONS = ("auto", "allreduce", "allgather", "reduce_scatter", "shared_index",
-                  "sparse_allreduce", "low_rank")
+PATHS = {path.name: path for path in (
+    allgather.ALLREDUCE,        # summable payloads: one fused all-reduce
+    allgather.ALLGATHER,        # any payload
+    reduce_scatter.PATH,        # quantizers whose decoded sum can be compressed again
+    shared_index.PATH,          # sparsifiers that select indices: one worker's set for all
+    sparse_allreduce.PATH,      # (values, indices) payloads, merged stage by stage
+    low_rank.PATH,              # PowerSGD: two all-reduces of a shared power iteration
+)}
+COMMUNICATIONS = ("auto",) + tuple(PATHS)
 
 
 def check_communication(communication, compressor):
     """Refuses a communication scheme that cannot carry ``compressor``'s payloads."""
     if communication not in COMMUNICATIONS:
         raise ValueError(f"`communication` must be one of {COMMUNICATIONS}, got {communication!r}")
-    if communication == "allreduce" and not compressor.summable:
-        raise ValueError(
-            f"`communication`='allreduce' needs a summable compressor, but {compressor!r} "
-            "payloads do not add element-wise (they carry per-worker indices or scales); "
-            "use 'allgather' or 'auto'")
-    if communication == "shared_index" and not compressor.selects_indices:
-        raise ValueError(
-            f"`communication`='shared_index' needs a sparsifier that selects indices (topk, "
-            f"ef+topk), got {compressor!r}")
-    if communication == "sparse_allreduce" and not compressor.sparse_payload:
-        raise ValueError(
-            f"`communication`='sparse_allreduce' needs a sparsifier whose payload is (values, "
-            f"indices) (topk, ef+topk), got {compressor!r}")
-    if communication == "reduce_scatter" and not compressor.recompressible:
-        raise ValueError(
-            f"`communication`='reduce_scatter' needs a quantizer whose decoded sum can be "
-            f"compressed again (onebit, qsgd, terngrad, signsgd, efsignsgd), got {compressor!r}")
-    if communication == "low_rank" and not compressor.low_rank:
-        raise ValueError(
-            f"`communication`='low_rank' needs a low-rank compressor (powersgd), got "
-            f"{compressor!r}")
+    if communication != "auto" and not PATHS[communication].accepts(compressor):
+        raise ValueError(PATHS[communication].requirement.format(compressor=compressor))
     return communication
 
 
-__all__ = ["COMMUNICATIONS", "check_communication", "choose_communication"]
+__all__ = ["COMMUNICATIONS", "PATHS", "Path", "ReductionStep", "check_communication",
+           "choose_communication"]

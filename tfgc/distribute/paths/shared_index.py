@@ -1,0 +1,100 @@
+"""The shared-index all-reduce: one worker's index set, in rotation, serves every worker.
+
+Importance-weighted pruning's aggregation (Cheng & Xu 2019), offered for top-k too. The
+compressor is reached through ``select_indices`` and ``num_selected`` (its selection
+rule, ``tfgc.compressors.sparse``) and, under error feedback, ``corrected`` and the
+``residual`` state entry, which this path updates itself: the new residual is v with
+the sent entries zeroed.
+"""
+
+import tensorflow as tf
+
+from tfgc import collectives
+from tfgc.compressors import CompressContext, ErrorFeedback
+from tfgc.distribute.paths import base, guard
+
+
+def reduce(rs: base.ReductionStep):
+    """Importance-weighted pruning's shared index set (Cheng & Xu 2019), with top-k.
+
+    Each step a root, chosen in rotation (step mod N, the same on every worker),
+    selects the index set of every compressed gradient from its own
+    v = g + residual; the sets reach every worker through an int32 all-reduce
+    (``collectives.share_root_indices``), the control words riding along.
+    Every worker then gathers its own v at those indices and the values go
+    through the plain fused all-reduce with the dense tensors. Under error
+    feedback the new residual is v with the sent entries zeroed.
+    """
+    compressor, tensors, variables, mask = rs.compressor, rs.tensors, rs.variables, rs.mask
+    state, step_var, launcher, rank = rs.state, rs.step_var, rs.launcher, rs.rank
+    replica_id, options, wire = rs.replica_id, rs.options, rs.wire
+    error_feedback = isinstance(compressor, ErrorFeedback)
+    n = rs.num_workers
+    step = step_var.read_value()
+    is_root = tf.equal(tf.math.floormod(step, n), rank)
+    compressed = [i for i, m in enumerate(mask) if m]
+
+    # 1. The root selects; everyone learns its index sets.
+    flat_v, slots, selections, velocities = {}, {}, [], {}
+    for index, i in enumerate(compressed):
+        t = tensors[i]
+        slot = state.slot(variables[i], replica_id)
+        v = tf.reshape(t, [-1])
+        if error_feedback:
+            corrected, velocities[i] = base.corrected(compressor, t, slot)
+            v = tf.reshape(corrected + slot["residual"].read_value(), [-1])
+        cctx = CompressContext(rank=rank, num_workers=n, index=index, step=step,
+                               weight=base.weight(compressor, variables[i]))
+        k = compressor.num_selected(t.shape)
+        # Only the root pays for the selection.
+        chosen = tf.cond(is_root,
+                         lambda v=v, t=t, c=cctx: compressor.select_indices(
+                             tf.reshape(v, t.shape), c),
+                         lambda k=k: tf.zeros([k], tf.int32))
+        flat_v[i], slots[i] = v, slot
+        selections.append(chosen)
+    control = guard.control_words(guard.local_bad([tensors[i] for i in compressed]), step,
+                                  tf.int32)
+    shared, control_sum = collectives.share_root_indices(launcher, selections, is_root,
+                                                         options, control)
+    shared = dict(zip(compressed, shared))
+    for i in compressed:
+        wire.allreduce(4 * int(shared[i].shape[0]), dense=base.nbytes(tensors[i]))
+    wire.allreduce(base.nbytes(control))
+    any_bad, steps_agree = guard.digits_agree(control_sum, n)
+    ok = guard.checked(any_bad, steps_agree, step, step)
+
+    # 2. Values at the shared indices, summed with the dense tensors.
+    to_reduce = []
+    for i, t in enumerate(tensors):
+        if i in shared:
+            # tf.gather checks every index: a corrupt set fails, never reads out of bounds.
+            values = tf.gather(flat_v[i], shared[i])
+            wire.allreduce(base.nbytes(values))
+        else:
+            values = t
+            wire.allreduce(base.nbytes(t), dense=base.nbytes(t))
+        to_reduce.append(values)
+    reduced = collectives.fused_all_reduce(launcher, to_reduce[::-1], options)[::-1]
+
+    # 3. Scatter the sums back; commit the residuals, or keep them.
+    def decode_and_commit_one(i):
+        t = tensors[i]
+        idx = shared[i][:, None]
+        if error_feedback:
+            kept = tf.tensor_scatter_nd_update(flat_v[i], idx, tf.zeros_like(reduced[i]))
+            slots[i]["residual"].assign(tf.reshape(kept, t.shape))
+            base.assign(slots[i], velocities[i])
+        return tf.reshape(tf.scatter_nd(idx, reduced[i], [t.shape.num_elements()]),
+                          t.shape)
+
+    outputs = guard.commit_or_skip(ok, step_var, compressed, tensors, reduced,
+                                   decode_and_commit_one)
+    return outputs, ok
+
+
+PATH = base.Path(
+    name="shared_index", describe="the shared-index all-reduce",
+    accepts=lambda c: c.selects_indices, reduce=reduce,
+    requirement="`communication`='shared_index' needs a sparsifier that selects indices "
+                "(topk, ef+topk), got {compressor!r}")
