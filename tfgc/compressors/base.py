@@ -124,6 +124,10 @@ class Compressor(abc.ABC):
     # with a message if the optimizer would apply momentum a second time.
     applied_momentum: float = 0.0
     nesterov: bool = False
+    # Named parts a path may ask for (tfgc.compressors.protocols): the error-feedback
+    # pair, and the scaler-sharing quantizer of the reduce-scatter. None: not offered.
+    error_feedback = None
+    shared_scale = None
 
     # -- serialization -------------------------------------------------------------
 

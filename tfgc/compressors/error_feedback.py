@@ -83,6 +83,11 @@ class ErrorFeedback(Compressor):
     def applied_momentum(self) -> float:
         return self.momentum
 
+    @property
+    def error_feedback(self):
+        """This wrapper: the error-feedback pair (``protocols.ErrorFeedbackPair``)."""
+        return self
+
     # The payload, its combination rule and what the inner compressor reads are the
     # inner compressor's.
     summable = _inner("summable")

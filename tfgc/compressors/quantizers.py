@@ -255,6 +255,12 @@ class TernGrad(Compressor):
         self.clip = float(clip)
         self.seed = check_int("seed", seed, 0)
 
+    @property
+    def shared_scale(self):
+        """This quantizer: it shares its scaler on the reduce-scatter
+        (``protocols.SharedScale``)."""
+        return self
+
     def clipped(self, x):
         """The flattened float32 gradient, clipped to +-c*sigma."""
         g = tf.cast(tf.reshape(x, [-1]), tf.float32)

@@ -29,7 +29,7 @@ import tensorflow as tf
 
 from tfgc.collectives.allgather import num_payload_words
 from tfgc.collectives.reduce_scatter import chunk_plan
-from tfgc.compressors import CompressContext, ErrorFeedback
+from tfgc.compressors import CompressContext
 
 # Control words that ride on the gathers: a finite flag and the step counter.
 _CONTROL_WORDS = 2
@@ -63,7 +63,7 @@ def sent_bytes(path: str, compressor, gradients: Sequence[Tuple[tf.TensorShape, 
         widths = sum(max(_payload_words(compressor, s, dtype) for _, _, s in plan)
                      for plan, dtype in plans)
         second, scalers = widths, 0
-        if hasattr(compressor, "sum_codes"):
+        if compressor.shared_scale is not None:
             # TernGrad: a gather of the shared scalers first, and exact sums of codes.
             second = sum(max(compressor.count_payload_words(s, n) for _, _, s in plan)
                          for plan, _ in plans)
@@ -91,7 +91,7 @@ def auto_reduce_scatter(compressor) -> bool:
     """
     if not compressor.recompressible:
         return False
-    return not isinstance(compressor, ErrorFeedback) or bool(compressor.applied_momentum)
+    return compressor.error_feedback is None or bool(compressor.applied_momentum)
 
 
 def choose_communication(compressor, num_ranks: int, gradients=None) -> Tuple[str, Dict[str, int]]:

@@ -3,9 +3,10 @@
 Each worker owns one chunk of every compressed gradient: it combines the workers'
 compressed chunks, compresses the sum again and all-gathers it. The compressor is
 reached through ``chunk_layout``, ``aggregate``, ``recompress`` and, under error
-feedback, ``compress_with_feedback`` and ``corrected``; TernGrad's shared scale through
-``clipped``, ``compress_scaled``, ``count_payload_words``, ``sum_codes`` and
-``decode_counts``.
+feedback, its ``error_feedback`` pair (``corrected``, and the inner compressor's
+``compress_with_feedback``); TernGrad through its ``shared_scale`` part (``clipped``,
+``compress_scaled``, ``count_payload_words``, ``sum_codes``, ``decode_counts``; see
+``tfgc.compressors.protocols``).
 """
 
 import tensorflow as tf
@@ -13,7 +14,7 @@ import tensorflow as tf
 from tfgc import collectives
 from tfgc.collectives.allgather import (num_payload_words, padded_payload_words,
                                         unpack_payload_words)
-from tfgc.compressors import CompressContext, ErrorFeedback
+from tfgc.compressors import CompressContext
 from tfgc.distribute.paths import base, guard
 
 
@@ -30,7 +31,7 @@ class TwoStageState:
 
     def init_state(self, shape, dtype):
         template = self._compressor.init_state(shape, dtype)
-        if isinstance(self._compressor, ErrorFeedback):
+        if self._compressor.error_feedback is not None:
             layout = self._compressor.chunk_layout(shape, self._num_ranks)
             width = max(int(c.num_elements()) for _, _, c in
                         collectives.chunk_plan(layout, shape, self._num_ranks).chunks)
@@ -58,9 +59,11 @@ def reduce(rs: base.ReductionStep):
     compressor, tensors, variables, mask = rs.compressor, rs.tensors, rs.variables, rs.mask
     state, step_var, launcher, rank = rs.state, rs.step_var, rs.launcher, rs.rank
     replica_id, options, wire = rs.replica_id, rs.options, rs.wire
-    error_feedback = isinstance(compressor, ErrorFeedback)
-    inner = compressor.inner if error_feedback else compressor
-    shared_scale = hasattr(inner, "sum_codes") and not error_feedback
+    error_feedback = compressor.error_feedback is not None
+    inner = compressor.error_feedback.inner if error_feedback else compressor
+    shared_scale = inner.shared_scale is not None and not error_feedback
+    if shared_scale:
+        inner = inner.shared_scale
     n = rs.num_workers
     step = step_var.read_value()
     dense_pos = [i for i, t in enumerate(tensors)

@@ -2,7 +2,8 @@
 
 Importance-weighted pruning's aggregation (Cheng & Xu 2019), offered for top-k too. The
 compressor is reached through ``select_indices`` and ``num_selected`` (its selection
-rule, ``tfgc.compressors.sparse``) and, under error feedback, ``corrected`` and the
+rule, ``tfgc.compressors.sparse``) and, under error feedback, through its
+``error_feedback`` pair (``tfgc.compressors.protocols``): ``corrected`` and the
 ``residual`` state entry, which this path updates itself: the new residual is v with
 the sent entries zeroed.
 """
@@ -10,7 +11,7 @@ the sent entries zeroed.
 import tensorflow as tf
 
 from tfgc import collectives
-from tfgc.compressors import CompressContext, ErrorFeedback
+from tfgc.compressors import CompressContext
 from tfgc.distribute.paths import base, guard
 
 
@@ -28,7 +29,7 @@ def reduce(rs: base.ReductionStep):
     compressor, tensors, variables, mask = rs.compressor, rs.tensors, rs.variables, rs.mask
     state, step_var, launcher, rank = rs.state, rs.step_var, rs.launcher, rs.rank
     replica_id, options, wire = rs.replica_id, rs.options, rs.wire
-    error_feedback = isinstance(compressor, ErrorFeedback)
+    error_feedback = compressor.error_feedback is not None
     n = rs.num_workers
     step = step_var.read_value()
     is_root = tf.equal(tf.math.floormod(step, n), rank)
