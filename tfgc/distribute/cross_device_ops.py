@@ -200,7 +200,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         gradients_ = [(t.shape, t.dtype) for t, m in zip(tensors, mask)
                       if m and t.shape.num_elements() >= self._num_replicas]
         path, figures = paths.choose_communication(self._compressor, self._num_replicas,
-                                                         gradients_)
+                                                   gradients_)
         self._auto_choice = (self._generation, path)
         if figures:
             logging.info("tfgc: communication='auto' chose %s for %r on %d workers; bytes sent "
@@ -209,7 +209,6 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         else:
             logging.info("tfgc: communication='auto' chose %s for %r on %d workers", path,
                          self._compressor, self._num_replicas)
-
 
     # -- exchanges outside the training step ----------------------------------------
 
@@ -420,8 +419,8 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             if state is None:
                 state = self._state_for(ctx.owner, compressor, variables, mask)
             with tf.device(device):
-                reduced = momentum.dense_momentum(compressor, state, variables, mask, reduced, ok,
-                                          replica_id)
+                reduced = momentum.dense_momentum(compressor, state, variables, mask, reduced,
+                                                  ok, replica_id)
         for i, r in zip(tensor_pos, reduced):
             results[i] = r
 

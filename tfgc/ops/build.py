@@ -608,16 +608,13 @@ def _build_inplace(jobs, force):
 
     def log(msg):
         with lock:
-            _log_inplace(msg)
-
-    def _log_inplace(msg):
-        if msg.startswith("tfgc: compiling") and not announced:
-            announced.append(True)
-            print(f"tfgc: compiling the custom ops for TensorFlow {info['version']} (about "
-                  f"{estimated_seconds(src_root, info, jobs)} s for a full build with "
-                  f"{jobs} jobs; later runs recompile only what changed)", flush=True)
-        if msg.startswith(("tfgc: compiling", "tfgc: FAILED")) or not msg.startswith("tfgc:"):
-            print(msg.rstrip("\n"), flush=True)
+            if msg.startswith("tfgc: compiling") and not announced:
+                announced.append(True)
+                print(f"tfgc: compiling the custom ops for TensorFlow {info['version']} (about "
+                      f"{estimated_seconds(src_root, info, jobs)} s for a full build with "
+                      f"{jobs} jobs; later runs recompile only what changed)", flush=True)
+            if msg.startswith(("tfgc: compiling", "tfgc: FAILED")) or not msg.startswith("tfgc:"):
+                print(msg.rstrip("\n"), flush=True)
 
     start = time.time()
     try:

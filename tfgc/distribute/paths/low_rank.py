@@ -9,7 +9,6 @@ workers, and writes the residual and the next query.
 import tensorflow as tf
 
 from tfgc import collectives
-from tfgc.compressors import CompressContext
 from tfgc.compressors.powersgd import orthogonalize
 from tfgc.distribute.paths import base, guard
 
@@ -24,7 +23,7 @@ def reduce(rs: base.ReductionStep):
     gradients were finite (see ``tfgc.compressors.powersgd``).
     """
     compressor, tensors, variables, mask = rs.compressor, rs.tensors, rs.variables, rs.mask
-    state, step_var, launcher, rank = rs.state, rs.step_var, rs.launcher, rs.rank
+    state, step_var, launcher = rs.state, rs.step_var, rs.launcher
     replica_id, options, wire = rs.replica_id, rs.options, rs.wire
     n = rs.num_workers
     step = step_var.read_value()
@@ -33,7 +32,7 @@ def reduce(rs: base.ReductionStep):
     for index, i in enumerate(compressed):
         t = tensors[i]
         slots[i] = state.slot(variables[i], replica_id)
-        cctx = CompressContext(rank=rank, num_workers=n, index=index, step=step)
+        cctx = rs.context(index, step)
         matrices[i] = compressor.matrix(t, slots[i]["residual"].read_value())
         query = compressor.query(slots[i]["query"].read_value(), cctx)
         factors[i] = tf.matmul(matrices[i], query)

@@ -11,7 +11,6 @@ the sent entries zeroed.
 import tensorflow as tf
 
 from tfgc import collectives
-from tfgc.compressors import CompressContext
 from tfgc.distribute.paths import base, guard
 
 
@@ -44,8 +43,7 @@ def reduce(rs: base.ReductionStep):
         if error_feedback:
             corrected, velocities[i] = base.corrected(compressor, t, slot)
             v = tf.reshape(corrected + slot["residual"].read_value(), [-1])
-        cctx = CompressContext(rank=rank, num_workers=n, index=index, step=step,
-                               weight=base.weight(compressor, variables[i]))
+        cctx = rs.context(index, step, variables[i])
         k = compressor.num_selected(t.shape)
         # Only the root pays for the selection.
         chosen = tf.cond(is_root,
