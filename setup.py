@@ -193,8 +193,8 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "tfgc-launch = tfgc.launch:main",
-            "tfgc-train = tfgc.train:run",
+            "tfgc-launch = tfgc.apps.launch:main",
+            "tfgc-train = tfgc.apps.train:run",
         ],
     },
     # Placeholder so setuptools runs build_ext (also from `develop` and

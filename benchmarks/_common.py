@@ -1,6 +1,6 @@
 """Shared plumbing for the benchmark drivers (no TensorFlow imported here).
 
-A driver runs on the host, starts local clusters through ``tfgc.launch`` and reads
+A driver runs on the host, starts local clusters through ``tfgc.apps.launch`` and reads
 back the JSON that worker 0 writes. Workers are the same script run again with
 ``--worker``; they import TensorFlow, the driver never does.
 """
@@ -37,7 +37,7 @@ def run_cluster(command, num_workers, json_path, timeout, log_file):
     terminal, so the driver's own table stays readable. On failure the launcher's
     report (which includes the failing worker's last lines) is raised.
     """
-    from tfgc.launch import launch
+    from tfgc.apps.launch import launch
 
     if os.path.exists(json_path):
         os.remove(json_path)

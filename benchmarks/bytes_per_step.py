@@ -27,6 +27,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402  (also puts the repo root on sys.path)
+from tfgc.apps.plots import fmt_bytes  # noqa: E402  (stdlib only)
+
+
+def exact(b):
+    """A byte count in full, for the tables (whose header names the unit)."""
+    return fmt_bytes(b, exact=True)
 
 DEFAULT_OUT = os.path.join(_common.RESULTS_DIR, "bytes_per_step.json")
 DEFAULT_COMPRESSORS = [
@@ -160,9 +166,9 @@ def expected_tensor_bytes(name, config, shape):
 
 
 # Control words of a checked reduction (every compressor but the stateless casts):
-# the non-finite flag and the step counter, 2 int32 words in the all-gather or 9
-# float32 in the all-reduce.
-CONTROL_GATHER, CONTROL_ALLREDUCE = 8, 36
+# the non-finite flag, the step's four digits and their squares, 9 words (float32 in
+# the all-reduce, int32 in the all-gather).
+CONTROL = 36
 SUMMABLE = ("none", "fp16", "bf16", "randomk")
 # Quantizers that can take the reduce-scatter.
 RECOMPRESSIBLE = ("onebit", "signsgd", "scaledsign", "qsgd", "terngrad")
@@ -267,18 +273,18 @@ def expected_step(compressor_config, variables, min_elements, workers, communica
                      "expected_payload_bytes": payload, "formula": how})
     if compressed and (wrapped or name not in ("none", "fp16", "bf16")):
         if name in SUMMABLE or communication in ("shared_index", "sparse_allreduce"):
-            allreduce += CONTROL_ALLREDUCE
+            allreduce += CONTROL
         else:
-            gather += CONTROL_GATHER
+            gather += CONTROL
     n_ = workers
     staged = 0
     if num_chunked:
         # Stage 1: N-1 messages of the padded chunks plus a rank tag; stage 2: the
-        # all-gather of the owners' padded chunks plus the 2 control words (counted
+        # all-gather of the owners' padded chunks plus the control words (counted
         # in ``gather`` above); TernGrad first gathers one shared scaler per tensor.
-        gather -= CONTROL_GATHER
-        chunked += CONTROL_GATHER
-        staged = (n_ - 1) * (width + WORD + CONTROL_GATHER)
+        gather -= CONTROL
+        chunked += CONTROL
+        staged = (n_ - 1) * (width + WORD + CONTROL)
         if name == "terngrad" and not wrapped:
             chunked += FLOAT * num_chunked
             staged += (n_ - 1) * FLOAT * num_chunked
@@ -297,10 +303,10 @@ def worker_main(args):
     import tf_keras as keras
 
     import tfgc
-    from tfgc import data as data_lib
-    from tfgc import models
+    from tfgc.apps import data as data_lib
+    from tfgc.apps import models
     from tfgc.compressors import serialize, serialize_config
-    from tfgc.train import make_optimizer, worker_info
+    from tfgc.apps.train import make_optimizer, worker_info
 
     strategy = tfgc.CompressedMultiWorkerMirroredStrategy(
         compressor=args.compressors[0], communication=args.communication,
@@ -355,10 +361,6 @@ def worker_main(args):
 # ---------------------------------------------------------------------------------
 # Driver.
 
-def _fmt_bytes(b):
-    return f"{b:,}"
-
-
 def print_table(model, workers, rows):
     print(f"\n### {model}, {workers} workers (bytes per worker and step)\n")
     print("| compressor | wire format | payload | sent | expected sent | received | "
@@ -367,10 +369,9 @@ def print_table(model, workers, rows):
           "----------------:|-----------:|:-----:|")
     for r in rows:
         print(f"| {r['spec']} | {wire_format(r['compressor_config'])} | "
-              f"{_fmt_bytes(r['payload_bytes'])} | {_fmt_bytes(r['sent_bytes'])} | "
-              f"{_fmt_bytes(r['expected']['sent']) if r['expected']['sent'] is not None else '–'} | "
-              f"{_fmt_bytes(r['received_bytes'])} | "
-              f"{_fmt_bytes(r['dense_sent_bytes'])} | {r['wire_ratio']:.1f}x | "
+              f"{exact(r['payload_bytes'])} | {exact(r['sent_bytes'])} | "
+              f"{exact(r['expected']['sent'])} | {exact(r['received_bytes'])} | "
+              f"{exact(r['dense_sent_bytes'])} | {r['wire_ratio']:.1f}x | "
               f"{'yes' if r['match'] else '**NO**'} |")
 
 

@@ -5,11 +5,11 @@
     python benchmarks/convergence.py --models mlp --compressors none onebit dgc --epochs 5
     python benchmarks/convergence.py --resume               # go on with an interrupted sweep
 
-Fashion-MNIST, 4 workers, batch 64 per worker, the MLP and the CNN of ``tfgc.models``.
+Fashion-MNIST, 4 workers, batch 64 per worker, the MLP and the CNN of ``tfgc.apps.models``.
 Every compressor runs at its paper's default with the optimizer its paper recommends
 (the ``SETTINGS`` table below says which and why), for enough epochs that dense SGD
 has converged. Each (model, compressor) is one local cluster of its own, started through
-``tfgc.launch``; the script is its own worker (the driver relaunches it with
+``tfgc.apps.launch``; the script is its own worker (the driver relaunches it with
 ``--worker``; only the workers import TensorFlow). Each worker trains with ``model.fit``
 and evaluates the whole test set after every epoch (Keras ``validation_data``); a
 callback records, per epoch, the test accuracy, the bytes this worker has sent so far
@@ -34,7 +34,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402  (also puts the repo root on sys.path)
-from tfgc.plots import fmt_bytes, svg_plot  # noqa: E402
+from tfgc.apps.plots import fmt_bytes, svg_plot  # noqa: E402
 
 DEFAULT_OUT = os.path.join(_common.RESULTS_DIR, "convergence")
 QUICK_OUT = os.path.join(_common.RESULTS_DIR, "convergence_quick")
@@ -42,7 +42,7 @@ BASE_LR = 0.05  # the trainer's default rate, with momentum 0.9 the dense refere
 
 # ---------------------------------------------------------------------------------
 # Per-compressor settings: spec at the paper's default, the optimizer the paper uses
-# (as `tfgc.train.make_optimizer` names them: "momentum" is SGD with momentum 0.9, or
+# (as `tfgc.apps.train.make_optimizer` names them: "momentum" is SGD with momentum 0.9, or
 # plain SGD when the compressor applies the momentum itself on the workers; "sgd" is
 # plain SGD), the learning rate, and where the setting comes from. `{steps_per_epoch}`
 # in a spec is filled in by the worker. "covers" is the registry name the entry stands
@@ -266,7 +266,7 @@ def parse_epochs(text, models):
 
 
 def steps_per_epoch(train_examples, workers, batch_size, cap):
-    """As tfgc.train.train_and_evaluate: the same number of full batches on every worker."""
+    """As tfgc.apps.train.train_and_evaluate: the same number of full batches on every worker."""
     steps = (train_examples // workers) // batch_size
     return min(steps, cap) if cap else steps
 
@@ -284,9 +284,9 @@ def worker_main(args):
         tf.config.threading.set_inter_op_parallelism_threads(args.threads)
 
     import tfgc
-    from tfgc import data as data_lib
-    from tfgc import models
-    from tfgc.train import make_optimizer, make_step_timer, worker_info
+    from tfgc.apps import data as data_lib
+    from tfgc.apps import models
+    from tfgc.apps.train import make_optimizer, make_step_timer, worker_info
 
     ds = data_lib.load_dataset(args.dataset, seed=args.seed)
     steps = steps_per_epoch(len(ds.x_train), args.workers, args.batch_size, args.steps_per_epoch)
@@ -305,14 +305,14 @@ def worker_main(args):
     if num_workers != args.workers:
         raise SystemExit(f"cluster has {num_workers} workers, expected {args.workers}")
 
-    # The same data pipeline as tfgc.train.train_and_evaluate.
+    # The same data pipeline as tfgc.apps.train.train_and_evaluate.
     x, y = data_lib.shard(ds.x_train, ds.y_train, rank, num_workers)
     train_ds = data_lib.make_tf_dataset(x, y, args.batch_size, seed=args.seed + rank,
                                         repeat=True)
     test_ds = data_lib.make_tf_dataset(ds.x_test, ds.y_test, 500, shuffle=False,
                                        drop_remainder=False)
     compressor = getattr(strategy, "compressor", None)
-    # As tfgc.train: a compressor that reads per-sample second moments (variance)
+    # As tfgc.apps.train: a compressor that reads per-sample second moments (variance)
     # needs the model's dense layers built as tfgc.keras.MomentDense.
     extra = {"moments": True} if getattr(compressor, "needs_second_moment", False) else {}
     with strategy.scope():
@@ -504,7 +504,7 @@ def run_one(command, num_workers, json_path, timeout, log):
 
     A Ctrl-C or SIGTERM (which the launcher forwards to the workers) ends the sweep:
     it is raised as KeyboardInterrupt rather than recorded as a failed run."""
-    from tfgc.launch import TIMEOUT_EXIT_CODE, launch
+    from tfgc.apps.launch import TIMEOUT_EXIT_CODE, launch
 
     if os.path.exists(json_path):
         os.remove(json_path)

@@ -30,7 +30,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402  (also puts the repo root on sys.path)
-import network  # noqa: E402  (stdlib only: its rate parsing and names)
+import network_report  # noqa: E402  (stdlib only: rate parsing and names)
+from tfgc.apps.plots import fmt_bytes  # noqa: E402  (stdlib only)
 
 DEFAULT_OUT = os.path.join(_common.REPO_ROOT, "docs", "figures")
 REQUIRED = ("network.json", "bytes_per_step.json", "convergence.json")
@@ -39,7 +40,7 @@ FIGURES = ("speedup_vs_link_rate.png", "bytes_per_worker_vs_n.png")
 CONVERGENCE_FIGURE = "convergence_{model}_accuracy_vs_{x}.png"
 CONVERGENCE_X_NAMES = (("cumulative_sent_bytes", "bytes"), ("train_seconds", "time"))
 DPI = 100
-STOCK = network.STOCK
+STOCK = network_report.STOCK
 STOCK_LABEL = "stock MultiWorkerMirroredStrategy"
 BASELINE_COLOR = "black"
 # Other processes took more than this share of the cores during a timed run: marked.
@@ -105,7 +106,7 @@ def network_speedups(report, model=None, workers=None):
     workers = workers or cfg.get("workers", [4])[0]
     out = {}
     for c in _configs_in_order(report):
-        pts = sorted((network.rate_bps(r["rate"]), r["speedup"], r)
+        pts = sorted((network_report.rate_bps(r["rate"]), r["speedup"], r)
                      for r in _ok(report["runs"])
                      if r["kind"] == "main" and r["config"] == c and r["model"] == model
                      and r["workers"] == workers and r.get("speedup") is not None)
@@ -187,13 +188,6 @@ def is_dense_baseline(label, spec):
 
 # ---------------------------------------------------------------------------------
 # Formatting.
-
-def fmt_bytes(b):
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(b) >= scale:
-            return f"{b / scale:.3g} {unit}"
-    return f"{b:.0f} B"
-
 
 def config_label(config):
     """'onebit@reduce_scatter' -> 'onebit, reduce_scatter'; stock -> the strategy's name."""
@@ -298,7 +292,7 @@ def plot_speedup(report, path):
             ax_s.scatter(*zip(*busy), s=110, facecolors="none", edgecolors="grey")
     for ax in (ax_t, ax_s):
         ax.set_xscale("log")
-        ax.set_xticks(rates, [network.rate_label(r) for r in rates])
+        ax.set_xticks(rates, [network_report.rate_label(r) for r in rates])
         ax.minorticks_off()
         ax.set_xlim(rates[0] / 1.6, rates[-1] * 1.6)
         ax.set_xlabel("link rate per worker (bit/s, log scale)")
@@ -336,7 +330,7 @@ def plot_bytes_vs_n(net, bps, path):
               label="dotted: the strategy's count\n(stock: ring formula 2(N-1)/N)")
     cfg = net.get("config", {})
     ax_n.set_title(f"{_network_setup(net, short=True)},\n"
-                   f"{network.rate_label(cfg.get('bytes_rate', '10gbit'))} links "
+                   f"{network_report.rate_label(cfg.get('bytes_rate', '10gbit'))} links "
                    "(benchmarks/network.py)")
     ax_n.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, frameon=False)
     # Right: every compressor of bytes_per_step.py on the trainer's MLP.

@@ -82,7 +82,7 @@ def parse_args(argv=None):
     acc.add_argument("--seeds", type=int, default=3,
                      help="seeds, each trains every model once (default 3)")
     acc.add_argument("--dataset", default="fashion_mnist",
-                     help="tfgc.data dataset name (default fashion_mnist)")
+                     help="tfgc.apps.data dataset name (default fashion_mnist)")
     args = p.parse_args(argv)
     if args.modes is None:
         args.modes = "unified" if args.accuracy else "unified,per_example"
@@ -293,7 +293,7 @@ def accuracy_main(args):
     tf = setup_tf(args)
     import numpy as np
     import tf_keras as keras
-    from tfgc import data as data_lib
+    from tfgc.apps import data as data_lib
 
     ds = data_lib.load_dataset(args.dataset, seed=args.seed)
     print(f"accuracy: {ds.name} ({len(ds.x_train)} train, {len(ds.x_test)} test), "

@@ -14,7 +14,7 @@ crosses a link of rate R. Workers get the private addresses 10.77.0.<i+1>/24, wh
 exist only inside these namespaces; nothing in the host's own namespace is touched.
 
 Each run starts one cluster (a process per worker, started with ``ip netns exec`` and a
-TF_CONFIG naming the namespaces' addresses; ``tfgc.launch`` cannot place workers in
+TF_CONFIG naming the namespaces' addresses; ``tfgc.apps.launch`` cannot place workers in
 different namespaces, so this script starts them itself) and trains for ``--warmup`` +
 ``--steps`` batches. A Keras callback times every batch; the median of the timed steps
 is the step time. The same callback reads the worker's veth counters
@@ -45,29 +45,27 @@ Without root, ``ip``, ``tc`` or network-namespace support the script prints why 
 exits 0 ("skipped").
 
 The driver never imports TensorFlow; workers are this script run again with ``--worker``.
+The namespaces and links are ``netns.py``; the tables and the plot ``network_report.py``.
 """
 
 import argparse
 import json
-import math
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
 import time
-from xml.sax.saxutils import escape
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402  (also puts the repo root on sys.path)
+from netns import (NS_PREFIX, SUBNET, TBF, WORKER_DEV, Cluster, NetError,  # noqa: E402
+                   clean_leftovers, delete_namespace, list_namespaces, preflight)
+from network_report import (STOCK, add_speedups, rate_bps, render_markdown,  # noqa: E402
+                            render_svg, split_config, split_options)
+from tfgc.apps.plots import fmt_bytes  # noqa: E402  (stdlib only)
 
 DEFAULT_OUT = os.path.join(_common.RESULTS_DIR, "network")
-NS_PREFIX = "tfgcb"
-SUBNET = "10.77.0"  # workers are SUBNET.1 ... SUBNET.N, /24, inside our namespaces only
-WORKER_DEV = "eth0"  # the worker's end of its veth pair (names are per namespace)
-BRIDGE = "br0"
-TBF = ("burst", "64kb", "latency", "50ms")
 BASE_PORT = 20000
 QSGD4 = "qsgd:levels=7,bucket_size=128"
 DEFAULT_CONFIGS = [
@@ -75,7 +73,6 @@ DEFAULT_CONFIGS = [
     "onebit@allgather", "onebit@reduce_scatter",
     "ef+topk:ratio=0.001@auto", "ef+topk:ratio=0.01@auto",
 ]
-STOCK = "stock"
 ARGUMENT_ERRORS = ("ValueError", "TypeError", "KeyError")
 MODELS = ("wide_mlp", "cnn", "mlp")
 WIDE_MLP_UNITS = (2048, 2048)
@@ -85,7 +82,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", choices=MODELS, default=["wide_mlp"],
-                   help="wide_mlp: 784-2048-2048-10 (defined here); cnn, mlp: tfgc.models")
+                   help="wide_mlp: 784-2048-2048-10 (defined here); cnn, mlp: tfgc.apps.models")
     p.add_argument("--rates", nargs="+", default=["100mbit", "1gbit", "10gbit"],
                    help="link rates in tc's syntax (default: 100mbit 1gbit 10gbit)")
     p.add_argument("--workers", type=int, nargs="+", default=[4],
@@ -145,56 +142,6 @@ def parse_args(argv=None):
     args.bytes_workers = list(dict.fromkeys(args.bytes_workers or []))
     args.configs = [c for c in dict.fromkeys(args.configs) if c != STOCK]
     return args
-
-
-_RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)([kmgt]?)bit$")
-
-
-def rate_bps(rate):
-    """'100mbit' -> 1e8 (bits per second, tc's decimal units)."""
-    m = _RATE_RE.match(rate.strip().lower())
-    if not m:
-        raise ValueError(f"link rate {rate!r}: use tc's syntax, e.g. 100mbit, 1gbit, 10gbit")
-    return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2)]
-
-
-def rate_label(rate):
-    """'100mbit' (or 1e8) -> '100 Mbit/s'."""
-    bps = rate if isinstance(rate, (int, float)) else rate_bps(rate)
-    for unit, scale in (("Tbit/s", 1e12), ("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
-        if bps >= scale:
-            return f"{bps / scale:g} {unit}"
-    return f"{bps:g} bit/s"
-
-
-def split_config(config):
-    """'qsgd:levels=7@allgather' -> ('qsgd:levels=7', 'allgather'); no '@': 'auto'.
-
-    The communication may end in ':bucket_mb=M' (the strategy's ``bucket_bytes``,
-    in MiB), e.g. 'onebit@reduce_scatter:bucket_mb=4'; ``split_options`` reads it.
-    """
-    if config == STOCK:
-        return None, None
-    spec, sep, comm = config.rpartition("@")
-    if not sep:
-        spec, comm = config, "auto"
-    if not spec or not comm:
-        raise ValueError(f"configuration {config!r}: expected SPEC@COMMUNICATION, "
-                         "e.g. 'qsgd:levels=7@allgather'")
-    return spec, comm
-
-
-def split_options(comm):
-    """'reduce_scatter:bucket_mb=4' -> ('reduce_scatter', {'bucket_bytes': 4 << 20})."""
-    comm, sep, rest = comm.partition(":")
-    options = {}
-    if sep:
-        key, eq, value = rest.partition("=")
-        if key != "bucket_mb" or not eq or not value.isdigit() or int(value) < 1:
-            raise ValueError(f"communication {comm + sep + rest!r}: the only option is "
-                             "':bucket_mb=M' with M a positive integer")
-        options["bucket_bytes"] = int(value) << 20
-    return comm, options
 
 
 # ---------------------------------------------------------------------------------
@@ -264,9 +211,9 @@ def _worker(args, prefix, phase):
         tf.config.threading.set_inter_op_parallelism_threads(threads)
 
     import tfgc
-    from tfgc import data as data_lib
-    from tfgc import models
-    from tfgc.train import make_optimizer, worker_info
+    from tfgc.apps import data as data_lib
+    from tfgc.apps import models
+    from tfgc.apps.train import make_optimizer, worker_info
 
     phase[0] = "strategy"
     spec, comm = split_config(args.config)
@@ -392,9 +339,6 @@ def _worker(args, prefix, phase):
 # ---------------------------------------------------------------------------------
 # The shaped cluster: namespaces, veths, a bridge, tbf.
 
-class NetError(RuntimeError):
-    pass
-
 
 class Interrupted(BaseException):
     """SIGINT/SIGTERM/SIGHUP: unwinds through every finally, then the driver exits."""
@@ -402,148 +346,6 @@ class Interrupted(BaseException):
     def __init__(self, signum):
         super().__init__(signum)
         self.signum = signum
-
-
-def _ip(*argv, ns=None, check=True):
-    cmd = ["ip"] + (["-n", ns] if ns else []) + list(argv)
-    return _run(cmd, check)
-
-
-def _tc(*argv, ns, check=True):
-    return _run(["ip", "netns", "exec", ns, "tc"] + list(argv), check)
-
-
-def _run(cmd, check):
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise NetError(f"`{' '.join(cmd)}` could not run: {exc}") from None
-    if check and proc.returncode != 0:
-        raise NetError(f"`{' '.join(cmd)}` failed (exit {proc.returncode}): "
-                       f"{proc.stderr.strip() or proc.stdout.strip()}")
-    return proc
-
-
-def list_namespaces():
-    proc = _ip("netns", "list", check=False)
-    return [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
-
-
-def namespace_pids(ns):
-    proc = _ip("netns", "pids", ns, check=False)
-    return [int(p) for p in proc.stdout.split() if p.isdigit()]
-
-
-def delete_namespace(ns):
-    """Kills what still runs inside ``ns`` (only our workers can), then deletes it."""
-    for pid in namespace_pids(ns):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    _ip("netns", "del", ns, check=False)
-
-
-def _owner_alive(pid):
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmdline = f.read().decode(errors="replace")
-    except OSError:
-        return False
-    return os.path.basename(__file__) in cmdline
-
-
-def clean_leftovers():
-    """Deletes namespaces of earlier runs whose driver is gone; returns their names."""
-    removed, kept = [], []
-    for ns in list_namespaces():
-        m = re.match(rf"^{NS_PREFIX}(\d+)-", ns)
-        if not ns.startswith(NS_PREFIX):
-            continue
-        if m and int(m.group(1)) != os.getpid() and _owner_alive(int(m.group(1))):
-            kept.append(ns)  # another sweep is running right now: leave it alone
-            continue
-        delete_namespace(ns)
-        removed.append(ns)
-    return removed, kept
-
-
-def preflight():
-    """None if this process can build a shaped cluster, else why not."""
-    if os.geteuid() != 0:
-        return "needs root (network namespaces, veth pairs and tc); run it with sudo"
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            return f"`{tool}` not found (install iproute2)"
-    ns = f"{NS_PREFIX}{os.getpid()}-probe"
-    try:
-        _ip("netns", "add", ns)
-        _ip("link", "set", "lo", "up", ns=ns)
-        _ip("link", "add", BRIDGE, "type", "bridge", ns=ns)
-        _ip("link", "add", "p0", "type", "veth", "peer", "name", "p1", ns=ns)
-        _tc("qdisc", "add", "dev", "p0", "root", "tbf", "rate", "100mbit", *TBF, ns=ns)
-    except NetError as exc:
-        return f"cannot build a shaped cluster here: {exc}"
-    finally:
-        _ip("netns", "del", ns, check=False)
-    return None
-
-
-class Cluster:
-    """N worker namespaces on a bridge in a switch namespace, every link shaped."""
-
-    def __init__(self, n):
-        self.n = n
-        base = f"{NS_PREFIX}{os.getpid()}"
-        self.switch = f"{base}-sw"
-        self.workers = [f"{base}-w{i}" for i in range(n)]
-        self.addresses = [f"{SUBNET}.{i + 1}" for i in range(n)]
-        self.rate = None
-        self.created = []
-
-    def up(self):
-        for ns in [self.switch] + self.workers:
-            _ip("netns", "add", ns)
-            self.created.append(ns)
-            _ip("link", "set", "lo", "up", ns=ns)
-        _ip("link", "add", BRIDGE, "type", "bridge", ns=self.switch)
-        _ip("link", "set", BRIDGE, "up", ns=self.switch)
-        for i, ns in enumerate(self.workers):
-            port = f"vw{i}"
-            _ip("link", "add", port, "type", "veth", "peer", "name", WORKER_DEV, "netns", ns,
-                ns=self.switch)
-            _ip("link", "set", port, "master", BRIDGE, ns=self.switch)
-            _ip("link", "set", port, "up", ns=self.switch)
-            _ip("addr", "add", f"{self.addresses[i]}/24", "dev", WORKER_DEV, ns=ns)
-            _ip("link", "set", WORKER_DEV, "up", ns=ns)
-        return self
-
-    def links(self):
-        """(namespace, device) of both ends of every worker's link."""
-        for i, ns in enumerate(self.workers):
-            yield ns, WORKER_DEV
-            yield self.switch, f"vw{i}"
-
-    def set_rate(self, rate):
-        if rate == self.rate:
-            return
-        for ns, dev in self.links():
-            _tc("qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, *TBF, ns=ns)
-        self.rate = rate
-
-    def reap(self):
-        """Kills anything still running in the worker namespaces (between runs)."""
-        for ns in self.workers:
-            for pid in namespace_pids(ns):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-
-    def down(self):
-        for ns in reversed(self.created):
-            delete_namespace(ns)
-        self.created = []
 
 
 # ---------------------------------------------------------------------------------
@@ -898,383 +700,8 @@ def _drive(args, argv, holder):
     return status
 
 
-def add_speedups(runs):
-    stock = {(r["model"], r["rate"], r["workers"]): r for r in runs
-             if r["config"] == STOCK and r.get("status") == "ok"}
-    for r in runs:
-        base = stock.get((r["model"], r["rate"], r["workers"]))
-        if r.get("status") == "ok" and base:
-            r["speedup"] = base["median_ms"] / r["median_ms"]
-
-
 # ---------------------------------------------------------------------------------
 # Output: Markdown and SVG.
-
-def fmt_bytes(b):
-    if b is None or (isinstance(b, float) and math.isnan(b)):
-        return "–"
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(b) >= scale:
-            return f"{b / scale:.3g} {unit}" if abs(b) < 100 * scale else f"{b / scale:.0f} {unit}"
-    return f"{b:.0f} B"
-
-
-def fmt_ms(ms):
-    return f"{ms:.0f}" if ms >= 100 else f"{ms:.1f}"
-
-
-BUSY_SHARE = 0.25  # other processes took more than this share of the cores: flagged
-
-
-def _busy(run):
-    return bool(run) and run.get("status") == "ok" and \
-        run["other_cpu_cores"] > BUSY_SHARE * (os.cpu_count() or 1)
-
-
-def _find(runs, model, rate, n, config, kinds=("main",)):
-    for r in runs:
-        if (r["model"], r["rate"], r["workers"], r["config"]) == (model, rate, n, config) \
-                and r["kind"] in kinds and r.get("status"):
-            return r
-    return None
-
-
-def _table(header, align, rows):
-    out = ["| " + " | ".join(header) + " |",
-           "|" + "|".join(":---" if a == "l" else "---:" for a in align) + "|"]
-    out += ["| " + " | ".join(row) + " |" for row in rows]
-    return out
-
-
-def _failed_row(cells_runs, ncols):
-    """If every run of a row failed for one reason: a row that says so, else None."""
-    done = [r for r in cells_runs if r is not None]
-    if done and all(r["status"] == "failed" for r in done):
-        reasons = list(dict.fromkeys(r["reason"].replace(" (not run again)", "")
-                                     for r in done))
-        if len(reasons) == 1:
-            return [f"failed: {_cell(reasons[0])}"] + ["–"] * (ncols - 1)
-    return None
-
-
-def _cell(text):
-    return text.replace("|", "\\|")
-
-
-def _config_rows(configs, cells_for, ncols, fill):
-    """One row per configuration: its name, then ``fill(its runs)``, or why it failed."""
-    rows = []
-    for c in configs:
-        cell_runs = cells_for(c)
-        failed = _failed_row(cell_runs, ncols)
-        rows.append([f"`{c}`"] + (failed if failed else fill(cell_runs)))
-    return rows
-
-
-def render_markdown(report, args):
-    runs = report["runs"]
-    ok = [r for r in runs if r.get("status") == "ok"]
-    configs = [STOCK] + args.configs
-    rates = sorted(args.rates, key=rate_bps, reverse=True)  # fastest first
-    fast, slow = rates[0], rates[-1]
-    lines = ["# Bandwidth-limited cluster: step time and bytes on the wire", ""]
-    lines.append(f"Command: `{report['command']}`  ")
-    lines.append(f"Started {report['started']} on {report['cpu_count']} cores; "
-                 f"{report['wall_s'] / 60:.1f} min in all"
-                 + ("" if report["complete"] else " (**interrupted: incomplete**)") + ".  ")
-    lines.append(f"Links: `{report['link']}`. Workers at {SUBNET}.1..N, one network "
-                 "namespace each.  ")
-    datasets = sorted({r["dataset"] for r in ok})
-    notes = sorted({r["dataset_note"] for r in ok if r.get("dataset_note")})
-    models_desc = []
-    for m in args.models:
-        r = next((x for x in ok if x["model"] == m), None)
-        if r:
-            arch = " (784-2048-2048-10)" if m == "wide_mlp" else ""
-            models_desc.append(f"{m}{arch}: {r['params']:,} parameters, "
-                               f"{fmt_bytes(r['dense_bytes'])} of gradients")
-    lines.append(f"Data: {', '.join(datasets) or '–'}"
-                 + (" (real)" if datasets == ["fashion_mnist"] else "")
-                 + (f" ({'; '.join(notes)})" if notes else "")
-                 + f", batch {args.batch_size} per worker, momentum SGD (plain SGD with a "
-                 "compressor that applies the momentum itself: dgc, momentum=m). "
-                 + "; ".join(models_desc) + ".  ")
-    lines.append(f"Step time: median of worker 0's {args.steps} timed batches after "
-                 f"{args.warmup} warm-up batches. Speed-up: stock median / this median at the "
-                 "same model, rate and N. Bytes: per worker and step, MB = 10^6 bytes. "
-                 "`veth sent`: the worker's link counter (tx_bytes of its veth, mean over "
-                 "workers), everything on the wire; `strategy`: "
-                 "`compression_stats()` sent_bytes (for stock: the ring formula "
-                 "2(N-1)/N x gradient bytes).")
-    lines.append("")
-
-    groups = list(dict.fromkeys((r["model"], r["workers"]) for r in runs if r["kind"] == "main"))
-    for model, n in groups:
-        lines += [f"## {model}, {n} workers", ""]
-        header = ["configuration"] + [f"{rate_label(r)} ms" for r in rates]
-        if len(rates) > 1:
-            header.append(f"compute floor ({rate_label(fast)}) / {rate_label(slow)}")
-        header += [f"speed-up {rate_label(r)}" for r in rates]
-        flagged = []
-
-        def times(cell_runs):
-            row = []
-            for r in cell_runs:
-                row.append("–" if r is None else
-                           fmt_ms(r["median_ms"]) + ("†" if _busy(r) else "")
-                           if r["status"] == "ok" else "failed")
-                flagged.append(_busy(r))
-            if len(rates) > 1:
-                f_, s_ = cell_runs[0], cell_runs[-1]
-                if f_ and s_ and f_["status"] == s_["status"] == "ok":
-                    row.append(f"{fmt_ms(f_['median_ms'])} / {fmt_ms(s_['median_ms'])} ms "
-                               f"({100 * f_['median_ms'] / s_['median_ms']:.0f} %)")
-                else:
-                    row.append("–")
-            for r in cell_runs:
-                row.append(f"{r['speedup']:.2f}×" if r and r.get("speedup") else "–")
-            return row
-
-        at_rates = lambda c: [_find(runs, model, r, n, c) for r in rates]  # noqa: E731
-        rows = _config_rows(configs, at_rates, len(header) - 1, times)
-        lines += _table(header, ["l"] + ["r"] * (len(header) - 1), rows)
-        lines.append("")
-        if any(flagged):
-            lines += [f"† other processes took more than {BUSY_SHARE:.0%} of the "
-                      f"{os.cpu_count()} cores during the timed steps (`other_cpu_cores` in "
-                      "the JSON): that figure is slowed by load that is not the benchmark's.", ""]
-
-        header = ["configuration"] + [f"veth sent {rate_label(r)}" for r in rates] + \
-                 ["strategy sent", "veth / strategy", "dense ring"]
-
-        def sent(cell_runs):
-            row = ["–" if r is None else
-                   fmt_bytes(r["veth_tx_per_step"]) if r["status"] == "ok" else "failed"
-                   for r in cell_runs]
-            ref = next((r for r in cell_runs if r and r["status"] == "ok"), None)
-            if ref:
-                strat = ref["strategy_sent_per_step"]
-                row += [fmt_bytes(strat) + (" (formula)" if ref["config"] == STOCK else ""),
-                        f"{ref['veth_tx_per_step'] / strat:.2f}" if strat else "–",
-                        fmt_bytes(ref["dense_sent_per_step"])]
-            else:
-                row += ["–"] * 3
-            return row
-
-        rows = _config_rows(configs, at_rates, len(header) - 1, sent)
-        lines += _table(header, ["l"] + ["r"] * (len(header) - 1), rows)
-        lines.append("")
-
-    # Bytes vs N, at the bytes rate, from every run there (main or bytes sweep).
-    ns = sorted({r["workers"] for r in runs if r["rate"] == args.bytes_rate})
-    if len(ns) > 1 or args.bytes_workers:
-        for model in args.models:
-            lines += [f"## Bytes per worker per step vs N: {model}, {rate_label(args.bytes_rate)}",
-                      "", "veth sent / strategy's figure; timed steps: "
-                      f"{args.bytes_steps} (bytes sweep) or {args.steps} (step-time sweep).", ""]
-            header = ["configuration"] + [f"N={n}" for n in ns]
-
-            def per_n(cell_runs):
-                return ["–" if r is None else "failed" if r["status"] != "ok" else
-                        f"{fmt_bytes(r['veth_tx_per_step'])} / "
-                        f"{fmt_bytes(r['strategy_sent_per_step'])}" for r in cell_runs]
-
-            rows = _config_rows(
-                configs, lambda c, model=model: [
-                    _find(runs, model, args.bytes_rate, n, c, ("main", "bytes")) for n in ns],
-                len(header) - 1, per_n)
-            lines += _table(header, ["l"] + ["r"] * len(ns), rows)
-            lines.append("")
-
-    failures = [r for r in runs if r.get("status") == "failed"]
-    if failures:
-        lines += ["## Failed runs", ""]
-        for r in failures:
-            lines.append(f"- `{r['config']}`, {r['model']}, N={r['workers']}, {r['rate']}: "
-                         f"failed: {r['reason']}")
-        lines.append("")
-    missing = [r for r in runs if not r.get("status")]
-    if missing:
-        lines.append(f"{len(missing)} planned run(s) did not happen (interrupted).")
-        lines.append("")
-    return "\n".join(lines)
-
-
-PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2",
-           "#17becf", "#7f7f7f", "#bcbd22", "#393b79", "#637939"]
-DASHES = ["", "6,3", "2,3", "8,3,2,3", "1,2"]
-
-
-def _nice_max(v):
-    if v <= 0:
-        return 1.0
-    exp = 10 ** math.floor(math.log10(v))
-    for m in (1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10):
-        if m * exp >= v:
-            return m * exp
-    return 10 * exp
-
-
-class _Panel:
-    """A plot area with linear or log axes, drawing into a list of SVG elements."""
-
-    def __init__(self, out, x0, y0, w, h, xlim, ylim, xlog=False, ylog=False):
-        self.out, self.x0, self.y0, self.w, self.h = out, x0, y0, w, h
-        self.xlim, self.ylim, self.xlog, self.ylog = xlim, ylim, xlog, ylog
-
-    def _t(self, v, lim, log):
-        lo, hi = lim
-        if log:
-            v, lo, hi = math.log10(v), math.log10(lo), math.log10(hi)
-        return (v - lo) / (hi - lo) if hi != lo else 0.5
-
-    def px(self, x):
-        return self.x0 + self.w * self._t(x, self.xlim, self.xlog)
-
-    def py(self, y):
-        return self.y0 + self.h * (1 - self._t(y, self.ylim, self.ylog))
-
-    def frame(self, title, xlabel, ylabel, xticks, yticks):
-        o = self.out
-        o.append(f'<rect x="{self.x0}" y="{self.y0}" width="{self.w}" height="{self.h}" '
-                 'fill="none" stroke="#333"/>')
-        for v, text in xticks:
-            x = self.px(v)
-            o.append(f'<line x1="{x:.1f}" y1="{self.y0}" x2="{x:.1f}" y2="{self.y0 + self.h}" '
-                     'stroke="#ddd"/>')
-            o.append(f'<text x="{x:.1f}" y="{self.y0 + self.h + 16}" text-anchor="middle">'
-                     f'{escape(text)}</text>')
-        for v, text in yticks:
-            y = self.py(v)
-            o.append(f'<line x1="{self.x0}" y1="{y:.1f}" x2="{self.x0 + self.w}" y2="{y:.1f}" '
-                     'stroke="#ddd"/>')
-            o.append(f'<text x="{self.x0 - 6}" y="{y + 4:.1f}" text-anchor="end">'
-                     f'{escape(text)}</text>')
-        o.append(f'<text x="{self.x0 + self.w / 2}" y="{self.y0 - 10}" text-anchor="middle" '
-                 f'font-weight="bold">{escape(title)}</text>')
-        o.append(f'<text x="{self.x0 + self.w / 2}" y="{self.y0 + self.h + 36}" '
-                 f'text-anchor="middle">{escape(xlabel)}</text>')
-        cy = self.y0 + self.h / 2
-        o.append(f'<text x="{self.x0 - 58}" y="{cy}" text-anchor="middle" '
-                 f'transform="rotate(-90 {self.x0 - 58} {cy})">{escape(ylabel)}</text>')
-
-    def series(self, points, color, dash="", hollow=False, ringed=()):
-        """A line through ``points``; the points whose index is in ``ringed`` get a grey ring."""
-        pts = [(self.px(x), self.py(y)) for x, y in points]
-        for i in ringed:
-            x, y = pts[i]
-            self.out.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="7.5" fill="none" '
-                            'stroke="#888" stroke-width="1.5"/>')
-        if len(pts) > 1:
-            d = " ".join(f"{x:.1f},{y:.1f}" for x, y in pts)
-            o = f'<polyline points="{d}" fill="none" stroke="{color}" stroke-width="2"'
-            self.out.append(o + (f' stroke-dasharray="{dash}"' if dash else "") + "/>")
-        for x, y in pts:
-            fill = "white" if hollow else color
-            self.out.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3.5" fill="{fill}" '
-                            f'stroke="{color}" stroke-width="1.5"/>')
-
-
-def render_svg(report, args):
-    """Per model: speed-up vs link rate, and bytes per worker per step vs N."""
-    runs = [r for r in report["runs"] if r.get("status") == "ok"]
-    configs = [STOCK] + args.configs
-    color = {c: PALETTE[i % len(PALETTE)] for i, c in enumerate(configs)}
-    pw, ph, left, gap, top = 420, 260, 80, 130, 50
-    row_h = ph + 100
-    width = left + 2 * pw + gap + 30
-    body = []
-    models = [m for m in args.models if any(r["model"] == m for r in runs)] or args.models[:1]
-    for mi, model in enumerate(models):
-        y0 = top + mi * row_h
-        # Panel 1: speed-up vs link rate (log x), one line per config, dash per N.
-        mine = [r for r in runs if r["model"] == model and r["kind"] == "main"]
-        rates = sorted({rate_bps(r["rate"]) for r in mine} or {1e8, 1e10})
-        xlim = (rates[0] / 2, rates[-1] * 2)
-        sp = [r["speedup"] for r in mine if r.get("speedup")]
-        ymax = _nice_max(max(sp + [1.0]) * 1.08)
-        p = _Panel(body, left, y0, pw, ph, xlim, (0, ymax), xlog=True)
-        step = _nice_max(ymax / 6)
-        yt = [(i * step, f"{i * step:g}×") for i in range(int(ymax / step + 1e-9) + 1)]
-        xt = [(b, rate_label(b)) for b in rates]
-        ns = sorted({r["workers"] for r in mine})
-        p.frame(f"{model}: speed-up vs stock"
-                + (f", N={ns[0]}" if len(ns) == 1 else ", N: " + " ".join(map(str, ns))),
-                "link rate (log scale)", "speed-up (stock = 1×)", xt, yt)
-        y1 = p.py(1.0)
-        body.append(f'<line x1="{left}" y1="{y1:.1f}" x2="{left + pw}" y2="{y1:.1f}" '
-                    'stroke="#000" stroke-width="1" stroke-dasharray="4,4"/>')
-        stock = {(r["rate"], r["workers"]): r for r in mine if r["config"] == STOCK}
-        for ni, n in enumerate(ns):
-            for c in configs:
-                got = sorted(((rate_bps(r["rate"]), r["speedup"]), _busy(r) or _busy(
-                    stock.get((r["rate"], n)))) for r in mine
-                    if r["config"] == c and r["workers"] == n and r.get("speedup"))
-                if got:
-                    p.series([pt for pt, _ in got], color[c], DASHES[ni % len(DASHES)],
-                             ringed=[i for i, (_, busy) in enumerate(got) if busy])
-        # Panel 2: bytes per worker per step vs N (log-log).
-        at = [r for r in runs if r["model"] == model and r["rate"] == args.bytes_rate]
-        nvals = sorted({r["workers"] for r in at}) or [2, 4, 8]
-        vals = [r[k] for r in at for k in ("veth_tx_per_step", "strategy_sent_per_step")
-                if r.get(k) and r[k] > 0]
-        lo = 10 ** math.floor(math.log10(min(vals))) if vals else 1e3
-        hi = 10 ** math.ceil(math.log10(max(vals))) if vals else 1e8
-        if hi <= lo:
-            hi = lo * 10
-        x0 = left + pw + gap
-        q = _Panel(body, x0, y0, pw, ph, (nvals[0] / 1.3, nvals[-1] * 1.3), (lo, hi),
-                   xlog=True, ylog=True)
-        yt = [(10 ** e, fmt_bytes(10 ** e).replace(".0", ""))
-              for e in range(int(math.log10(lo)), int(math.log10(hi)) + 1)]
-        q.frame(f"{model}: bytes per worker per step, {rate_label(args.bytes_rate)}",
-                "workers N (log scale)", "bytes sent per worker per step",
-                [(n, str(n)) for n in nvals], yt)
-        for c in configs:
-            mine_c = sorted(((r["workers"], r) for r in at if r["config"] == c),
-                            key=lambda t: t[0])
-            veth = [(n, r["veth_tx_per_step"]) for n, r in mine_c if r["veth_tx_per_step"] > 0]
-            strat = [(n, r["strategy_sent_per_step"]) for n, r in mine_c
-                     if r["strategy_sent_per_step"] and r["strategy_sent_per_step"] > 0]
-            if veth:
-                q.series(veth, color[c])
-                # (bytes do not depend on the CPU load: no rings here)
-            if strat:
-                q.series(strat, color[c], "4,3", hollow=True)
-
-    # Legend below the panels: colours per configuration, then line styles.
-    ly = top + len(models) * row_h - 20
-    legend = []
-    for i, c in enumerate(configs):
-        col, rowi = i % 2, i // 2
-        x, y = left + col * (pw + gap), ly + rowi * 20
-        legend.append(f'<line x1="{x}" y1="{y - 4}" x2="{x + 28}" y2="{y - 4}" '
-                      f'stroke="{color[c]}" stroke-width="3"/>')
-        label = c if any(r["config"] == c for r in runs) else f"{c} (no data: failed)"
-        legend.append(f'<text x="{x + 36}" y="{y}">{escape(label)}</text>')
-    ly += ((len(configs) + 1) // 2) * 20 + 10
-    notes = ["left: median step time of stock / of the configuration at the same rate and N; "
-             "dashed black line = stock",
-             "right: solid, filled = veth tx_bytes per worker (measured); dashed, hollow = "
-             "the strategy's sent_bytes (stock: ring formula)"]
-    if any(_busy(r) for r in runs):
-        notes.append(f"grey ring: stock's or the configuration's step time was measured while "
-                     f"other processes took more than {BUSY_SHARE:.0%} of the cores (noisy)")
-    all_ns = sorted({r["workers"] for r in runs if r["kind"] == "main"})
-    if len(all_ns) > 1:
-        notes.append("left, line style per N: " + ", ".join(
-            f"N={n} {'solid' if not DASHES[i % len(DASHES)] else 'dash ' + DASHES[i % len(DASHES)]}"
-            for i, n in enumerate(all_ns)))
-    for i, text in enumerate(notes):
-        legend.append(f'<text x="{left}" y="{ly + i * 18}" fill="#444">{escape(text)}</text>')
-    height = ly + len(notes) * 18 + 10
-    title = (f"tfgc over shaped links ({report['started']}"
-             + ("" if report["complete"] else ", incomplete") + ")")
-    head = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-            f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="12">',
-            f'<rect width="{width}" height="{height}" fill="white"/>',
-            f'<text x="{left}" y="20" font-size="14" font-weight="bold">{escape(title)}</text>']
-    return "\n".join(head + body + legend + ["</svg>", ""])
 
 
 def main(argv=None):

@@ -57,7 +57,7 @@ def margin(gaps):
 
 
 def run_one(workers, seed, specs, extra_env, epochs, timeout, log):
-    from tfgc.launch import launch
+    from tfgc.apps.launch import launch
 
     out = _common.scratch_dir("tfgc-spread-")
     command = [sys.executable, SWEEP, out, "--epochs", str(epochs), "--seed", str(seed),

@@ -13,7 +13,7 @@ time of one training batch after a warm-up. The per-round ratio candidate/stock 
 what the verdict uses; its median over rounds is compared with the target.
 
 The script is its own worker: the driver relaunches it with ``--worker`` under
-``tfgc.launch``, which sets TF_CONFIG for each process.
+``tfgc.apps.launch``, which sets TF_CONFIG for each process.
 """
 
 import argparse
@@ -79,9 +79,9 @@ def worker_main(args):
         tf.config.threading.set_inter_op_parallelism_threads(args.threads)
 
     import tfgc
-    from tfgc import data as data_lib
-    from tfgc import models
-    from tfgc.train import make_optimizer, make_step_timer, worker_info
+    from tfgc.apps import data as data_lib
+    from tfgc.apps import models
+    from tfgc.apps.train import make_optimizer, make_step_timer, worker_info
 
     if args.side == "baseline":
         strategy = tf.distribute.MultiWorkerMirroredStrategy()

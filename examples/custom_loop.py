@@ -9,8 +9,8 @@ import tensorflow as tf
 import tf_keras as keras
 
 import tfgc
-from tfgc import data, models
-from tfgc.train import worker_info
+from tfgc.apps import data, models
+from tfgc.apps.train import worker_info
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--compressor", default="qsgd:levels=7,bucket_size=128")

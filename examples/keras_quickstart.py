@@ -8,8 +8,8 @@ Real cluster:             set TF_CONFIG on every machine and run the script ther
 import tf_keras as keras  # or `import keras`: Keras 3 trains the same way
 
 import tfgc
-from tfgc import data
-from tfgc.train import worker_info
+from tfgc.apps import data
+from tfgc.apps.train import worker_info
 
 strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="ef+topk:ratio=0.01")
 rank, num_workers = worker_info(strategy)

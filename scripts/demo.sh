@@ -26,15 +26,15 @@ common=(--workers=2 --dataset=fashion_mnist --model="$MODEL" --epochs="$EPOCHS" 
         --optimizer="$OPTIMIZER" --eval_each_epoch)
 
 echo "== tfgc: $COMPRESSOR, $OPTIMIZER, 2 workers, $MODEL on Fashion-MNIST =="
-"$PYTHON" -m tfgc.train "${common[@]}" --compressor="$COMPRESSOR" --json_out="$out/tfgc.json" \
+"$PYTHON" -m tfgc.apps.train "${common[@]}" --compressor="$COMPRESSOR" --json_out="$out/tfgc.json" \
   | grep -v '^\[w0\] RESULT '
 echo "== stock MultiWorkerMirroredStrategy, same model and data =="
-"$PYTHON" -m tfgc.train "${common[@]}" --baseline --json_out="$out/baseline.json" \
+"$PYTHON" -m tfgc.apps.train "${common[@]}" --baseline --json_out="$out/baseline.json" \
   | grep -v '^\[w0\] RESULT '
 
 "$PYTHON" - "$out" <<'PY'
 import json, os, sys
-from tfgc.plots import svg_plot
+from tfgc.apps.plots import svg_plot
 out = sys.argv[1]
 runs = [json.load(open(os.path.join(out, f))) for f in ("tfgc.json", "baseline.json")]
 rows = ["| run | test accuracy | payload B/step | sent B/step per worker | wire ratio | step ms |",

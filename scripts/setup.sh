@@ -122,12 +122,12 @@ fi
 if ! has mlxtend; then
   pip_install --no-deps "mlxtend==0.25.0"
 fi
-# The package itself, editable, from this checkout. The ops are compiled below, where
-# setup can say so.
+# The package itself, editable, from this checkout (again when its console scripts
+# name an older module layout). The ops are compiled below, where setup can say so.
 here=$(pwd -P)
 scripts_dir=$("$PY" -I -c 'import sysconfig; print(sysconfig.get_path("scripts"))')
 if ! "$PY" -I -c "import sys, os, tfgc; sys.exit(os.path.dirname(os.path.realpath(tfgc.__file__)) != os.path.join(sys.argv[1], 'tfgc'))" "$here" >/dev/null 2>&1 \
-    || [ ! -x "$scripts_dir/tfgc-train" ]; then
+    || [ ! -x "$scripts_dir/tfgc-train" ] || ! grep -q "tfgc.apps.train" "$scripts_dir/tfgc-train"; then
   say "installing tfgc from $here (editable)"
   TFGC_BUILD_CUSTOM_OPS=0 pip_install --no-deps --no-build-isolation -e .
 fi

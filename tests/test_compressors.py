@@ -501,7 +501,7 @@ def test_importance_selects_by_gradient_over_weight_and_keeps_the_rest():
     from tfgc.compressors import Importance
     c = tfgc.get_compressor("importance:k=3")
     assert isinstance(c, ErrorFeedback) and isinstance(c.inner, Importance)
-    assert c.needs_weights and c.shares_indices
+    assert c.needs_weights and c.index_selection.shares_indices
     rng = np.random.default_rng(4)
     shape = (8, 12)
     w = rng.normal(size=shape).astype(np.float32)

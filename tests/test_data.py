@@ -9,7 +9,7 @@ import struct
 import numpy as np
 import pytest
 
-from tfgc import data as td
+from tfgc.apps import data as td
 
 FASHION_DIR = td.FASHION_MNIST_DEFAULT_DIR
 
@@ -215,7 +215,7 @@ def test_make_tf_dataset():
 
 @pytest.mark.parametrize("name", ["mlp", "cnn"])
 def test_models_output_shape_and_seed(name):
-    from tfgc.models import build_model
+    from tfgc.apps.models import build_model
 
     m1 = build_model(name, seed=7)
     m2 = build_model(name, seed=7)
@@ -238,7 +238,7 @@ def test_models_output_shape_and_seed(name):
 
 def test_models_are_tf_keras_and_unknown_name():
     import tf_keras
-    from tfgc.models import build_model
+    from tfgc.apps.models import build_model
 
     assert isinstance(build_model("mlp"), tf_keras.Model)
     with pytest.raises(ValueError) as exc:

@@ -97,7 +97,7 @@ def test_speedups_are_the_json_ones():
     flat = {}
     for config, pts in got.items():
         for bps, speedup, run in pts:
-            assert figures.network.rate_bps(run["rate"]) == bps
+            assert figures.network_report.rate_bps(run["rate"]) == bps
             flat[(config, run["rate"])] = speedup
     assert flat == want
     for (config, rate), speedup in flat.items():

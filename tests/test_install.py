@@ -287,7 +287,7 @@ def test_plain_pip_install_ends_with_the_kernels_in_use(tmp_path):
 def test_launch_builds_the_ops_before_starting_workers(tmp_path, monkeypatch):
     import io  # pylint: disable=import-outside-toplevel
 
-    from tfgc import launch as launch_mod  # pylint: disable=import-outside-toplevel
+    from tfgc.apps import launch as launch_mod  # pylint: disable=import-outside-toplevel
 
     monkeypatch.setattr(_loader, "packaged_library_path",
                         lambda: str(tmp_path / "missing" / _loader.LIBRARY_NAME))

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfgc.launch import launch
+from tfgc.apps.launch import launch
 from test_distributed import DENSE_BYTES, ENV, REPO, expected_bytes
 
 keras = pytest.importorskip("keras")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tfgc import launch as tl
+from tfgc.apps import launch as tl
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -42,7 +42,7 @@ def _launcher_env() -> dict:
 
 
 def _launcher_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "tfgc.launch", *args]
+    return [sys.executable, "-m", "tfgc.apps.launch", *args]
 
 
 def _pid_alive(pid: int) -> bool:

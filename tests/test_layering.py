@@ -131,6 +131,16 @@ def test_compressors_know_no_transport(graph):
             assert bad == [], f"{module} reaches {bad}"
 
 
+def test_the_library_never_reaches_the_applications(graph):
+    # tfgc.apps (the trainer, the launcher, their data sets and models) sits on top.
+    # The top-level package's lazy __getattr__ names it as a string, not an import.
+    for module in graph:
+        if module != "tfgc" and not module.startswith("tfgc.apps"):
+            bad = sorted(m for m in reachable(graph, module) if m.startswith("tfgc.apps"))
+            assert bad == [], f"{module} reaches {bad}"
+    assert "tfgc.apps.entry_points" in graph["tfgc.apps.train"]
+
+
 def test_a_circle_and_a_forbidden_edge_are_found(tmp_path):
     # The same reader on a package made to fail: a circle through a local import, and
     # a wire module that imports a compressor.

@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 import tf_keras as keras
 
-from tfgc import train
+from tfgc.apps import train
 from tfgc.keras.schedules import LinearScalingWarmup, scaled_learning_rate
 
 
@@ -259,7 +259,7 @@ def test_make_optimizer_sgd_steps_with_scaling():
 
 def test_trainer_rejects_warmup_without_scaling():
     # Flag parsing fails before anything is imported or launched.
-    proc = subprocess.run([sys.executable, "-m", "tfgc.train", "--warmup_epochs=1"],
+    proc = subprocess.run([sys.executable, "-m", "tfgc.apps.train", "--warmup_epochs=1"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "--warmup_epochs > 0 needs --lr_scaling=linear" in proc.stderr

@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 
-from tfgc.launch import launch
+from tfgc.apps.launch import launch
 
 from cluster_scripts import ENV, assert_fit_identical_and_learning, cluster_script
 
@@ -192,7 +192,7 @@ def test_refused_for_compressors_that_are_not_top_k(spec, path):
 def test_accepted_for_top_k(spec, path):
     from tfgc.distribute.cross_device_ops import check_compression_args
     compressor, _ = check_compression_args(spec, None, path, 1 << 20)
-    assert compressor.selects_indices and compressor.sparse_payload
+    assert compressor.index_selection is not None and compressor.sparse_entries is not None
 
 
 def test_importance_pruning_on_the_shared_index(cluster):

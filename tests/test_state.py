@@ -17,7 +17,7 @@ import sys
 import numpy as np
 import pytest
 
-from tfgc.launch import launch
+from tfgc.apps.launch import launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLUSTER = os.path.join(REPO, "tests", "cluster")
@@ -139,9 +139,9 @@ def test_float64_goes_dense_and_embeddings_are_counted(checks):
     assert r0["float64_weights"] == r1["float64_weights"]
     emb = r0["embedding"]
     # Slices: 32 x 8 rows of 16 float32 values, and their int32 indices; the dense
-    # 128 x 10 kernel goes top-1% (13 entries), its bias dense, plus 2 control words.
+    # 128 x 10 kernel goes top-1% (13 entries), its bias dense, plus the guard's 9 control words.
     slices = 32 * 8 * 16 * 4 + 32 * 8 * 4
-    assert emb["payload_bytes"] == slices + 8 * math.ceil(0.01 * 1280) + 40 + 8
+    assert emb["payload_bytes"] == slices + 8 * math.ceil(0.01 * 1280) + 40 + 36
     assert emb["dense_bytes"] == 4 * (1000 * 16 + 1280 + 10)
     assert emb["sent_bytes"] == emb["payload_bytes"]  # (N-1) = 1 for gathers, 2(N-1)/N = 1
 

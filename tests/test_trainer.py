@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import tf_keras as keras
 
-from tfgc import data as data_lib
-from tfgc import entry_points, models
+from tfgc.apps import data as data_lib
+from tfgc.apps import entry_points, models
 from tfgc.compressors import describe, get, serialize
-from tfgc.train import make_progress, shown_line
+from tfgc.apps.train import make_progress, shown_line
 
 
 @pytest.fixture
@@ -95,7 +95,7 @@ def test_module_exists_finds_without_importing(user_module):
     sys.modules.pop("my_task", None)
     assert entry_points.module_exists("my_task:build")  # the current directory
     assert "my_task" not in sys.modules  # located, not imported
-    assert entry_points.module_exists("tfgc.models:build_model")
+    assert entry_points.module_exists("tfgc.apps.models:build_model")
     assert not entry_points.module_exists("nowhere:build")
     assert not entry_points.module_exists("nowhere.sub:build")  # missing parent package
     pkg = user_module / "my_pkg"
@@ -120,7 +120,7 @@ def test_user_dataset_from_keras_style_tuples(user_module):
 
 
 @pytest.mark.parametrize("spec, error, match", [
-    ("my_task:load_bad", TypeError, r"must return a tfgc.data.Dataset or"),
+    ("my_task:load_bad", TypeError, r"must return a tfgc.apps.data.Dataset or"),
     ("my_task:load_mismatch", ValueError, r"4 train examples but 3 labels"),
     ("my_task:load_float_labels", ValueError, r"y_train must be integer class ids"),
     ("my_task:load_no_seed", NameError, r"data_kept"),
@@ -188,7 +188,7 @@ def _trainer(*flags, timeout=120):
     import subprocess
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([sys.executable, "-c", "from tfgc.train import run; run()", *flags],
+    return subprocess.run([sys.executable, "-c", "from tfgc.apps.train import run; run()", *flags],
                           capture_output=True, text=True, env=env, timeout=timeout)
 
 

@@ -13,7 +13,7 @@ import importlib as _importlib
 import os as _os
 
 # ``tf.keras`` resolves to tf-keras (Keras 2) for scripts that import tfgc before
-# touching it: tfgc's own Keras pieces (tfgc.keras, tfgc.models) are tf-keras. Keras 3
+# touching it: tfgc's own Keras pieces (tfgc.keras, tfgc.apps.models) are tf-keras. Keras 3
 # (``import keras``) trains under tfgc's strategy too.
 _os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
@@ -29,7 +29,7 @@ _EXPORTS = {
     "get_compressor": ("tfgc.compressors", "get"),
     "serialize": "tfgc.compressors",
 }
-_SUBMODULES = ("compressors", "collectives", "data", "distribute", "keras", "models", "ops")
+_SUBMODULES = ("apps", "compressors", "collectives", "distribute", "keras", "ops")
 
 __all__ = sorted(_EXPORTS)
 

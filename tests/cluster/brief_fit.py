@@ -14,8 +14,8 @@ def brief_fit(strategy, rank, num_workers, out_dir, steps_per_epoch, epochs=2):
     """Returns the per-epoch training losses."""
     import tf_keras as keras
 
-    from tfgc import data as data_lib
-    from tfgc import models
+    from tfgc.apps import data as data_lib
+    from tfgc.apps import models
 
     ds = data_lib.load_dataset("mnist5k", seed=0)
     x, y = data_lib.shard(ds.x_train, ds.y_train, rank, num_workers)

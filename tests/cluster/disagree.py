@@ -16,9 +16,9 @@ def main():
     import tf_keras as keras
 
     import tfgc
-    from tfgc import data as data_lib
-    from tfgc import models
-    from tfgc.train import worker_info
+    from tfgc.apps import data as data_lib
+    from tfgc.apps import models
+    from tfgc.apps.train import worker_info
 
     strategy = tfgc.CompressedMultiWorkerMirroredStrategy()
     rank, n = worker_info(strategy)

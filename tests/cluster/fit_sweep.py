@@ -1,6 +1,6 @@
 """A cluster worker for the distributed tests: trains once per compressor, saves results.
 
-Run under tfgc.launch (TF_CONFIG set) or alone (single worker). One strategy serves
+Run under tfgc.apps.launch (TF_CONFIG set) or alone (single worker). One strategy serves
 every compressor: the strategy's compressor is switched between runs, and each run
 builds a fresh model, so its train function is traced with that compressor.
 
@@ -51,7 +51,7 @@ def learning_setup(spec):
 
 
 def fit_sweep(strategy, ds, args):
-    from tfgc.train import train_and_evaluate
+    from tfgc.apps.train import train_and_evaluate
 
     rank = 0
     for i, spec in enumerate(args.specs):
@@ -75,8 +75,8 @@ def retrace_check(strategy, ds, extras):
     """A forced retrace of the train function must reuse the compressor state."""
     import tf_keras as keras
 
-    from tfgc import data as data_lib
-    from tfgc import models
+    from tfgc.apps import data as data_lib
+    from tfgc.apps import models
 
     strategy.compressor = "ef+topk:ratio=0.01"
     rank, n = _rank(strategy)
@@ -119,8 +119,8 @@ def custom_loop_check(strategy, ds, extras, out_dir):
     import tf_keras as keras
 
     from tfgc import compressors
-    from tfgc import data as data_lib
-    from tfgc import models
+    from tfgc.apps import data as data_lib
+    from tfgc.apps import models
 
     spec, lr, steps, batch = "ef+topk:ratio=0.05", 0.05, 20, 32
     strategy.compressor = spec
@@ -197,7 +197,7 @@ def custom_loop_check(strategy, ds, extras, out_dir):
                 payloads = []
                 for r in range(n):
                     corrected = tf.abs(tf.reshape(grads[r] + states[r][j]["residual"], [-1]))
-                    k = compressor.inner.num_selected(corrected.shape)
+                    k = compressor.index_selection.num_selected(corrected.shape)
                     largest_tau[r] = max(largest_tau[r],
                                          float(tf.math.top_k(corrected, k).values[-1]))
                     ctx = compressors.CompressContext(rank=r, num_workers=n, index=index,
@@ -223,9 +223,9 @@ def dgc_check(strategy, ds, extras):
     """
     import tf_keras as keras
 
-    from tfgc import data as data_lib
-    from tfgc import models
-    from tfgc.train import train_and_evaluate
+    from tfgc.apps import data as data_lib
+    from tfgc.apps import models
+    from tfgc.apps.train import train_and_evaluate
 
     weights = {}
     for spec in ("none", "dgc:ratio=1.0"):
@@ -389,7 +389,7 @@ def eager_reduce_check(strategy, extras):
 
 
 def _rank(strategy):
-    from tfgc.train import worker_info
+    from tfgc.apps.train import worker_info
     return worker_info(strategy)
 
 
@@ -413,7 +413,7 @@ def main():
     args = parser.parse_args()
 
     import tfgc
-    from tfgc import data as data_lib
+    from tfgc.apps import data as data_lib
 
     strategy = tfgc.CompressedMultiWorkerMirroredStrategy()
     ds = data_lib.load_dataset(args.dataset, seed=args.data_seed)

@@ -59,7 +59,7 @@ def main(out_dir):
     import tensorflow as tf
 
     import tfgc
-    from tfgc import data as data_lib
+    from tfgc.apps import data as data_lib
 
     assert int(keras.__version__.split(".")[0]) >= 3, keras.__version__
     ds = data_lib.load_dataset("mnist5k", seed=0)

@@ -40,7 +40,7 @@ def main():
     import tfgc
     from brief_fit import brief_fit
     from fixed_reduce import make_reduce
-    from tfgc.train import worker_info
+    from tfgc.apps.train import worker_info
 
     strategy = tfgc.CompressedMultiWorkerMirroredStrategy(
         compressor=f"ef+topk:k={K}", communication=communication,

@@ -41,7 +41,7 @@ def save(out_dir, name, rank, results, arrays=None):
 
 class Setup:
     def __init__(self, strategy, ds):
-        from tfgc.train import worker_info
+        from tfgc.apps.train import worker_info
         self.strategy = strategy
         self.rank, self.n = worker_info(strategy)
         self.x, self.y = ds.x_train, ds.y_train
@@ -55,7 +55,7 @@ class Setup:
     def model(self, seed, optimizer=None, loss_scale=False):
         import tf_keras as keras
 
-        from tfgc import models
+        from tfgc.apps import models
         with self.strategy.scope():
             net = models.build_model("mlp", seed=seed)
             opt = optimizer or keras.optimizers.SGD(0.05, momentum=0.9)
@@ -251,7 +251,7 @@ def check_switch(s, out_dir):
     import tensorflow as tf
     import tf_keras as keras
 
-    from tfgc import data as data_lib
+    from tfgc.apps import data as data_lib
     strategy = s.strategy
     strategy.compressor = "none"
     net, opt = s.model(seed=9)
@@ -335,7 +335,7 @@ def main():
     args = parser.parse_args()
 
     import tfgc
-    from tfgc import data as data_lib
+    from tfgc.apps import data as data_lib
 
     strategy = tfgc.CompressedMultiWorkerMirroredStrategy()
     s = Setup(strategy, data_lib.load_dataset("mnist5k", seed=0))

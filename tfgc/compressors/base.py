@@ -90,28 +90,12 @@ class Compressor(abc.ABC):
     passes_non_finite: bool = False
     # Gradient dtypes the kernels take. Others (float64) are sent dense, exactly.
     dtypes = (tf.float32, tf.float16, tf.bfloat16)
-    # Sparsifiers that can choose an index set from one worker's values set this and
-    # implement ``select_indices``; they can then run on the shared-index all-reduce.
-    selects_indices: bool = False
-    # Sparsifiers whose payload is (values, int32 flat indices) can run on the
-    # sparse all-reduce, which merges index sets stage by stage.
-    sparse_payload: bool = False
-    # Quantizers whose decoded sum a chunk's owner can compress again (stateless
-    # inner compressor, static payload shapes) can run on the two-stage
-    # reduce-scatter / all-gather (``communication="reduce_scatter"``).
-    recompressible: bool = False
     # Compressors that keep their own residual (DGC) refuse an ErrorFeedback wrapper.
     keeps_residual: bool = False
-    # Low-rank compressors whose two factors are all-reduced in turn (PowerSGD) run on
-    # ``communication="low_rank"``.
-    low_rank: bool = False
     # Compressors that read the variable's value (``CompressContext.weight``).
     needs_weights: bool = False
     # Compressors that read the per-sample second moment (``CompressContext.second_moment``).
     needs_second_moment: bool = False
-    # Sparsifiers whose paper aggregates over one worker's index set (Cheng & Xu):
-    # auto sends them over the shared-index all-reduce.
-    shares_indices: bool = False
     # Compressors that treat all compressed gradients of a reduction as one vector
     # (gradient dropping's global threshold): the cross-device ops concatenate them
     # (per dtype), compress and send that, and split the result and the state back.
@@ -124,10 +108,15 @@ class Compressor(abc.ABC):
     # with a message if the optimizer would apply momentum a second time.
     applied_momentum: float = 0.0
     nesterov: bool = False
-    # Named parts a path may ask for (tfgc.compressors.protocols): the error-feedback
-    # pair, and the scaler-sharing quantizer of the reduce-scatter. None: not offered.
-    error_feedback = None
-    shared_scale = None
+    # Named parts a reduction path may ask for, each None where not offered; what each
+    # provides is in tfgc.compressors.protocols. A compressor offering one returns the
+    # object that implements it (usually itself).
+    error_feedback = None       # the error-feedback pair (ErrorFeedback)
+    shared_scale = None         # one scaler shared by every worker (TernGrad)
+    index_selection = None      # one worker's index set for all (top-k, importance)
+    sparse_entries = None       # a (values, int32 flat indices) payload (top-k, graddrop)
+    chunk_recompression = None  # a chunk's sum compressed again by its owner (quantizers)
+    low_rank = None             # factors all-reduced in turn (PowerSGD)
 
     # -- serialization -------------------------------------------------------------
 
@@ -203,41 +192,6 @@ class Compressor(abc.ABC):
                    ctx: CompressContext) -> tf.Tensor:
         """Decodes one payload (or, if summable, a sum of payloads) to a dense tensor."""
 
-    def select_indices(self, v: tf.Tensor, ctx: CompressContext) -> tf.Tensor:
-        """The int32 flat indices this sparsifier would send for ``v``, static shape ``[k]``.
-
-        Used by the shared-index all-reduce: one worker's choice serves every worker.
-        """
-        raise NotImplementedError(f"{type(self).__name__} does not select indices")
-
-    def num_selected(self, shape: tf.TensorShape) -> int:
-        """How many indices ``select_indices`` returns for a gradient of ``shape``."""
-        raise NotImplementedError(f"{type(self).__name__} does not select indices")
-
-    def chunk_layout(self, shape: tf.TensorShape, num_ranks: int):
-        """How the reduce-scatter cuts a gradient into one chunk per worker.
-
-        Returns ``(view, axis, unit)``: the gradient is viewed as a ``view`` =
-        [rows, cols] matrix and cut along ``axis`` at multiples of ``unit``. The
-        default views it flat, [1, n], and cuts at whole buckets
-        (``chunk_unit``), so a chunk is quantized as the whole tensor would be.
-        """
-        del num_ranks
-        return (1, num_elements(shape)), 1, self.chunk_unit(shape)
-
-    def chunk_unit(self, shape: tf.TensorShape) -> int:
-        """Elements per indivisible unit of a flat chunk (a bucket for bucketed quantizers)."""
-        del shape
-        return 1
-
-    def recompress(self, x: tf.Tensor, ctx: CompressContext) -> Payload:
-        """Second-stage compression of a chunk's sum over workers, by its owner.
-
-        The default is ``compress`` with empty state. Error feedback is added by
-        the caller (``compress_with_feedback``) for compressors that use it.
-        """
-        return tuple(self.compress(x, {}, ctx)[0])
-
     def finish(self, payload, shape, dtype, ctx, state):
         """Decodes an all-reduced (summable) payload: ``(output, state to commit)``.
 
@@ -278,6 +232,41 @@ class Compressor(abc.ABC):
         for d in decoded[1:]:
             total = total + d
         return total
+
+
+class Recompressible(Compressor):
+    """A quantizer that offers ``chunk_recompression``: on the two-stage reduce-scatter a
+    chunk's owner decodes the workers' payloads of its chunk, sums them and compresses
+    the sum again. Its payload shapes are static and it keeps no state.
+    """
+
+    @property
+    def chunk_recompression(self):
+        return self
+
+    def chunk_layout(self, shape: tf.TensorShape, num_ranks: int):
+        """How the reduce-scatter cuts a gradient into one chunk per worker.
+
+        Returns ``(view, axis, unit)``: the gradient is viewed as a ``view`` =
+        [rows, cols] matrix and cut along ``axis`` at multiples of ``unit``. The
+        default views it flat, [1, n], and cuts at whole buckets
+        (``chunk_unit``), so a chunk is quantized as the whole tensor would be.
+        """
+        del num_ranks
+        return (1, num_elements(shape)), 1, self.chunk_unit(shape)
+
+    def chunk_unit(self, shape: tf.TensorShape) -> int:
+        """Elements per indivisible unit of a flat chunk (a bucket for bucketed quantizers)."""
+        del shape
+        return 1
+
+    def recompress(self, x: tf.Tensor, ctx: CompressContext) -> Payload:
+        """Second-stage compression of a chunk's sum over workers, by its owner.
+
+        The default is ``compress`` with empty state. Error feedback is added by
+        the caller (``compress_with_feedback``) for compressors that use it.
+        """
+        return tuple(self.compress(x, {}, ctx)[0])
 
 
 def momentum_step(g: tf.Tensor, u: tf.Tensor, momentum: float, nesterov: bool):

@@ -69,7 +69,8 @@ class DGC(TopK):
     """
 
     name = "dgc"
-    selects_indices = False
+    # Each worker's index set is its own (the residual and the momentum mask follow it).
+    index_selection = None
     keeps_residual = True
 
     def __init__(self, ratio: float = 0.001, momentum: float = 0.9, nesterov: bool = False,

@@ -24,6 +24,7 @@ a quantizer sends every entry.
 import tensorflow as tf
 
 from tfgc.compressors.base import Compressor, check_momentum, momentum_step
+from tfgc.compressors.protocols import WIRE_PARTS
 from tfgc.compressors.sparse import TopK
 
 
@@ -89,28 +90,12 @@ class ErrorFeedback(Compressor):
         return self
 
     # The payload, its combination rule and what the inner compressor reads are the
-    # inner compressor's.
+    # inner compressor's; so are the parts that describe the payload (WIRE_PARTS,
+    # set below the class).
     summable = _inner("summable")
-    selects_indices = _inner("selects_indices")
-    sparse_payload = _inner("sparse_payload")
     needs_weights = _inner("needs_weights")
-    shares_indices = _inner("shares_indices")
     fuses_gradients = _inner("fuses_gradients")
     needs_second_moment = _inner("needs_second_moment")
-
-    @property
-    def recompressible(self):
-        return self.inner.recompressible and not tf.nest.flatten(
-            self.inner.init_state(tf.TensorShape([1]), tf.float32))
-
-    def chunk_layout(self, shape, num_ranks):
-        return self.inner.chunk_layout(shape, num_ranks)
-
-    def select_indices(self, v, ctx):
-        return self.inner.select_indices(v, ctx)
-
-    def num_selected(self, shape):
-        return self.inner.num_selected(shape)
 
     def get_config(self):
         config = {"compressor": {"name": self.inner.name, "config": self.inner.get_config()}}
@@ -160,3 +145,19 @@ class ErrorFeedback(Compressor):
 
     def aggregate(self, payloads, shape, dtype, ctx):
         return self.inner.aggregate(payloads, shape, dtype, ctx)
+
+
+def _wire_part(name):
+    """The inner compressor's part ``name``; the owner's recompression only while the
+    inner compressor is stateless (its second compression keeps no state)."""
+    def get(self):
+        part = getattr(self.inner, name)
+        if name == "chunk_recompression" and part is not None and tf.nest.flatten(
+                self.inner.init_state(tf.TensorShape([1]), tf.float32)):
+            return None
+        return part
+    return property(get, doc=f"The inner compressor's ``{name}`` part.")
+
+
+for _name in WIRE_PARTS:
+    setattr(ErrorFeedback, _name, _wire_part(_name))

@@ -76,7 +76,11 @@ class PowerSGD(Compressor):
 
     name = "powersgd"
     keeps_residual = True
-    low_rank = True
+
+    @property
+    def low_rank(self):
+        """This compressor: its factors are all-reduced in turn (the low-rank path)."""
+        return self
 
     def __init__(self, rank: int = 2, warm_start: bool = True, min_compression_rate: float = 2.0,
                  seed: int = 0):

@@ -9,7 +9,7 @@ import math
 
 import tensorflow as tf
 
-from tfgc.compressors.base import Compressor, as_columns, check_int, num_elements
+from tfgc.compressors.base import Recompressible, as_columns, check_int, num_elements
 from tfgc.ops import packing
 from tfgc.ops import quantize
 from tfgc.ops import sign_bits
@@ -20,7 +20,7 @@ from tfgc.ops import sign_bits
 _ROW_BLOCK_ROWS = 512
 
 
-class OneBit(Compressor):
+class OneBit(Recompressible):
     """1-bit SGD (Seide, Fu, Droppo, Li & Yu, Interspeech 2014).
 
     The gradient is viewed as a matrix whose columns are the last axis. Each element
@@ -36,7 +36,6 @@ class OneBit(Compressor):
     name = "onebit"
     summable = False
     requires_error_feedback = True
-    recompressible = True
 
     def chunk_layout(self, shape, num_ranks):
         # A row block is contiguous (no copy to cut or join), but sends its own two
@@ -70,7 +69,7 @@ class OneBit(Compressor):
         return tf.reshape(sign_bits.onebit_dequantize(words, pos, neg, rows, dtype=dtype), shape)
 
 
-class SignSGD(Compressor):
+class SignSGD(Recompressible):
     """signSGD with majority vote (Bernstein, Wang, Azizzadenesheli & Anandkumar, ICML 2018).
 
     Each worker sends sign(g) with sign(0) = 0; the aggregate is
@@ -95,7 +94,6 @@ class SignSGD(Compressor):
     summable = False
     # On the reduce-scatter the owner counts the votes of its chunk and sends the
     # majority back: the same result as the all-gather, in 2(N-1)/N of the bytes.
-    recompressible = True
 
     def compress(self, x, state, ctx):
         flat = tf.reshape(x, [-1])
@@ -130,7 +128,7 @@ class SignSGD(Compressor):
         return tf.reshape(tf.cast(tf.sign(votes), dtype), shape)
 
 
-class ScaledSign(Compressor):
+class ScaledSign(Recompressible):
     """The scaled-sign compressor of EF-signSGD (Karimireddy, Rebjock, Stich & Jaggi, ICML 2019).
 
     Sends delta = (||p||_1 / d) * sign(p): one float and 1 bit per element. The
@@ -142,7 +140,6 @@ class ScaledSign(Compressor):
     name = "scaledsign"
     summable = False
     requires_error_feedback = True
-    recompressible = True
 
     def compress(self, x, state, ctx):
         flat = tf.reshape(x, [-1])
@@ -163,7 +160,7 @@ def _code_bits(num_codes: int) -> int:
     raise ValueError("too many quantization levels")
 
 
-class QSGD(Compressor):
+class QSGD(Recompressible):
     """QSGD (Alistarh, Grubic, Li, Tomioka & Vojnovic, NIPS 2017), bucketed.
 
     The flattened gradient is cut into buckets of ``bucket_size``; bucket v is sent as
@@ -186,7 +183,6 @@ class QSGD(Compressor):
 
     name = "qsgd"
     summable = False
-    recompressible = True
 
     def __init__(self, levels: int = 127, bucket_size: int = 512, norm: str = "l2", seed: int = 0):
         self.levels = check_int("levels", levels, 1, 32767)
@@ -225,7 +221,7 @@ class QSGD(Compressor):
         return tf.reshape(tf.cast(total, dtype), shape)
 
 
-class TernGrad(Compressor):
+class TernGrad(Recompressible):
     """TernGrad (Wen, Xu, Yan, Wu, Wang, Chen & Li, NIPS 2017).
 
     Per tensor: clip g to +-c*sigma (sigma its standard deviation, c = 2.5), let
@@ -246,7 +242,6 @@ class TernGrad(Compressor):
 
     name = "terngrad"
     summable = False
-    recompressible = True
 
     def __init__(self, clip: float = 2.5, seed: int = 0):
         if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0 \

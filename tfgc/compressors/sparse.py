@@ -40,8 +40,8 @@ class TopK(Compressor):
 
     name = "topk"
     summable = False
-    selects_indices = True
-    sparse_payload = True
+    # The index_selection part: whether the paper aggregates over one worker's set.
+    shares_indices = False
 
     def __init__(self, ratio: float = 0.01, k: int = 0):
         self.ratio = check_ratio("ratio", ratio)
@@ -53,6 +53,23 @@ class TopK(Compressor):
     def compress(self, x, state, ctx):
         payload, state, _ = self.compress_with_feedback(x, tf.zeros_like(x), state, ctx)
         return payload, state
+
+    # -- parts (tfgc.compressors.protocols) --------------------------------------------
+
+    @property
+    def index_selection(self):
+        """This sparsifier: one worker's top-k index set can serve every worker."""
+        return self
+
+    @property
+    def sparse_entries(self):
+        """This sparsifier: its payload is (values, int32 flat indices)."""
+        return self
+
+    @staticmethod
+    def entries(payload):
+        values, indices = payload
+        return values, indices
 
     def num_selected(self, shape) -> int:
         return self.num_kept(shape)
@@ -110,7 +127,7 @@ class Importance(TopK):
     name = "importance"
     requires_error_feedback = True
     needs_weights = True
-    shares_indices = True
+    shares_indices = True  # Cheng & Xu aggregate over one worker's index set
 
     def __init__(self, ratio: float = 0.01, k: int = 0, eps: float = 1e-6):
         super().__init__(ratio=ratio, k=k)

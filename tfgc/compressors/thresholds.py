@@ -118,8 +118,14 @@ class GradientDropping(Compressor):
         return self.scope == "global"
 
     @property
-    def sparse_payload(self) -> bool:
-        return self.quantize == "none"
+    def sparse_entries(self):
+        """This compressor when unquantized: its payload is then (values, indices)."""
+        return self if self.quantize == "none" else None
+
+    @staticmethod
+    def entries(payload):
+        values, indices = payload
+        return values, indices
 
     def num_kept(self, shape) -> int:
         n = num_elements(shape)

@@ -57,7 +57,7 @@ def reduce(rs: base.ReductionStep):
     gathered, gathered_control = {}, None
     if not use_allreduce:
         order = sorted(payloads)
-        extra = guard.gathered_control(local_bad, step) if checked else None
+        extra = guard.control_words(local_bad, step, tf.int32) if checked else None
         exchanged, gathered_control = collectives.gather_payloads(
             launcher, [payloads[i] for i in order], n, options, rs.bucket_bytes,
             control=extra)
@@ -65,17 +65,12 @@ def reduce(rs: base.ReductionStep):
         for i in order:
             wire.gather(base.payload_bytes(payloads[i], True), dense=base.nbytes(tensors[i]))
         if checked:
-            wire.gather(8)
+            wire.gather(base.nbytes(extra))
 
     # 3. Did every worker have finite gradients and the same step?
     ok = None
     if checked:
-        if use_allreduce:
-            any_bad, steps_agree = guard.digits_agree(reduced[-1], n)
-            steps_seen = step
-        else:
-            any_bad, steps_agree, steps_seen = guard.gathered_agree(gathered_control)
-        ok = guard.checked(any_bad, steps_agree, step, steps_seen)
+        ok = guard.ok(reduced[-1] if use_allreduce else gathered_control, n, step)
 
     # 4. Decode, combine and commit the new state, or keep the old one.
     def decode_and_commit_one(i):

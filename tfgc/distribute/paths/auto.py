@@ -30,10 +30,7 @@ import tensorflow as tf
 from tfgc.collectives.allgather import num_payload_words
 from tfgc.collectives.reduce_scatter import chunk_plan
 from tfgc.compressors import CompressContext
-
-# Control words that ride on the gathers: a finite flag and the step counter.
-_CONTROL_WORDS = 2
-
+from tfgc.distribute.paths import guard
 
 def _payload_words(compressor, shape: tf.TensorShape, dtype: tf.DType) -> int:
     """int32 words of one payload for a gradient of ``shape``, built in a scratch graph."""
@@ -57,9 +54,9 @@ def sent_bytes(path: str, compressor, gradients: Sequence[Tuple[tf.TensorShape, 
     if n < 2:
         return 0
     if path == "reduce_scatter":
-        plans = [(chunk_plan(compressor.chunk_layout(tf.TensorShape(shape), n),
-                             tf.TensorShape(shape), n).chunks, dtype)
-                 for shape, dtype in gradients]
+        layout = compressor.chunk_recompression.chunk_layout
+        plans = [(chunk_plan(layout(tf.TensorShape(shape), n), tf.TensorShape(shape), n).chunks,
+                  dtype) for shape, dtype in gradients]
         widths = sum(max(_payload_words(compressor, s, dtype) for _, _, s in plan)
                      for plan, dtype in plans)
         second, scalers = widths, 0
@@ -69,12 +66,12 @@ def sent_bytes(path: str, compressor, gradients: Sequence[Tuple[tf.TensorShape, 
                          for plan, _ in plans)
             scalers = len(plans)
         # Stage 1 tags each exchange with the sender's rank; stage 2 carries the control.
-        return (n - 1) * 4 * (scalers + widths + 1 + second + _CONTROL_WORDS)
+        return (n - 1) * 4 * (scalers + widths + 1 + second + guard.CONTROL_WORDS)
     if path != "allgather":
         raise ValueError(f"no byte count for path {path!r}")
     words = sum(_payload_words(compressor, tf.TensorShape(shape), dtype)
                 for shape, dtype in gradients)
-    return (n - 1) * 4 * (words + _CONTROL_WORDS)
+    return (n - 1) * 4 * (words + guard.CONTROL_WORDS)
 
 
 def auto_reduce_scatter(compressor) -> bool:
@@ -89,7 +86,7 @@ def auto_reduce_scatter(compressor) -> bool:
     cost 9 points of accuracy for 1-bit SGD on 4 workers (see docs/results.md); it takes
     the reduce-scatter only when asked for.
     """
-    if not compressor.recompressible:
+    if compressor.chunk_recompression is None:
         return False
     return compressor.error_feedback is None or bool(compressor.applied_momentum)
 
@@ -102,9 +99,9 @@ def choose_communication(compressor, num_ranks: int, gradients=None) -> Tuple[st
     """
     if compressor.summable:
         return "allreduce", {}
-    if compressor.low_rank:
+    if compressor.low_rank is not None:
         return "low_rank", {}
-    if compressor.shares_indices:
+    if compressor.index_selection is not None and compressor.index_selection.shares_indices:
         return "shared_index", {}
     if not auto_reduce_scatter(compressor) or num_ranks < 3:
         return "allgather", {}

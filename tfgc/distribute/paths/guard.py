@@ -2,20 +2,25 @@
 
 A compressed step must not change any worker's state unless every worker's gradients
 were finite and every worker is at the same step (a state restored or reset on some
-workers only would otherwise go on silently). Each path sends a few control words with
-its own collectives, in one of two forms that its collectives can carry:
+workers only would otherwise go on silently). Every path sends the same control words,
+``control_words`` = [bad flag, the step's four 8-bit digits and their squares], nine
+small integers, in the dtype of the collective that carries them (float32 on the dense
+all-reduces, int32 in gathered payload words). What comes back is decoded by ``agree``:
 
-* summed, over an all-reduce: ``control_words`` = [bad flag, step digits and their
-  squares] (``step_digits``), decoded by ``digits_agree``;
-* gathered, over an all-gather: ``gathered_control`` = [bad flag, low 31 bits of the
-  step] per worker, decoded by ``gathered_agree``.
+* an all-reduce returns their sum over workers;
+* an all-gather returns every worker's row, which ``agree`` sums itself (and from
+  which it also reads every worker's step, for the error message).
 
-``checked`` turns either answer into the step's ``ok`` (with an assertion naming the
+A sum over at most 256 workers stays below 2**24, so both dtypes carry it exactly.
+``checked`` turns the answer into the step's ``ok`` (with an assertion naming the
 counters when the steps differ), and ``commit_or_skip`` decodes and writes the new
 state only when ``ok``.
 """
 
 import tensorflow as tf
+
+# How many words control_words holds: the flag, four digits and their squares.
+CONTROL_WORDS = 9
 
 
 def step_digits(step) -> tf.Tensor:
@@ -43,33 +48,42 @@ def control_words(bad, step, dtype):
     return tf.cast(tf.concat([flag, step_digits(step)], 0), dtype)
 
 
-def digits_agree(sums, num_workers):
-    """From the summed control vector [flag, d0, d0^2, ...]: (any worker bad, steps agree)."""
-    sums = tf.cast(sums, tf.float64)
-    d, d2 = sums[1::2], sums[2::2]
-    return sums[0] > 0.5, tf.reduce_all(tf.equal(num_workers * d2, d * d))
+def agree(control, num_workers):
+    """Decodes the control words that came back: ``(any worker bad, steps agree, steps seen)``.
+
+    ``control`` is their sum over workers (an all-reduce, shape [9]) or every
+    worker's row (an all-gather, [num_workers, 9]). With the sum, n * sum(d^2) -
+    sum(d)^2 is zero for every digit exactly when all workers hold the same step, and
+    ``steps seen`` is None; with the rows it is every worker's step (low 32 bits).
+    """
+    control = tf.cast(control, tf.float64)
+    steps_seen = None
+    if control.shape.rank == 2:
+        digits = control[:, 1::2]
+        steps_seen = tf.cast(tf.reduce_sum(
+            digits * tf.constant([1.0, 2.0 ** 8, 2.0 ** 16, 2.0 ** 24], tf.float64), axis=1),
+            tf.int64)
+        control = tf.reduce_sum(control, axis=0)
+    d, d2 = control[1::2], control[2::2]
+    return (control[0] > 0.5, tf.reduce_all(tf.equal(num_workers * d2, d * d)), steps_seen)
 
 
-def gathered_control(bad, step):
-    """The control words this worker adds to an all-gather: [bad flag, low 31 bits of step]."""
-    return tf.stack([bad, tf.cast(tf.bitwise.bitwise_and(step, 0x7FFFFFFF), tf.int32)])
-
-
-def gathered_agree(rows):
-    """From the gathered [N, 2] control rows: (any worker bad, steps agree, steps seen)."""
-    steps_seen = rows[:, 1]
-    return (tf.reduce_any(rows[:, 0] != 0), tf.reduce_all(tf.equal(steps_seen, steps_seen[0])),
-            steps_seen)
-
-
-def checked(any_bad, steps_agree, step, steps_seen):
+def checked(any_bad, steps_agree, step, steps_seen=None):
     """``not any_bad``, after an assertion that every worker is at the same step."""
-    agree = tf.debugging.Assert(steps_agree, [
+    if steps_seen is None:
+        steps_seen = step
+    agreed = tf.debugging.Assert(steps_agree, [
         "tfgc: the workers' compression step counters differ: compressor state was "
         "reset or restored on some workers only. This worker's step and the "
         "counters seen:", step, steps_seen], summarize=64)
-    with tf.control_dependencies([agree]):
+    with tf.control_dependencies([agreed]):
         return tf.identity(tf.logical_not(any_bad))
+
+
+def ok(control, num_workers, step):
+    """The step's ``ok`` from the control words that came back (see ``agree``)."""
+    any_bad, steps_agree, steps_seen = agree(control, num_workers)
+    return checked(any_bad, steps_agree, step, steps_seen)
 
 
 def commit_or_skip(ok, step_var, compressed, tensors, reduced, decode_and_commit_one):

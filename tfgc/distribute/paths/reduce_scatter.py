@@ -2,9 +2,9 @@
 
 Each worker owns one chunk of every compressed gradient: it combines the workers'
 compressed chunks, compresses the sum again and all-gathers it. The compressor is
-reached through ``chunk_layout``, ``aggregate``, ``recompress`` and, under error
-feedback, its ``error_feedback`` pair (``corrected``, and the inner compressor's
-``compress_with_feedback``); TernGrad through its ``shared_scale`` part (``clipped``,
+reached through its ``chunk_recompression`` part (``chunk_layout``, ``recompress``),
+``aggregate`` and, under error feedback, its ``error_feedback`` pair (``corrected``,
+and the inner compressor's ``compress_with_feedback``); TernGrad through its ``shared_scale`` part (``clipped``,
 ``compress_scaled``, ``count_payload_words``, ``sum_codes``, ``decode_counts``; see
 ``tfgc.compressors.protocols``).
 """
@@ -32,7 +32,7 @@ class TwoStageState:
     def init_state(self, shape, dtype):
         template = self._compressor.init_state(shape, dtype)
         if self._compressor.error_feedback is not None:
-            layout = self._compressor.chunk_layout(shape, self._num_ranks)
+            layout = self._compressor.chunk_recompression.chunk_layout(shape, self._num_ranks)
             width = max(int(c.num_elements()) for _, _, c in
                         collectives.chunk_plan(layout, shape, self._num_ranks).chunks)
             template = dict(template, server_residual=tf.zeros([width], dtype))
@@ -59,6 +59,7 @@ def reduce(rs: base.ReductionStep):
     compressor, tensors, variables, mask = rs.compressor, rs.tensors, rs.variables, rs.mask
     state, step_var, launcher, rank = rs.state, rs.step_var, rs.launcher, rs.rank
     replica_id, options, wire = rs.replica_id, rs.options, rs.wire
+    recompression = compressor.chunk_recompression
     error_feedback = compressor.error_feedback is not None
     inner = compressor.error_feedback.inner if error_feedback else compressor
     shared_scale = inner.shared_scale is not None and not error_feedback
@@ -81,7 +82,7 @@ def reduce(rs: base.ReductionStep):
     flats, velocities = {}, {}
     for i in compressed:
         t = tensors[i]
-        plans[i] = collectives.chunk_plan(compressor.chunk_layout(t.shape, n), t.shape, n)
+        plans[i] = collectives.chunk_plan(recompression.chunk_layout(t.shape, n), t.shape, n)
         slots[i] = state.slot(variables[i], replica_id)
         if error_feedback:
             t, velocities[i] = base.corrected(compressor, t, slots[i])
@@ -136,7 +137,8 @@ def reduce(rs: base.ReductionStep):
             current = []
         current.append(i)
     buckets.append(current)
-    control = guard.gathered_control(guard.local_bad([tensors[i] for i in compressed]), step)
+    control = guard.control_words(guard.local_bad([tensors[i] for i in compressed]), step,
+                                  tf.int32)
     gathered, gathered_control = {}, None
     exchanger = rs.exchanger()
     for b, bucket in enumerate(buckets):
@@ -200,8 +202,7 @@ def reduce(rs: base.ReductionStep):
 
     reduced = base.reduce_dense(rs, dense_pos)
 
-    any_bad, steps_agree, steps_seen = guard.gathered_agree(gathered_control)
-    ok = guard.checked(any_bad, steps_agree, step, steps_seen)
+    ok = guard.ok(gathered_control, n, step)
 
     # 3. Decode every owner's chunk; commit both residuals, or keep them.
     def decode_and_commit_one(i):
@@ -230,7 +231,7 @@ def reduce(rs: base.ReductionStep):
 
 PATH = base.Path(
     name="reduce_scatter", describe="the reduce-scatter / all-gather",
-    accepts=lambda c: c.recompressible, reduce=reduce, state_layout=TwoStageState,
+    accepts=lambda c: c.chunk_recompression is not None, reduce=reduce, state_layout=TwoStageState,
     requirement="`communication`='reduce_scatter' needs a quantizer whose decoded sum can "
                 "be compressed again (onebit, qsgd, terngrad, signsgd, efsignsgd), got "
                 "{compressor!r}")

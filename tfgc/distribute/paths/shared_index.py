@@ -1,8 +1,8 @@
 """The shared-index all-reduce: one worker's index set, in rotation, serves every worker.
 
 Importance-weighted pruning's aggregation (Cheng & Xu 2019), offered for top-k too. The
-compressor is reached through ``select_indices`` and ``num_selected`` (its selection
-rule, ``tfgc.compressors.sparse``) and, under error feedback, through its
+compressor is reached through its ``index_selection`` part (``select_indices`` and
+``num_selected``, its selection rule) and, under error feedback, through its
 ``error_feedback`` pair (``tfgc.compressors.protocols``): ``corrected`` and the
 ``residual`` state entry, which this path updates itself: the new residual is v with
 the sent entries zeroed.
@@ -29,6 +29,7 @@ def reduce(rs: base.ReductionStep):
     state, step_var, launcher, rank = rs.state, rs.step_var, rs.launcher, rs.rank
     replica_id, options, wire = rs.replica_id, rs.options, rs.wire
     error_feedback = compressor.error_feedback is not None
+    selection = compressor.index_selection
     n = rs.num_workers
     step = step_var.read_value()
     is_root = tf.equal(tf.math.floormod(step, n), rank)
@@ -44,10 +45,10 @@ def reduce(rs: base.ReductionStep):
             corrected, velocities[i] = base.corrected(compressor, t, slot)
             v = tf.reshape(corrected + slot["residual"].read_value(), [-1])
         cctx = rs.context(index, step, variables[i])
-        k = compressor.num_selected(t.shape)
+        k = selection.num_selected(t.shape)
         # Only the root pays for the selection.
         chosen = tf.cond(is_root,
-                         lambda v=v, t=t, c=cctx: compressor.select_indices(
+                         lambda v=v, t=t, c=cctx: selection.select_indices(
                              tf.reshape(v, t.shape), c),
                          lambda k=k: tf.zeros([k], tf.int32))
         flat_v[i], slots[i] = v, slot
@@ -60,8 +61,7 @@ def reduce(rs: base.ReductionStep):
     for i in compressed:
         wire.allreduce(4 * int(shared[i].shape[0]), dense=base.nbytes(tensors[i]))
     wire.allreduce(base.nbytes(control))
-    any_bad, steps_agree = guard.digits_agree(control_sum, n)
-    ok = guard.checked(any_bad, steps_agree, step, step)
+    ok = guard.ok(control_sum, n, step)
 
     # 2. Values at the shared indices, summed with the dense tensors.
     to_reduce = []
@@ -94,6 +94,6 @@ def reduce(rs: base.ReductionStep):
 
 PATH = base.Path(
     name="shared_index", describe="the shared-index all-reduce",
-    accepts=lambda c: c.selects_indices, reduce=reduce,
+    accepts=lambda c: c.index_selection is not None, reduce=reduce,
     requirement="`communication`='shared_index' needs a sparsifier that selects indices "
                 "(topk, ef+topk), got {compressor!r}")

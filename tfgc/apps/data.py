@@ -340,7 +340,7 @@ DATASET_NAMES = tuple(_LOADERS)
 def load_dataset(name: str, *, synthetic_examples: int = SYNTHETIC_DEFAULT_EXAMPLES,
                  seed: int = 0) -> Dataset:
     """Load one of :data:`DATASET_NAMES` from local files (never the network), or a
-    user's data set named ``package.module:load_fn`` (see ``tfgc.entry_points``).
+    user's data set named ``package.module:load_fn`` (see ``tfgc.apps.entry_points``).
 
     ``seed`` fixes the mnist5k train/test split and the synthetic task;
     Fashion-MNIST comes with a fixed split and ignores it.  Raises
@@ -348,7 +348,7 @@ def load_dataset(name: str, *, synthetic_examples: int = SYNTHETIC_DEFAULT_EXAMP
     missing, :class:`DatasetCorruptError` when they are unreadable, and
     ``ValueError`` for an unknown name.
     """
-    from tfgc import entry_points
+    from tfgc.apps import entry_points
     if entry_points.is_entry_point(name):
         return entry_points.load_user_dataset(name, Dataset, seed=seed)
     key = name.strip().lower().replace("-", "_") if isinstance(name, str) else name
@@ -393,7 +393,7 @@ def make_tf_dataset(x: np.ndarray, y: np.ndarray, batch_size: int, *, shuffle: b
     ``drop_remainder`` defaults to True so every step has a full, equal batch
     on every worker.
     """
-    import tensorflow as tf  # lazy: keep `import tfgc.data` light
+    import tensorflow as tf  # lazy: keep `import tfgc.apps.data` light
 
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")

@@ -65,7 +65,7 @@ MODEL_NAMES = tuple(_BUILDERS)
 def build_model(name: str, input_shape: Sequence[int] = (28, 28, 1),
                 num_classes: int = 10, seed: int = 0, moments: bool = False):
     """Build an uncompiled ``tf_keras.Sequential`` model that outputs logits, or a
-    user's model named ``package.module:build_fn`` (see ``tfgc.entry_points``;
+    user's model named ``package.module:build_fn`` (see ``tfgc.apps.entry_points``;
     ``moments`` does not apply to it).
 
     Same ``seed`` -> identical initial weights (biases start at zero), which
@@ -76,7 +76,7 @@ def build_model(name: str, input_shape: Sequence[int] = (28, 28, 1),
     weights and outputs), for compressors that read per-sample second moments
     (``"variance"``).
     """
-    from tfgc import entry_points
+    from tfgc.apps import entry_points
     if entry_points.is_entry_point(name):
         return entry_points.build_user_model(name, input_shape, num_classes, seed)
     key = name.strip().lower() if isinstance(name, str) else name

@@ -1,7 +1,7 @@
 """Users' own models and data sets, named as ``package.module:function``.
 
 ``tfgc-train --model=mypkg.nets:build --dataset=mypkg.data:load`` (and
-``tfgc.models.build_model`` / ``tfgc.data.load_dataset`` with the same strings) run
+``tfgc.apps.models.build_model`` / ``tfgc.apps.data.load_dataset`` with the same strings) run
 a user's network and data through the trainer's flags, launcher and stock-strategy
 comparison. The signatures:
 
@@ -12,7 +12,7 @@ comparison. The signatures:
     seeding the initializers with it gives every worker the same starting weights
     (tf-keras also seeds its global generator with ``--seed`` before building).
 
-``load(seed) -> tfgc.data.Dataset | ((x_train, y_train), (x_test, y_test))``
+``load(seed) -> tfgc.apps.data.Dataset | ((x_train, y_train), (x_test, y_test))``
     NumPy arrays, as ``keras.datasets.*.load_data()`` returns them; ``seed`` is
     optional. Labels are integer class ids; images may be uint8 (scaled to [0, 1]) or
     float. Every worker calls it and trains on its own shard of the training set.
@@ -129,15 +129,15 @@ def outputs_probabilities(model) -> bool:
 
 
 def load_user_dataset(spec: str, dataset_type, seed: int = 0):
-    """Loads the data set of ``spec`` as a ``dataset_type`` (``tfgc.data.Dataset``, which
-    ``tfgc.data.load_dataset`` hands in: data imports this module, not the reverse)."""
+    """Loads the data set of ``spec`` as a ``dataset_type`` (``tfgc.apps.data.Dataset``, which
+    ``tfgc.apps.data.load_dataset`` hands in: data imports this module, not the reverse)."""
     loaded = _call_with(resolve(spec, "--dataset"), seed=int(seed))
     if isinstance(loaded, dataset_type):
         return loaded
     try:
         (x_train, y_train), (x_test, y_test) = loaded
     except (TypeError, ValueError):
-        raise TypeError(f"--dataset={spec!r} must return a tfgc.data.Dataset or "
+        raise TypeError(f"--dataset={spec!r} must return a tfgc.apps.data.Dataset or "
                         "((x_train, y_train), (x_test, y_test)); got "
                         f"{type(loaded).__name__}") from None
     x_train, x_test = _images(x_train, "x_train", spec), _images(x_test, "x_test", spec)

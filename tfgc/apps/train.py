@@ -24,13 +24,13 @@ FLAGS = flags.FLAGS
 
 
 def _builtin(module, names):
-    """tfgc.<module>.<names>: the built-in models or data sets (no TensorFlow import)."""
+    """tfgc.apps.<module>.<names>: the built-in models or data sets (no TensorFlow import)."""
     import importlib
-    return getattr(importlib.import_module(f"tfgc.{module}"), names)
+    return getattr(importlib.import_module(f"tfgc.apps.{module}"), names)
 
 
 def _is_entry_point(value):
-    from tfgc.entry_points import is_entry_point
+    from tfgc.apps.entry_points import is_entry_point
     return is_entry_point(value)
 
 
@@ -38,11 +38,11 @@ flags.DEFINE_string("compressor", "ef+topk:ratio=0.01",
                     "Compressor spec, e.g. 'none', 'qsgd:levels=7', 'ef+topk:ratio=0.001'.")
 flags.DEFINE_string("model", "mlp", "Model to train: 'mlp', 'cnn', or your own as "
                     "package.module:build_fn, called as build_fn(input_shape, num_classes, seed) "
-                    "and returning an uncompiled tf_keras.Model (see tfgc.entry_points).")
+                    "and returning an uncompiled tf_keras.Model (see tfgc.apps.entry_points).")
 flags.DEFINE_string("dataset", "fashion_mnist", "Data set: 'fashion_mnist', 'mnist5k', "
                     "'synthetic', or your own as package.module:load_fn, called as "
                     "load_fn(seed) and returning ((x_train, y_train), (x_test, y_test)) or a "
-                    "tfgc.data.Dataset; each worker trains on its own shard.")
+                    "tfgc.apps.data.Dataset; each worker trains on its own shard.")
 flags.DEFINE_integer("epochs", 2, "Epochs over each worker's shard.", lower_bound=1)
 flags.DEFINE_integer("batch_size", 64, "Batch size per worker.", lower_bound=1)
 flags.DEFINE_float("learning_rate", 0.05, "Learning rate (with --lr_scaling=linear: the rate "
@@ -245,12 +245,12 @@ def train_and_evaluate(strategy, *, model="mlp", dataset="mnist5k", epochs=1, ba
     """Trains ``model`` on this worker's shard of ``dataset`` under ``strategy``.
 
     Returns a dict of results (accuracy, bytes, ratio, step time) and the model.
-    ``data`` may pass a loaded ``tfgc.data.Dataset`` to skip loading.
+    ``data`` may pass a loaded ``tfgc.apps.data.Dataset`` to skip loading.
     ``lr_scaling="linear"`` trains at (number of workers) x ``learning_rate`` after
     ``warmup_epochs`` epochs of linear warm-up (see ``make_learning_rate``); the results
     then also hold ``base_learning_rate``, ``peak_learning_rate`` and ``warmup_steps``.
     ``model`` and ``dataset`` may name a user's ``package.module:function`` (see
-    ``tfgc.entry_points``). ``eval_each_epoch`` adds ``curve``: per epoch, the test
+    ``tfgc.apps.entry_points``). ``eval_each_epoch`` adds ``curve``: per epoch, the test
     accuracy, cumulative bytes sent per worker and training time. ``progress`` (default:
     on worker 0 when ``verbose`` is None) draws a text progress bar instead of Keras's.
     ``tensorboard`` is a directory for ``CompressionStatsCallback(log_dir=...)``.
@@ -259,8 +259,8 @@ def train_and_evaluate(strategy, *, model="mlp", dataset="mnist5k", epochs=1, ba
     """
     import tf_keras as keras
 
-    from tfgc import data as data_lib
-    from tfgc import models
+    from tfgc.apps import data as data_lib
+    from tfgc.apps import models
 
     rank, num_workers = worker_info(strategy)
     ds = data if data is not None else data_lib.load_dataset(dataset, seed=seed)
@@ -278,7 +278,7 @@ def train_and_evaluate(strategy, *, model="mlp", dataset="mnist5k", epochs=1, ba
                                        drop_remainder=False)
     warmup_steps = warmup_steps_for(warmup_epochs, steps)
 
-    from tfgc.entry_points import outputs_probabilities
+    from tfgc.apps.entry_points import outputs_probabilities
     with strategy.scope():
         compressor = getattr(strategy, "compressor", None)
         # Variance-based compression reads per-sample second moments: MomentDense.
@@ -420,9 +420,9 @@ def _spec(compressor):
 
 
 def _launch_local_cluster():
-    from tfgc.launch import launch
+    from tfgc.apps.launch import launch
     # absl hands main() only the positional arguments; the workers need every flag.
-    command = [sys.executable, "-m", "tfgc.train"] + sys.argv[1:]
+    command = [sys.executable, "-m", "tfgc.apps.train"] + sys.argv[1:]
     result = launch(command, FLAGS.workers, timeout=FLAGS.timeout or None,
                     restarts=FLAGS.restarts, echo=None if FLAGS.tf_logs else shown_line)
     if not result.ok:
@@ -435,7 +435,7 @@ def _check_entry_points():
     stops the run at once with one message instead of once per worker. The module is
     located, not imported (importing it would import TensorFlow here too); the workers
     import it and check the function."""
-    from tfgc import entry_points
+    from tfgc.apps import entry_points
     for flag in ("model", "dataset"):
         value = getattr(FLAGS, flag).strip()
         if not entry_points.is_entry_point(value):
@@ -447,8 +447,8 @@ def _check_entry_points():
 
 
 def shown_line(line):
-    """False for a line of TensorFlow's start-up noise (``tfgc.launch.is_tensorflow_noise``)."""
-    from tfgc.launch import is_tensorflow_noise
+    """False for a line of TensorFlow's start-up noise (``tfgc.apps.launch.is_tensorflow_noise``)."""
+    from tfgc.apps.launch import is_tensorflow_noise
     return not is_tensorflow_noise(line)
 
 
@@ -563,7 +563,7 @@ def _check_compression_flags(launching):
             sys.exit(error)
         return
     import subprocess
-    code = ("import sys; from tfgc.train import compression_error; "
+    code = ("import sys; from tfgc.apps.train import compression_error; "
             "e = compression_error(sys.argv[1], sys.argv[2]); print(e or ''); "
             "sys.exit(1 if e else 0)")
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"))

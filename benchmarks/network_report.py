@@ -1,0 +1,376 @@
+"""The network benchmark's report: its vocabulary (link rates, configurations), the
+speed-ups, the Markdown tables and the SVG plot, from the sweep's runs.
+
+``network.py`` runs the sweep and calls ``add_speedups``, ``render_markdown`` and
+``render_svg``; ``figures.py`` reads rates and names here. Standard library only.
+"""
+
+import math
+import os
+import re
+import sys
+from xml.sax.saxutils import escape
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402,F401  (puts the repo root on sys.path)
+from netns import SUBNET  # noqa: E402
+from tfgc.apps.plots import Panel, fmt_bytes  # noqa: E402  (stdlib only)
+
+STOCK = "stock"
+_RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)([kmgt]?)bit$")
+
+
+def rate_bps(rate):
+    """'100mbit' -> 1e8 (bits per second, tc's decimal units)."""
+    m = _RATE_RE.match(rate.strip().lower())
+    if not m:
+        raise ValueError(f"link rate {rate!r}: use tc's syntax, e.g. 100mbit, 1gbit, 10gbit")
+    return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2)]
+
+
+def rate_label(rate):
+    """'100mbit' (or 1e8) -> '100 Mbit/s'."""
+    bps = rate if isinstance(rate, (int, float)) else rate_bps(rate)
+    for unit, scale in (("Tbit/s", 1e12), ("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bps >= scale:
+            return f"{bps / scale:g} {unit}"
+    return f"{bps:g} bit/s"
+
+
+def split_config(config):
+    """'qsgd:levels=7@allgather' -> ('qsgd:levels=7', 'allgather'); no '@': 'auto'.
+
+    The communication may end in ':bucket_mb=M' (the strategy's ``bucket_bytes``,
+    in MiB), e.g. 'onebit@reduce_scatter:bucket_mb=4'; ``split_options`` reads it.
+    """
+    if config == STOCK:
+        return None, None
+    spec, sep, comm = config.rpartition("@")
+    if not sep:
+        spec, comm = config, "auto"
+    if not spec or not comm:
+        raise ValueError(f"configuration {config!r}: expected SPEC@COMMUNICATION, "
+                         "e.g. 'qsgd:levels=7@allgather'")
+    return spec, comm
+
+
+def split_options(comm):
+    """'reduce_scatter:bucket_mb=4' -> ('reduce_scatter', {'bucket_bytes': 4 << 20})."""
+    comm, sep, rest = comm.partition(":")
+    options = {}
+    if sep:
+        key, eq, value = rest.partition("=")
+        if key != "bucket_mb" or not eq or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"communication {comm + sep + rest!r}: the only option is "
+                             "':bucket_mb=M' with M a positive integer")
+        options["bucket_bytes"] = int(value) << 20
+    return comm, options
+
+
+def add_speedups(runs):
+    stock = {(r["model"], r["rate"], r["workers"]): r for r in runs
+             if r["config"] == STOCK and r.get("status") == "ok"}
+    for r in runs:
+        base = stock.get((r["model"], r["rate"], r["workers"]))
+        if r.get("status") == "ok" and base:
+            r["speedup"] = base["median_ms"] / r["median_ms"]
+
+
+def fmt_ms(ms):
+    return f"{ms:.0f}" if ms >= 100 else f"{ms:.1f}"
+
+
+BUSY_SHARE = 0.25  # other processes took more than this share of the cores: flagged
+
+
+def _busy(run):
+    return bool(run) and run.get("status") == "ok" and \
+        run["other_cpu_cores"] > BUSY_SHARE * (os.cpu_count() or 1)
+
+
+def _find(runs, model, rate, n, config, kinds=("main",)):
+    for r in runs:
+        if (r["model"], r["rate"], r["workers"], r["config"]) == (model, rate, n, config) \
+                and r["kind"] in kinds and r.get("status"):
+            return r
+    return None
+
+
+def _table(header, align, rows):
+    out = ["| " + " | ".join(header) + " |",
+           "|" + "|".join(":---" if a == "l" else "---:" for a in align) + "|"]
+    out += ["| " + " | ".join(row) + " |" for row in rows]
+    return out
+
+
+def _failed_row(cells_runs, ncols):
+    """If every run of a row failed for one reason: a row that says so, else None."""
+    done = [r for r in cells_runs if r is not None]
+    if done and all(r["status"] == "failed" for r in done):
+        reasons = list(dict.fromkeys(r["reason"].replace(" (not run again)", "")
+                                     for r in done))
+        if len(reasons) == 1:
+            return [f"failed: {_cell(reasons[0])}"] + ["–"] * (ncols - 1)
+    return None
+
+
+def _cell(text):
+    return text.replace("|", "\\|")
+
+
+def _config_rows(configs, cells_for, ncols, fill):
+    """One row per configuration: its name, then ``fill(its runs)``, or why it failed."""
+    rows = []
+    for c in configs:
+        cell_runs = cells_for(c)
+        failed = _failed_row(cell_runs, ncols)
+        rows.append([f"`{c}`"] + (failed if failed else fill(cell_runs)))
+    return rows
+
+
+def render_markdown(report, args):
+    runs = report["runs"]
+    ok = [r for r in runs if r.get("status") == "ok"]
+    configs = [STOCK] + args.configs
+    rates = sorted(args.rates, key=rate_bps, reverse=True)  # fastest first
+    fast, slow = rates[0], rates[-1]
+    lines = ["# Bandwidth-limited cluster: step time and bytes on the wire", ""]
+    lines.append(f"Command: `{report['command']}`  ")
+    lines.append(f"Started {report['started']} on {report['cpu_count']} cores; "
+                 f"{report['wall_s'] / 60:.1f} min in all"
+                 + ("" if report["complete"] else " (**interrupted: incomplete**)") + ".  ")
+    lines.append(f"Links: `{report['link']}`. Workers at {SUBNET}.1..N, one network "
+                 "namespace each.  ")
+    datasets = sorted({r["dataset"] for r in ok})
+    notes = sorted({r["dataset_note"] for r in ok if r.get("dataset_note")})
+    models_desc = []
+    for m in args.models:
+        r = next((x for x in ok if x["model"] == m), None)
+        if r:
+            arch = " (784-2048-2048-10)" if m == "wide_mlp" else ""
+            models_desc.append(f"{m}{arch}: {r['params']:,} parameters, "
+                               f"{fmt_bytes(r['dense_bytes'])} of gradients")
+    lines.append(f"Data: {', '.join(datasets) or '–'}"
+                 + (" (real)" if datasets == ["fashion_mnist"] else "")
+                 + (f" ({'; '.join(notes)})" if notes else "")
+                 + f", batch {args.batch_size} per worker, momentum SGD (plain SGD with a "
+                 "compressor that applies the momentum itself: dgc, momentum=m). "
+                 + "; ".join(models_desc) + ".  ")
+    lines.append(f"Step time: median of worker 0's {args.steps} timed batches after "
+                 f"{args.warmup} warm-up batches. Speed-up: stock median / this median at the "
+                 "same model, rate and N. Bytes: per worker and step, MB = 10^6 bytes. "
+                 "`veth sent`: the worker's link counter (tx_bytes of its veth, mean over "
+                 "workers), everything on the wire; `strategy`: "
+                 "`compression_stats()` sent_bytes (for stock: the ring formula "
+                 "2(N-1)/N x gradient bytes).")
+    lines.append("")
+
+    groups = list(dict.fromkeys((r["model"], r["workers"]) for r in runs if r["kind"] == "main"))
+    for model, n in groups:
+        lines += [f"## {model}, {n} workers", ""]
+        header = ["configuration"] + [f"{rate_label(r)} ms" for r in rates]
+        if len(rates) > 1:
+            header.append(f"compute floor ({rate_label(fast)}) / {rate_label(slow)}")
+        header += [f"speed-up {rate_label(r)}" for r in rates]
+        flagged = []
+
+        def times(cell_runs):
+            row = []
+            for r in cell_runs:
+                row.append("–" if r is None else
+                           fmt_ms(r["median_ms"]) + ("†" if _busy(r) else "")
+                           if r["status"] == "ok" else "failed")
+                flagged.append(_busy(r))
+            if len(rates) > 1:
+                f_, s_ = cell_runs[0], cell_runs[-1]
+                if f_ and s_ and f_["status"] == s_["status"] == "ok":
+                    row.append(f"{fmt_ms(f_['median_ms'])} / {fmt_ms(s_['median_ms'])} ms "
+                               f"({100 * f_['median_ms'] / s_['median_ms']:.0f} %)")
+                else:
+                    row.append("–")
+            for r in cell_runs:
+                row.append(f"{r['speedup']:.2f}×" if r and r.get("speedup") else "–")
+            return row
+
+        at_rates = lambda c: [_find(runs, model, r, n, c) for r in rates]  # noqa: E731
+        rows = _config_rows(configs, at_rates, len(header) - 1, times)
+        lines += _table(header, ["l"] + ["r"] * (len(header) - 1), rows)
+        lines.append("")
+        if any(flagged):
+            lines += [f"† other processes took more than {BUSY_SHARE:.0%} of the "
+                      f"{os.cpu_count()} cores during the timed steps (`other_cpu_cores` in "
+                      "the JSON): that figure is slowed by load that is not the benchmark's.", ""]
+
+        header = ["configuration"] + [f"veth sent {rate_label(r)}" for r in rates] + \
+                 ["strategy sent", "veth / strategy", "dense ring"]
+
+        def sent(cell_runs):
+            row = ["–" if r is None else
+                   fmt_bytes(r["veth_tx_per_step"]) if r["status"] == "ok" else "failed"
+                   for r in cell_runs]
+            ref = next((r for r in cell_runs if r and r["status"] == "ok"), None)
+            if ref:
+                strat = ref["strategy_sent_per_step"]
+                row += [fmt_bytes(strat) + (" (formula)" if ref["config"] == STOCK else ""),
+                        f"{ref['veth_tx_per_step'] / strat:.2f}" if strat else "–",
+                        fmt_bytes(ref["dense_sent_per_step"])]
+            else:
+                row += ["–"] * 3
+            return row
+
+        rows = _config_rows(configs, at_rates, len(header) - 1, sent)
+        lines += _table(header, ["l"] + ["r"] * (len(header) - 1), rows)
+        lines.append("")
+
+    # Bytes vs N, at the bytes rate, from every run there (main or bytes sweep).
+    ns = sorted({r["workers"] for r in runs if r["rate"] == args.bytes_rate})
+    if len(ns) > 1 or args.bytes_workers:
+        for model in args.models:
+            lines += [f"## Bytes per worker per step vs N: {model}, {rate_label(args.bytes_rate)}",
+                      "", "veth sent / strategy's figure; timed steps: "
+                      f"{args.bytes_steps} (bytes sweep) or {args.steps} (step-time sweep).", ""]
+            header = ["configuration"] + [f"N={n}" for n in ns]
+
+            def per_n(cell_runs):
+                return ["–" if r is None else "failed" if r["status"] != "ok" else
+                        f"{fmt_bytes(r['veth_tx_per_step'])} / "
+                        f"{fmt_bytes(r['strategy_sent_per_step'])}" for r in cell_runs]
+
+            rows = _config_rows(
+                configs, lambda c, model=model: [
+                    _find(runs, model, args.bytes_rate, n, c, ("main", "bytes")) for n in ns],
+                len(header) - 1, per_n)
+            lines += _table(header, ["l"] + ["r"] * len(ns), rows)
+            lines.append("")
+
+    failures = [r for r in runs if r.get("status") == "failed"]
+    if failures:
+        lines += ["## Failed runs", ""]
+        for r in failures:
+            lines.append(f"- `{r['config']}`, {r['model']}, N={r['workers']}, {r['rate']}: "
+                         f"failed: {r['reason']}")
+        lines.append("")
+    missing = [r for r in runs if not r.get("status")]
+    if missing:
+        lines.append(f"{len(missing)} planned run(s) did not happen (interrupted).")
+        lines.append("")
+    return "\n".join(lines)
+
+
+PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2",
+           "#17becf", "#7f7f7f", "#bcbd22", "#393b79", "#637939"]
+
+
+DASHES = ["", "6,3", "2,3", "8,3,2,3", "1,2"]
+
+
+def _nice_max(v):
+    if v <= 0:
+        return 1.0
+    exp = 10 ** math.floor(math.log10(v))
+    for m in (1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10):
+        if m * exp >= v:
+            return m * exp
+    return 10 * exp
+
+
+def render_svg(report, args):
+    """Per model: speed-up vs link rate, and bytes per worker per step vs N."""
+    runs = [r for r in report["runs"] if r.get("status") == "ok"]
+    configs = [STOCK] + args.configs
+    color = {c: PALETTE[i % len(PALETTE)] for i, c in enumerate(configs)}
+    pw, ph, left, gap, top = 420, 260, 80, 130, 50
+    row_h = ph + 100
+    width = left + 2 * pw + gap + 30
+    body = []
+    models = [m for m in args.models if any(r["model"] == m for r in runs)] or args.models[:1]
+    for mi, model in enumerate(models):
+        y0 = top + mi * row_h
+        # Panel 1: speed-up vs link rate (log x), one line per config, dash per N.
+        mine = [r for r in runs if r["model"] == model and r["kind"] == "main"]
+        rates = sorted({rate_bps(r["rate"]) for r in mine} or {1e8, 1e10})
+        xlim = (rates[0] / 2, rates[-1] * 2)
+        sp = [r["speedup"] for r in mine if r.get("speedup")]
+        ymax = _nice_max(max(sp + [1.0]) * 1.08)
+        p = Panel(body, left, y0, pw, ph, xlim, (0, ymax), xlog=True)
+        step = _nice_max(ymax / 6)
+        yt = [(i * step, f"{i * step:g}×") for i in range(int(ymax / step + 1e-9) + 1)]
+        xt = [(b, rate_label(b)) for b in rates]
+        ns = sorted({r["workers"] for r in mine})
+        p.frame(f"{model}: speed-up vs stock"
+                + (f", N={ns[0]}" if len(ns) == 1 else ", N: " + " ".join(map(str, ns))),
+                "link rate (log scale)", "speed-up (stock = 1×)", xt, yt)
+        y1 = p.py(1.0)
+        body.append(f'<line x1="{left}" y1="{y1:.1f}" x2="{left + pw}" y2="{y1:.1f}" '
+                    'stroke="#000" stroke-width="1" stroke-dasharray="4,4"/>')
+        stock = {(r["rate"], r["workers"]): r for r in mine if r["config"] == STOCK}
+        for ni, n in enumerate(ns):
+            for c in configs:
+                got = sorted(((rate_bps(r["rate"]), r["speedup"]), _busy(r) or _busy(
+                    stock.get((r["rate"], n)))) for r in mine
+                    if r["config"] == c and r["workers"] == n and r.get("speedup"))
+                if got:
+                    p.series([pt for pt, _ in got], color[c], DASHES[ni % len(DASHES)],
+                             ringed=[i for i, (_, busy) in enumerate(got) if busy])
+        # Panel 2: bytes per worker per step vs N (log-log).
+        at = [r for r in runs if r["model"] == model and r["rate"] == args.bytes_rate]
+        nvals = sorted({r["workers"] for r in at}) or [2, 4, 8]
+        vals = [r[k] for r in at for k in ("veth_tx_per_step", "strategy_sent_per_step")
+                if r.get(k) and r[k] > 0]
+        lo = 10 ** math.floor(math.log10(min(vals))) if vals else 1e3
+        hi = 10 ** math.ceil(math.log10(max(vals))) if vals else 1e8
+        if hi <= lo:
+            hi = lo * 10
+        x0 = left + pw + gap
+        q = Panel(body, x0, y0, pw, ph, (nvals[0] / 1.3, nvals[-1] * 1.3), (lo, hi),
+                   xlog=True, ylog=True)
+        yt = [(10 ** e, fmt_bytes(10 ** e).replace(".0", ""))
+              for e in range(int(math.log10(lo)), int(math.log10(hi)) + 1)]
+        q.frame(f"{model}: bytes per worker per step, {rate_label(args.bytes_rate)}",
+                "workers N (log scale)", "bytes sent per worker per step",
+                [(n, str(n)) for n in nvals], yt)
+        for c in configs:
+            mine_c = sorted(((r["workers"], r) for r in at if r["config"] == c),
+                            key=lambda t: t[0])
+            veth = [(n, r["veth_tx_per_step"]) for n, r in mine_c if r["veth_tx_per_step"] > 0]
+            strat = [(n, r["strategy_sent_per_step"]) for n, r in mine_c
+                     if r["strategy_sent_per_step"] and r["strategy_sent_per_step"] > 0]
+            if veth:
+                q.series(veth, color[c])
+                # (bytes do not depend on the CPU load: no rings here)
+            if strat:
+                q.series(strat, color[c], "4,3", hollow=True)
+
+    # Legend below the panels: colours per configuration, then line styles.
+    ly = top + len(models) * row_h - 20
+    legend = []
+    for i, c in enumerate(configs):
+        col, rowi = i % 2, i // 2
+        x, y = left + col * (pw + gap), ly + rowi * 20
+        legend.append(f'<line x1="{x}" y1="{y - 4}" x2="{x + 28}" y2="{y - 4}" '
+                      f'stroke="{color[c]}" stroke-width="3"/>')
+        label = c if any(r["config"] == c for r in runs) else f"{c} (no data: failed)"
+        legend.append(f'<text x="{x + 36}" y="{y}">{escape(label)}</text>')
+    ly += ((len(configs) + 1) // 2) * 20 + 10
+    notes = ["left: median step time of stock / of the configuration at the same rate and N; "
+             "dashed black line = stock",
+             "right: solid, filled = veth tx_bytes per worker (measured); dashed, hollow = "
+             "the strategy's sent_bytes (stock: ring formula)"]
+    if any(_busy(r) for r in runs):
+        notes.append(f"grey ring: stock's or the configuration's step time was measured while "
+                     f"other processes took more than {BUSY_SHARE:.0%} of the cores (noisy)")
+    all_ns = sorted({r["workers"] for r in runs if r["kind"] == "main"})
+    if len(all_ns) > 1:
+        notes.append("left, line style per N: " + ", ".join(
+            f"N={n} {'solid' if not DASHES[i % len(DASHES)] else 'dash ' + DASHES[i % len(DASHES)]}"
+            for i, n in enumerate(all_ns)))
+    for i, text in enumerate(notes):
+        legend.append(f'<text x="{left}" y="{ly + i * 18}" fill="#444">{escape(text)}</text>')
+    height = ly + len(notes) * 18 + 10
+    title = (f"tfgc over shaped links ({report['started']}"
+             + ("" if report["complete"] else ", incomplete") + ")")
+    head = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+            f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="12">',
+            f'<rect width="{width}" height="{height}" fill="white"/>',
+            f'<text x="{left}" y="20" font-size="14" font-weight="bold">{escape(title)}</text>']
+    return "\n".join(head + body + legend + ["</svg>", ""])
