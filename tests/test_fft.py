@@ -43,12 +43,15 @@ def range_float_numpy(x, bits, exponent_bits):
     return codes, top, np.where(sign > 0, -magnitude, magnitude).astype(np.float32)
 
 
-def fft_numpy(x, theta, bits=8, exponent_bits=3):
+def fft_numpy(x, theta, bits=8, exponent_bits=3, chunk_size=16384):
     """Decoded output of one worker's payload for float32 ``x``."""
     flat = np.asarray(x, np.float32).reshape(-1)
     n = flat.size
-    spectrum = tf.signal.rfft(tf.constant(flat)).numpy()
-    m = n // 2 + 1
+    length = n if n <= chunk_size else chunk_size
+    chunks = -(-n // length)
+    frames = np.pad(flat, (0, chunks * length - n)).reshape(chunks, length)
+    spectrum = tf.signal.rfft(tf.constant(frames)).numpy().reshape(-1)
+    m = chunks * (length // 2 + 1)
     k = min(m, max(1, math.ceil((1 - theta) * m - 1e-9)))
     power = spectrum.real.astype(np.float32) ** 2 + spectrum.imag.astype(np.float32) ** 2
     kept = np.sort(np.argsort(-power, kind="stable")[:k])
@@ -56,7 +59,8 @@ def fft_numpy(x, theta, bits=8, exponent_bits=3):
     _, _, decoded = range_float_numpy(parts, bits, exponent_bits)
     rebuilt = np.zeros(m, np.complex128)
     rebuilt[kept] = decoded[0::2] + 1j * decoded[1::2]
-    return np.fft.irfft(rebuilt, n).reshape(np.shape(x)).astype(np.float32)
+    frames = np.fft.irfft(rebuilt.reshape(chunks, length // 2 + 1), length)
+    return frames.reshape(-1)[:n].reshape(np.shape(x)).astype(np.float32)
 
 
 def ef_fft_numpy(v):
@@ -105,6 +109,27 @@ def test_compress_matches_numpy_model(shape, theta):
     np.testing.assert_allclose(got, fft_numpy(x.numpy(), theta), rtol=1e-4, atol=1e-5)
     k = c.num_kept(x.shape)
     assert [t.shape.as_list() for t in payload] == [[k], [math.ceil(2 * k * 8 / 32)], [1]]
+
+
+@pytest.mark.parametrize("shape,chunk_size", [((40, 30), 256), ((1001,), 1000), ((64, 64), 1024)])
+def test_chunks_match_numpy_model(shape, chunk_size):
+    # Larger tensors are cut into chunks of chunk_size entries (the last zero-padded),
+    # one FFT each; the kept coefficients are the largest among all chunks'.
+    c = FFT(theta=0.9, chunk_size=chunk_size)
+    x = tf.random.stateless_normal(shape, seed=[3, len(shape)])
+    x = x + tf.reshape(tf.sin(tf.linspace(0.0, 50.0, int(np.prod(shape)))), shape) * 3.0
+    chunks, length = c.layout(x.shape)
+    assert length == chunk_size and chunks == math.ceil(np.prod(shape) / chunk_size)
+    assert c.num_coefficients(x.shape) == chunks * (chunk_size // 2 + 1)
+    payload, _ = c.compress(x, {}, CompressContext())
+    got = c.decompress(payload, x.shape, tf.float32, CompressContext()).numpy()
+    np.testing.assert_allclose(got, fft_numpy(x.numpy(), 0.9, chunk_size=chunk_size),
+                               rtol=1e-4, atol=1e-5)
+    # Nothing dropped, 16 bits: every chunk comes back, the padding cut off.
+    exact = FFT(theta=0.0, bits=16, exponent_bits=5, chunk_size=chunk_size)
+    payload, _ = exact.compress(x, {}, CompressContext())
+    back = exact.decompress(payload, x.shape, tf.float32, CompressContext()).numpy()
+    assert np.linalg.norm(back - x.numpy()) / np.linalg.norm(x.numpy()) < 2e-3
 
 
 def test_no_dropping_at_16_bits_is_nearly_exact():
@@ -168,7 +193,7 @@ def test_malformed_payloads_fail_with_invalid_argument():
     ("fft:theta=1.0", "theta"), ("fft:theta=-0.5", "theta"), ("fft:bits=4", "bits"),
     ("fft:bits=32", "bits"), ("fft:exponent_bits=0", "exponent_bits"),
     ("fft:exponent_bits=7", "exponent_bits"), ("fft:decay_steps=-1", "decay_steps"),
-    ("fft:theta=0.5,final_theta=0.6", "final_theta"),
+    ("fft:theta=0.5,final_theta=0.6", "final_theta"), ("fft:chunk_size=1", "chunk_size"),
 ])
 def test_bad_hyperparameters_name_the_argument(spec, arg):
     with pytest.raises(ValueError, match=arg):

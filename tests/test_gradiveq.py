@@ -139,7 +139,8 @@ def test_learned_basis_holds_all_but_lambda_of_the_variance():
 def test_convolution_slices_are_whole_depth_filter_blocks():
     c = GradiVeQ()
     assert c.slice_length(tf.TensorShape([3, 3, 16, 16])) == 768  # 3 blocks of 16 x 16
-    assert c.slice_length(tf.TensorShape([3, 3, 32, 64])) == 2048  # one block, larger
+    assert c.slice_length(tf.TensorShape([7, 7, 3, 64])) == 768  # 4 blocks of 3 x 64
+    assert c.slice_length(tf.TensorShape([3, 3, 3, 1])) == 27  # every position, no more
     assert c.supports(tf.TensorShape([3, 3, 16, 16]), tf.float32)
     # Fully-connected layers stay uncompressed unless asked (the paper's choice).
     assert not c.supports(tf.TensorShape([784, 256]), tf.float32)
@@ -172,3 +173,56 @@ def test_registry_and_no_error_feedback():
     with pytest.raises(ValueError, match="without error feedback"):
         tfgc.get_compressor("ef+gradiveq")
     assert math.isclose(c.energy, 0.01)
+
+
+# Kernel shapes of tf_keras.applications (ResNet50, MobileNetV2, VGG16, DenseNet121,
+# EfficientNetB0) and odd ones: the stems, 1 x 1 bottlenecks, 3 x 3 and 7 x 7 convolutions,
+# depthwise kernels (F = 1), and sides that divide into no power of two.
+APPLICATION_KERNELS = [
+    (7, 7, 3, 64), (1, 1, 64, 256), (3, 3, 512, 512), (1, 1, 2048, 512), (1, 1, 1024, 2048),
+    (3, 3, 3, 32), (3, 3, 32, 1), (1, 1, 320, 1280), (3, 3, 960, 1), (3, 3, 512, 4096),
+    (1, 1, 1024, 128), (5, 5, 672, 1), (3, 3, 17, 33), (2, 3, 700, 9), (1, 1, 5, 4000),
+]
+
+
+@pytest.mark.parametrize("shape", APPLICATION_KERNELS)
+def test_slices_stay_near_slice_size_on_any_kernel_and_round_trip(shape):
+    c = GradiVeQ()
+    k, slices, d = c.dims(tf.TensorShape(shape))
+    n = int(np.prod(shape))
+    # K stays near the target whatever the width (a wide D x F block would make it
+    # D F, and its K x K covariance the memory of many models), and small kernels
+    # are never padded past their own size.
+    assert min(n, c.slice_size // 2) <= k <= 2 * c.slice_size
+    assert slices * k >= n and slices * k <= 1.25 * n + k
+    state = c.init_state(tf.TensorShape(shape), tf.float32)
+    assert state["cov"].shape == (k, k) and state["basis"].shape == (k, d)
+    x = tf.random.stateless_normal(shape, seed=[1, 2])
+    rows = c._slices(x)
+    assert rows.shape == (slices, k)
+    np.testing.assert_array_equal(c._unslice(rows, tf.TensorShape(shape), tf.float32), x)
+    tiles = c.tiles(tf.TensorShape(shape))
+    if tiles is not None:
+        # A slice of a tiled kernel is one tile of t_D channels by t_F filters at c
+        # collocated positions: the first slice is exactly that corner of x.
+        cpos, t_d, t_f = tiles
+        corner = tf.reshape(x, [-1, shape[2], shape[3]])[:cpos, :t_d, :t_f]
+        np.testing.assert_array_equal(rows[0], tf.reshape(corner, [-1]))
+
+
+def test_memory_is_a_small_multiple_of_resnet50_kernels():
+    # Every conv kernel of ResNet-50 (counted from the architecture: the stem, then
+    # per bottleneck 1x1, 3x3, 1x1, plus one projection per stage).
+    c = GradiVeQ()
+    shapes = [(7, 7, 3, 64)]
+    for blocks, width, first in ((3, 64, 64), (4, 128, 256), (6, 256, 512), (3, 512, 1024)):
+        for b in range(blocks):
+            in_ch = first if b == 0 else 4 * width
+            shapes += [(1, 1, in_ch, width), (3, 3, width, width), (1, 1, width, 4 * width)]
+        shapes.append((1, 1, first, 4 * width))
+    assert len(shapes) == 53
+    model = sum(int(np.prod(s)) for s in shapes)
+    state = sum(sum(int(np.prod(v.shape)) for v in c.init_state(tf.TensorShape(s), tf.float32)
+                    .values()) for s in shapes)
+    # Per layer: a K x K covariance, a K x d' basis and two K vectors, K near 768.
+    assert state <= 2 * model, (state, model)

@@ -311,10 +311,11 @@ def thresholds_check(strategy, out_dir):
         np.savez(os.path.join(out_dir, f"thresholds.{spec}.w{rank}.npz"), **arrays)
 
 
-GRADIVEQ_SPEC = "gradiveq:slice_size=64,max_dim=8,learn_steps=8,compress_steps=2"
+GRADIVEQ_SPEC = "gradiveq:slice_size=256,max_dim=8,learn_steps=8,compress_steps=2"
 GRADIVEQ_STEPS = 12
-# A convolution kernel (slices of one 16 x 16 depth-filter block, 256 entries) and
-# its bias (dense).
+# A convolution kernel (slices of one 16 x 16 depth-filter block, 256 entries: the
+# paper's whole-block layout, which a slice_size of at least D x F keeps) and its bias
+# (dense).
 GRADIVEQ_SHAPES = [(3, 3, 16, 16), (16,)]
 
 

@@ -7,10 +7,15 @@ to U_d^T (sum g - mu), and the receiver decompresses once: U_d (sum) + mu.
 
 Layout: a convolution kernel [H, W, D, F] flattened row-major has each spatial
 position's D x F block contiguous (filters fastest, then depth, then width, then
-height, as the paper lays it out), so a slice is a whole number of those blocks:
-K = D F c with c = round(``slice_size`` / (D F)), at least 1. The paper leaves
-fully-connected layers uncompressed; ``dense_layers=True`` compresses 2-D kernels
-too, in flat slices of ``slice_size``. The last slice is padded with zeros.
+height, as the paper lays it out). Where a block fits in ``slice_size`` (the paper's
+networks, 16 to 64 channels), a slice is a whole number of blocks: K = D F c with
+c = round(``slice_size`` / (D F)), at least 1 and at most H W. A wider layer is cut
+into tiles of t_D channels by t_F filters (``tiles``), and a slice holds one tile at
+c collocated positions, K = t_D t_F c near ``slice_size``: ResNet-50's [3, 3, 512,
+512] kernel would otherwise make K = 262,144 and a K x K covariance of 275 GB.
+Memory is then O(``slice_size``^2) per layer whatever its width. The paper leaves fully-connected
+layers uncompressed; ``dense_layers=True`` compresses 2-D kernels too, in flat slices
+of ``slice_size``. Padding (of the last slice, or of a tile row) is zeros.
 
 Learning the compressor, in cycles of ``learn_steps`` + ``compress_steps`` steps:
 
@@ -30,6 +35,8 @@ The paper's learning steps may send 4-bit QSGD instead of raw gradients; tfgc se
 them raw, so a cycle's mean ratio is (L_t + L_c) / (L_t + L_c d'/K). No error
 feedback, as in the paper.
 """
+
+import math
 
 import tensorflow as tf
 
@@ -70,17 +77,46 @@ class GradiVeQ(Compressor):
 
     # -- layout ---------------------------------------------------------------------
 
+    def tiles(self, shape):
+        """(c, t_D, t_F) for a convolution kernel wider than a slice, else None.
+
+        Tiles start square, t = the largest power of two with t^2 <= ``slice_size``
+        (16 for 768: the paper's 3 x 16 x 16), and a narrow side gives its room to the
+        other; each side is then evened out so that padding stays under one tile row.
+        """
+        dims = shape.as_list()
+        if len(dims) != 4 or dims[2] * dims[3] <= self.slice_size:
+            return None
+        positions, depth, filters = dims[0] * dims[1], dims[2], dims[3]
+        t = 1 << (int(math.isqrt(self.slice_size)).bit_length() - 1)
+        t_f = _even(filters, max(t, self.slice_size // min(depth, t)))
+        t_d = _even(depth, max(1, self.slice_size // t_f))
+        c = min(positions, max(1, int(round(self.slice_size / (t_d * t_f)))))
+        return c, t_d, t_f
+
     def slice_length(self, shape) -> int:
+        tiles = self.tiles(shape)
+        if tiles is not None:
+            c, t_d, t_f = tiles
+            return c * t_d * t_f
         dims = shape.as_list()
         if len(dims) == 4:
+            # At most every position: a small kernel is one slice, unpadded.
             unit = dims[2] * dims[3]
-            return unit * max(1, int(round(self.slice_size / unit)))
+            return unit * min(dims[0] * dims[1], max(1, int(round(self.slice_size / unit))))
         return min(self.slice_size, num_elements(shape))
 
     def dims(self, shape):
         """(K, slices, d') for a gradient of ``shape``."""
         k = self.slice_length(shape)
-        return k, -(-num_elements(shape) // k), min(self.max_dim, k)
+        tiles = self.tiles(shape)
+        if tiles is None:
+            slices = -(-num_elements(shape) // k)
+        else:
+            c, t_d, t_f = tiles
+            h, w, depth, filters = shape.as_list()
+            slices = -(-h * w // c) * -(-depth // t_d) * -(-filters // t_f)
+        return k, slices, min(self.max_dim, k)
 
     def supports(self, shape, dtype):
         if not super().supports(shape, dtype):
@@ -89,14 +125,34 @@ class GradiVeQ(Compressor):
         return rank == 4 or (self.dense_layers and rank == 2)
 
     def _slices(self, x):
+        """``x`` as its [slices, K] matrix, float32."""
         k, slices, _ = self.dims(x.shape)
-        flat = tf.cast(tf.reshape(x, [-1]), tf.float32)
-        flat = tf.pad(flat, [[0, slices * k - num_elements(x.shape)]])
-        return tf.reshape(flat, [slices, k])
+        tiles = self.tiles(x.shape)
+        if tiles is None:
+            flat = tf.cast(tf.reshape(x, [-1]), tf.float32)
+            flat = tf.pad(flat, [[0, slices * k - num_elements(x.shape)]])
+            return tf.reshape(flat, [slices, k])
+        c, t_d, t_f = tiles
+        h, w, depth, filters = x.shape.as_list()
+        p, nd, nf = -(-h * w // c), -(-depth // t_d), -(-filters // t_f)
+        grid = tf.reshape(tf.cast(x, tf.float32), [h * w, depth, filters])
+        grid = tf.pad(grid, [[0, p * c - h * w], [0, nd * t_d - depth], [0, nf * t_f - filters]])
+        grid = tf.reshape(grid, [p, c, nd, t_d, nf, t_f])
+        # Tile by tile (channel tile, filter tile), then by group of c positions.
+        return tf.reshape(tf.transpose(grid, [2, 4, 0, 1, 3, 5]), [slices, k])
 
     def _unslice(self, rows, shape, dtype):
-        flat = tf.reshape(rows, [-1])[:num_elements(shape)]
-        return tf.reshape(tf.cast(flat, dtype), shape)
+        """Inverse of ``_slices``: the [slices, K] matrix back to ``shape`` and ``dtype``."""
+        tiles = self.tiles(shape)
+        if tiles is None:
+            flat = tf.reshape(rows, [-1])[:num_elements(shape)]
+            return tf.reshape(tf.cast(flat, dtype), shape)
+        c, t_d, t_f = tiles
+        h, w, depth, filters = shape.as_list()
+        p, nd, nf = -(-h * w // c), -(-depth // t_d), -(-filters // t_f)
+        grid = tf.transpose(tf.reshape(rows, [nd, nf, p, c, t_d, t_f]), [2, 3, 0, 4, 1, 5])
+        grid = tf.reshape(grid, [p * c, nd * t_d, nf * t_f])[:h * w, :depth, :filters]
+        return tf.reshape(tf.cast(grid, dtype), shape)
 
     # -- schedule ---------------------------------------------------------------------
 
@@ -189,9 +245,8 @@ class GradiVeQ(Compressor):
             rows = tf.matmul(projected, state["basis"], transpose_b=True) + state["mean"][None, :]
             return self._unslice(rows, shape, dtype), state
         total = tf.reshape(tf.cast(flat, tf.float32), [-1])
-        k, _, _ = self.dims(shape)
-        sample = total[:k]
-        sample = tf.pad(sample, [[0, k - int(sample.shape[0])]])
+        # The aggregated gradient's first slice (the first tile's, for a wide layer).
+        sample = self._slices(tf.reshape(total, shape))[0]
         period = self.learn_steps + self.compress_steps
         in_window = tf.math.floormod(tf.cast(ctx.step, tf.int64), period)
         keep = tf.where(tf.equal(in_window, 0), 0.0, 1.0)  # a new window starts afresh
@@ -203,3 +258,9 @@ class GradiVeQ(Compressor):
                               lambda: (state["basis"], state["mean"]))
         out = tf.reshape(tf.cast(total, dtype), shape)
         return out, {"basis": basis, "mean": mean, "cov": cov, "sum": sums, "count": count}
+
+
+def _even(n: int, cap: int) -> int:
+    """The tile side for ``n`` entries at most ``cap`` long: as many tiles as ``cap``
+    needs, each as long as the others (the last padded by less than their number)."""
+    return -(-n // -(-n // max(1, cap)))

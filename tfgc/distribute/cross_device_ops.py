@@ -29,7 +29,6 @@ both if they differ.
 """
 
 import copy
-import hashlib
 import threading
 import weakref
 from typing import List
@@ -42,12 +41,11 @@ from tensorflow.python.distribute import cross_device_ops as cross_device_ops_li
 from tfgc import collectives
 from tfgc.compressors import get as get_compressor, serialize_config
 from tfgc.distribute import fusion, gradients, moments, momentum, paths
+from tfgc.distribute import settings as settings_lib
 from tfgc.distribute import state as state_lib
 from tfgc.distribute.policy import CompressionPolicy
 from tfgc.distribute.stats import CompressionStats, WireBytes
 
-# The settings string every worker sends before its first compressed step.
-_SETTINGS_WORDS = 256
 # Collectives that move state or settings (not gradients) give up after this long,
 # so a worker that saves or starts alone fails with a message instead of hanging.
 _EXCHANGE_TIMEOUT_S = 600.0
@@ -178,11 +176,9 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         self._models.add(model)
 
     def settings(self) -> str:
-        """What every worker must agree on, as one line."""
-        import tfgc
-        return (f"tfgc {tfgc.__version__}, tensorflow {tf.__version__}, compressor "
-                f"{serialize_config(self._compressor)}, policy {self._policy.get_config()}, "
-                f"communication {self._communication}, bucket_bytes {self._bucket_bytes}")
+        """What every worker must agree on, as one line (``tfgc.distribute.settings``)."""
+        return settings_lib.line(self._compressor, self._policy, self._communication,
+                                 self._bucket_bytes)
 
     def _path(self) -> str:
         """The communication this compressor uses: ``communication``, or auto's choice."""
@@ -246,26 +242,13 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         with self._settings_lock:
             if self._settings_checked == self._generation:
                 return
-            mine = self.settings()
-            raw = mine.encode()
-            if len(raw) > 4 * _SETTINGS_WORDS:
-                digest = hashlib.sha1(raw).hexdigest().encode()
-                raw = raw[:4 * _SETTINGS_WORDS - len(digest) - 4] + b" ..." + digest
-            raw = raw.ljust(4 * _SETTINGS_WORDS, b"\0")
+            words = settings_lib.encode(self.settings())
             with tf.init_scope():
                 rows = []
                 for device in self._replica_devices:
                     with tf.device(device):
-                        rows.append(tf.constant(np.frombuffer(raw, dtype=np.int32)))
-                table = self.gather_rows(rows).numpy()
-            everyone = [bytes(table[i].tobytes()).rstrip(b"\0").decode(errors="replace")
-                        for i in range(table.shape[0])]
-            for rank, theirs in enumerate(everyone):
-                if theirs != everyone[0]:
-                    raise ValueError(
-                        "tfgc: the workers' compression settings differ; every worker must run "
-                        f"the same compressor, policy and versions.\n  replica 0: {everyone[0]}"
-                        f"\n  replica {rank}: {theirs}")
+                        rows.append(tf.constant(words))
+                settings_lib.check_agree(self.gather_rows(rows).numpy())
             self._settings_checked = self._generation
 
     def _check_settings_from_replica(self):
@@ -370,8 +353,9 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         for i in probes:
             results[i] = tf.zeros_like(flat[i])
         tensor_pos = [i for i in tensor_pos if i not in probes]
-        tensors = [tf.convert_to_tensor(flat[i]) for i in tensor_pos]
         variables = [ctx.variables[i] for i in tensor_pos]
+        tensors = [gradients.with_variable_shape(tf.convert_to_tensor(flat[i]), v)
+                   for i, v in zip(tensor_pos, variables)]
         mask = [self._policy.should_compress(t, compressor) for t in tensors]
         if compressor.needs_second_moment:
             mask = self._with_moments(compressor, variables, mask, replica_id)
@@ -436,21 +420,9 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
 
         if replica_id == 0:
             self._stats.record(wire, ok)
-            if not tf.executing_eagerly() and wire.dynamic_payload:
-                logging.log_first_n(
-                    logging.INFO,
-                    "tfgc: %d of %d gradients compressed with %r over %s, in %d stages by step; "
-                    "per worker and step: %d bytes of gradients", 4, sum(mask), len(flat),
-                    compressor, paths.PATHS[self._path()].describe, len(compressor.stages()),
-                    wire.dense)
-            elif not tf.executing_eagerly():
-                logging.log_first_n(
-                    logging.INFO,
-                    "tfgc: %d of %d gradients compressed with %r over %s; per worker and step: "
-                    "%d bytes of gradients, %d bytes of payload, %d sent (a dense ring all-reduce "
-                    "sends %d)", 4, sum(mask), len(flat), compressor,
-                    paths.PATHS[self._path()].describe, wire.dense,
-                    wire.payload, wire.static_sent, wire.dense_sent)
+            if not tf.executing_eagerly():
+                wire.log_trace(sum(mask), len(flat), compressor,
+                               paths.PATHS[self._path()].describe)
         return results
 
     def _with_moments(self, compressor, variables, mask, replica_id):

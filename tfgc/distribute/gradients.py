@@ -100,3 +100,22 @@ def compress_gradients(variables: Sequence, owner):
                 if _contexts[i] is reduction:
                     del _contexts[i]
                     break
+
+
+def with_variable_shape(gradient: tf.Tensor, variable) -> tf.Tensor:
+    """``gradient`` with its variable's static shape where the graph lost it.
+
+    A gradient has its variable's shape, but the traced graph does not always say so:
+    the kernel of a Dense layer applied to a sequence gets its gradient through a
+    tensordot as [None, units]. The policy, the
+    paths and the state all need static shapes, so the variable's is asserted here
+    (``tf.ensure_shape``: a mismatch fails at run time, naming both). A gradient
+    without a variable, or whose variable's shape is unknown too, stays as it is and
+    goes dense.
+    """
+    if variable is None or gradient.shape.is_fully_defined():
+        return gradient
+    shape = tf.TensorShape(variable.shape)
+    if not shape.is_fully_defined() or not gradient.shape.is_compatible_with(shape):
+        return gradient
+    return tf.ensure_shape(gradient, shape)

@@ -250,9 +250,40 @@ class CompressionState(trackable.Trackable):
                 out.append((name, path, [fields[path] for _, fields in per_replica]))
         return out
 
+    def _trackable_children(self, save_type=trackable.SaveType.CHECKPOINT, **kwargs):
+        """In a SavedModel, the state variables are this object's children: the
+        exported graph and the traced save and restore functions capture them, so
+        they must be nodes that a loader recreates as variables. Checkpoints keep
+        the state in this object's own packed tensors only (``_serialize_to_tensors``),
+        so that a worker restores its own rows."""
+        children = super()._trackable_children(save_type, **kwargs)
+        if save_type == trackable.SaveType.SAVEDMODEL:
+            children.update({f"tfgc_state_{i}": v for i, v in enumerate(self.variables())})
+        return children
+
+    def _export_to_saved_model_graph(self, object_map, tensor_map, options, **kwargs):
+        """SavedModel export: a stand-in whose save function reads the copies of the
+        state variables in the exported graph (made before this, as children).
+
+        The exported graph cannot read the eager variables themselves, and holds no
+        collective: it saves this worker's rows, as ``_serialize_to_tensors`` does in
+        a save context.
+        """
+        del tensor_map, options, kwargs
+        object_map[self] = _ExportedState(self, object_map)
+        return []
+
     def _serialize_to_tensors(self):
+        return self._tensors_to_save()
+
+    def _tensors_to_save(self, mapped=None):
+        """The checkpoint tensors; ``mapped`` (a SavedModel export) maps each state
+        variable to its copy in the exported graph."""
         cdo = self._ops
         fields = self._fields()
+        if mapped is not None:
+            fields = [(name, path, [mapped[v] for v in variables])
+                      for name, path, variables in fields]
         layout, offset = [], 0
         for name, path, variables in fields:
             v = variables[0]
@@ -263,18 +294,32 @@ class CompressionState(trackable.Trackable):
         for r in range(len(cdo.local_devices)):
             parts = [packing.to_words(variables[r].read_value()) for _, _, variables in fields]
             rows.append(tf.concat(parts, axis=0) if parts else tf.zeros([0], tf.int32))
-        if save_context.in_save_context() or self._restoring:
+        if mapped is not None or save_context.in_save_context() or self._restoring:
             # A SavedModel export: keep it free of collectives, this worker only.
             data = tf.stack(rows)
             first = cdo.worker_rank
         else:
             data = cdo.gather_rows(rows)
             first = 0
+        replicas = int(data.shape[0])
+        if not tf.executing_eagerly():
+            # Traced (a SavedModel's save function): the number of rows stays open, since
+            # the checkpoint written beside it may hold every worker's, gathered.
+            data = tf.compat.v1.placeholder_with_default(data, [None, offset])
         meta = {"format": _FORMAT, "compressor": self._compressor_key,
-                "replicas": int(data.shape[0]), "first_replica": first, "fields": layout}
+                "replicas": replicas, "first_replica": first, "fields": layout}
         return {"meta": tf.constant(json.dumps(meta)), "data": data}
 
     def _restore_from_tensors(self, restored_tensors):
+        if not tf.executing_eagerly():
+            # A SavedModel export traces this restore into the exported graph
+            # (TensorFlow's saved_model/tracing_utils.py), where the layout in "meta"
+            # cannot be read. What the exported graph restores is a model to serve or
+            # to train again from its weights: the compression state (per-worker
+            # residuals and counters) stays with the training checkpoints, which are
+            # restored eagerly, below. A loaded SavedModel's variables restore as
+            # usual; this object's traced restore does nothing.
+            return tf.no_op()
         meta = json.loads(restored_tensors["meta"].numpy().decode())
         data = restored_tensors["data"].numpy()
         if meta.get("format") != _FORMAT:
@@ -318,6 +363,23 @@ class CompressionState(trackable.Trackable):
         logging.info("tfgc: restored the compression state of %d field(s) from %d replica(s) "
                      "(%s)", len(meta["fields"]), saved_replicas, meta.get("compressor"))
         return None
+
+
+class _ExportedState(trackable.Trackable):
+    """A ``CompressionState`` as the SavedModel's exported graph sees it: it saves the
+    copies of the state variables, and restores nothing there (see
+    ``CompressionState._restore_from_tensors``)."""
+
+    def __init__(self, state, object_map):
+        self._state = state
+        self._object_map = object_map
+
+    def _serialize_to_tensors(self):
+        return self._state._tensors_to_save(self._object_map)  # pylint: disable=protected-access
+
+    def _restore_from_tensors(self, restored_tensors):
+        del restored_tensors
+        return tf.no_op()
 
 
 class _DenseMomentum:

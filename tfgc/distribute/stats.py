@@ -22,6 +22,7 @@ this worker's own size standing in for every worker's.
 import threading
 
 import tensorflow as tf
+from absl import logging
 from tensorflow.python.ops import resource_variable_ops
 
 _BYTE_FIELDS = ("dense_bytes", "payload_bytes", "sent_bytes", "received_bytes",
@@ -42,12 +43,20 @@ class WireBytes:
         self.dynamic = []  # payload bytes of IndexedSlices, gathered by the stock path
         self.dynamic_sent = []  # bytes sent by exchanges whose sizes are known at run time
         self.dynamic_payload = []  # payload bytes known at run time, already counted in sent
+        self.dynamic_allreduce = []  # bytes of dense tensors whose static shape is unknown
 
     def _ring_allreduce(self, nbytes: int) -> int:
         return 2 * (self.n - 1) * nbytes // self.n
 
     def allreduce(self, payload: int, dense: int = 0):
-        """``payload`` bytes all-reduced, standing for ``dense`` bytes of gradients."""
+        """``payload`` bytes all-reduced, standing for ``dense`` bytes of gradients.
+
+        A dense tensor whose static shape is unknown passes its bytes as a tensor
+        (``payload`` and ``dense`` the same): counted at run time.
+        """
+        if tf.is_tensor(payload):
+            self.dynamic_allreduce.append(tf.cast(payload, tf.int64))
+            return
         self.dense += dense
         self.payload += payload
         self.allreduce_bytes += payload
@@ -81,6 +90,20 @@ class WireBytes:
         indices = tf.cast(tf.size(slices.indices, out_type=tf.int64), tf.int64) * slices.indices.dtype.size
         self.dense += dense_nbytes
         self.dynamic.append(values + indices)
+
+    def log_trace(self, compressed: int, total: int, compressor, path: str):
+        """Logs (a few times) what a traced reduction sends, per worker and step."""
+        if self.dynamic_payload:
+            logging.log_first_n(
+                logging.INFO, "tfgc: %d of %d gradients compressed with %r over %s, in %d "
+                "stages by step; per worker and step: %d bytes of gradients", 4, compressed,
+                total, compressor, path, len(compressor.stages()), self.dense)
+        else:
+            logging.log_first_n(
+                logging.INFO, "tfgc: %d of %d gradients compressed with %r over %s; per worker "
+                "and step: %d bytes of gradients, %d bytes of payload, %d sent (a dense ring "
+                "all-reduce sends %d)", 4, compressed, total, compressor, path, self.dense,
+                self.payload, self.static_sent, self.dense_sent)
 
     @property
     def static_sent(self) -> int:
@@ -117,15 +140,18 @@ class CompressionStats:
             dynamic = tf.add_n(wire.dynamic) if wire.dynamic else tf.constant(0, tf.int64)
             exchanged = tf.add_n(wire.dynamic_sent) if wire.dynamic_sent \
                 else tf.constant(0, tf.int64)
-            sent = wire.static_sent + (wire.n - 1) * dynamic + exchanged
+            unknown = tf.add_n(wire.dynamic_allreduce) if wire.dynamic_allreduce \
+                else tf.constant(0, tf.int64)
+            ring = lambda b: 2 * (wire.n - 1) * b // wire.n  # noqa: E731
+            sent = wire.static_sent + (wire.n - 1) * dynamic + exchanged + ring(unknown)
             values = {
-                "dense_bytes": tf.constant(wire.dense, tf.int64),
-                "payload_bytes": wire.payload + dynamic + (
+                "dense_bytes": wire.dense + unknown,
+                "payload_bytes": wire.payload + dynamic + unknown + (
                     tf.add_n(wire.dynamic_payload) if wire.dynamic_payload else 0),
                 # Every exchange is symmetric: a worker receives what it sends.
                 "sent_bytes": sent,
                 "received_bytes": sent,
-                "dense_sent_bytes": tf.constant(wire.dense_sent, tf.int64),
+                "dense_sent_bytes": wire.dense_sent + ring(unknown),
             }
             updates = [v["steps"].assign_add(1)]
             if ok is not None:

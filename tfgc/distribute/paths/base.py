@@ -88,8 +88,13 @@ class ReductionStep:
         return self.second_moments[state_lib.var_key(variable)]
 
 
-def nbytes(t) -> int:
-    return int(t.shape.num_elements()) * t.dtype.size
+def nbytes(t):
+    """Bytes of ``t``: a Python int, or an int64 scalar when its static shape is not
+    fully known (only dense gradients can be so: the policy compresses none of them)."""
+    n = t.shape.num_elements()
+    if n is None:
+        return tf.size(t, out_type=tf.int64) * t.dtype.size
+    return int(n) * t.dtype.size
 
 
 def payload_bytes(payload, gathered: bool) -> int:

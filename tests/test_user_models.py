@@ -1,0 +1,152 @@
+"""The models users bring, under every compressor, on a real 2-worker cluster.
+
+A cluster (tests/cluster/user_models.py) trains a small Transformer block (Embedding,
+MultiHeadAttention, LayerNormalization, a feed-forward residual) and a small residual
+CNN (BatchNormalization, a depthwise convolution) under each compressor, every
+gradient of 64 elements or more compressed, in float32 and under mixed precision
+(float16 with loss scaling, bfloat16); a second one does the same under Keras 3.
+Each run must end with the same bits on both workers, finite losses, and a lower loss
+on a fixed batch than it started with. The gradients of the Transformer's Dense kernels
+(applied to a sequence, through a tensordot) arrive as [None, units], which crashed
+every compressor before.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tfgc.apps.launch import launch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "tests", "cluster", "user_models.py")
+ENV = {"PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+       "TF_CPP_MIN_LOG_LEVEL": "2"}
+MODELS = ("transformer", "resnet")
+# Every registry method with its defaults, and the variants that change what travels:
+# error feedback, the learning stages of GradiVeQ (short here so that its compressed
+# stage runs). Variance-based compression needs tfgc.keras.MomentDense layers, which
+# these models do not have: tests/test_variance.py covers it.
+SPECS = [
+    "none", "fp16", "bf16", "topk", "ef+topk", "randomk", "ef+randomk", "onebit", "signsgd",
+    "efsignsgd", "scaledsign", "qsgd", "terngrad", "dgc", "importance", "powersgd",
+    "graddrop", "threshold", "adaptive", "fft", "gradiveq:learn_steps=4,compress_steps=8",
+]
+# Under mixed precision, one method per path and kind of state: the summable all-reduce
+# (none), error feedback on the all-gather, the quantized all-gather, worker-side
+# momentum (DGC), the low-rank path and GradiVeQ's stages (the other compressors meet
+# the same paths; each precision adds about a minute).
+MIXED_SPECS = ["none", "ef+topk", "qsgd", "dgc", "powersgd",
+               "gradiveq:learn_steps=4,compress_steps=8"]
+KERAS3_SPECS = ["none", "ef+topk", "qsgd", "dgc"]
+PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
+
+
+def run_cluster(tmp_path_factory, name, args):
+    out = tmp_path_factory.mktemp(name)
+    result = launch([sys.executable, SCRIPT, str(out)] + args, 2, env=ENV, timeout=1200,
+                    output=open(os.devnull, "w"))
+    assert result.ok, result.message
+    return out
+
+
+@pytest.fixture(scope="module")
+def tf_keras_runs(tmp_path_factory):
+    return run_cluster(tmp_path_factory, "user_models", [
+        "--precisions", *PRECISIONS, "--specs", *SPECS, "--mixed_specs", *MIXED_SPECS,
+        "--savedmodel"])
+
+
+@pytest.fixture(scope="module")
+def keras3_runs(tmp_path_factory):
+    return run_cluster(tmp_path_factory, "user_models_keras3",
+                       ["--keras", "3", "--specs", *KERAS3_SPECS])
+
+
+def load(out, model, precision, i, rank):
+    with open(out / f"{model}.{precision}.{i}.w{rank}.json") as f:
+        results = json.load(f)
+    with np.load(out / f"{model}.{precision}.{i}.w{rank}.npz") as z:
+        weights = [z[k] for k in z.files]
+    return results, weights
+
+
+def check_run(out, model, precision, i, spec, trainable_only=False):
+    r0, w0 = load(out, model, precision, i, 0)
+    _, w1 = load(out, model, precision, i, 1)
+    assert r0["spec"] == spec and r0["precision"] == precision
+    # Every worker ends with the same bits.
+    assert len(w0) == len(w1) == len(r0["trainable"])
+    for a, b, trainable in zip(w0, w1, r0["trainable"]):
+        if trainable or not trainable_only:
+            np.testing.assert_array_equal(a, b)
+    # Finite and falling: the loss on a fixed batch is lower after 24 steps than before.
+    assert np.all(np.isfinite(r0["losses"])) and np.isfinite(r0["loss_after"])
+    assert r0["loss_after"] < r0["loss_before"], (r0["loss_before"], r0["loss_after"])
+    stats = r0["stats"]
+    assert stats["steps"] == 24 and stats["nonfinite_steps"] == 0
+    # Something was compressed: fewer bytes than the same model sends under "none" (whose
+    # payload is the dense gradients, the embedding's as the rows a batch touched).
+    # GradiVeQ compresses convolutions only (the paper's choice), so it sends exactly
+    # what "none" sends on the Transformer; its learning steps send the gradients whole.
+    dense, _ = load(out, model, precision, 0, 0)
+    assert dense["spec"] == "none"
+    if spec.startswith("gradiveq") and model == "transformer":
+        assert stats["total_payload_bytes"] == dense["stats"]["total_payload_bytes"], stats
+    elif spec != "none":
+        assert stats["total_payload_bytes"] < dense["stats"]["total_payload_bytes"], stats
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("i,spec", list(enumerate(SPECS)))
+def test_every_compressor_trains_both_models(tf_keras_runs, model, i, spec):
+    check_run(tf_keras_runs, model, "float32", i, spec)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS[1:])
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("i,spec", list(enumerate(MIXED_SPECS)))
+def test_mixed_precision(tf_keras_runs, precision, model, i, spec):
+    check_run(tf_keras_runs, model, precision, i, spec)
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("i,spec", list(enumerate(KERAS3_SPECS)))
+def test_keras3(keras3_runs, model, i, spec):
+    # Keras 3 keeps batch normalization's moving statistics per worker (they are not
+    # gradients and tfgc does not reduce them; tf-keras all-reduces them itself), so
+    # the trainable weights are compared.
+    check_run(keras3_runs, model, "float32", i, spec, trainable_only=True)
+
+
+# Loads an exported SavedModel in a process where tfgc cannot be imported, and serves it.
+SERVE_WITHOUT_TFGC = """
+import json, sys
+import numpy as np
+sys.modules["tfgc"] = None  # any import of tfgc fails here
+import tensorflow as tf
+r = json.load(open(sys.argv[1]))
+serve = tf.saved_model.load(r["dir"]).signatures["serving_default"]
+out = list(serve(tf.constant(np.array(r["probe"], np.int32))).values())[0].numpy()
+assert np.allclose(out, np.array(r["expected"]), atol=1e-6), (out, r["expected"])
+print("served")
+"""
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_saving_and_loading_work_every_way(tf_keras_runs, rank):
+    # A Transformer trained under ef+topk (per-worker residuals): model.save in tf-keras's
+    # SavedModel format, tf.saved_model.save and load, keras.models.load_model, and
+    # save_weights/load_weights as a TF checkpoint and as HDF5, on both workers.
+    path = tf_keras_runs / f"savedmodel.w{rank}.json"
+    with open(path) as f:
+        checks = json.load(f)["checks"]
+    assert checks == {"saved_model_serves": True, "keras_load_model": True,
+                      "load_weights_ckpt": True, "load_weights_h5": True}
+    proc = subprocess.run([sys.executable, "-c", SERVE_WITHOUT_TFGC, str(path)],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert proc.returncode == 0 and "served" in proc.stdout, proc.stderr[-3000:]
