@@ -63,3 +63,12 @@ def write_json(path, obj):
 
 def median(values):
     return float(statistics.median(values)) if values else float("nan")
+
+
+def run_header(report):
+    """The two Markdown lines that open a sweep's report: its command, and when, on how
+    many cores, for how long, and whether it was interrupted."""
+    return [f"Command: `{report['command']}`  ",
+            f"Started {report['started']} on {report['cpu_count']} cores; "
+            f"{report.get('wall_s', 0) / 60:.1f} min in all"
+            + ("" if report["complete"] else " (**interrupted: incomplete**)") + ".  "]

@@ -773,10 +773,7 @@ def _cell(text):
 
 def render_markdown(report, args):
     lines = ["# Models users bring: step time, memory and bytes per compressor", ""]
-    lines.append(f"Command: `{report['command']}`  ")
-    lines.append(f"Started {report['started']} on {report['cpu_count']} cores; "
-                 f"{report.get('wall_s', 0) / 60:.1f} min in all"
-                 + ("" if report["complete"] else " (**interrupted: incomplete**)") + ".  ")
+    lines += _common.run_header(report)
     lines.append(f"{args.workers} workers, {args.threads} thread(s) each; "
                  f"{args.warmup} warm-up + {args.steps} timed steps per setting; synthetic "
                  "data; momentum SGD 0.9 (plain SGD under dgc); default policy. Step: worker "

@@ -12,7 +12,7 @@ import sys
 from xml.sax.saxutils import escape
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common  # noqa: E402,F401  (puts the repo root on sys.path)
+import _common  # noqa: E402  (also puts the repo root on sys.path)
 from netns import SUBNET  # noqa: E402
 from tfgc.apps.plots import Panel, fmt_bytes  # noqa: E402  (stdlib only)
 
@@ -135,10 +135,7 @@ def render_markdown(report, args):
     rates = sorted(args.rates, key=rate_bps, reverse=True)  # fastest first
     fast, slow = rates[0], rates[-1]
     lines = ["# Bandwidth-limited cluster: step time and bytes on the wire", ""]
-    lines.append(f"Command: `{report['command']}`  ")
-    lines.append(f"Started {report['started']} on {report['cpu_count']} cores; "
-                 f"{report['wall_s'] / 60:.1f} min in all"
-                 + ("" if report["complete"] else " (**interrupted: incomplete**)") + ".  ")
+    lines += _common.run_header(report)
     lines.append(f"Links: `{report['link']}`. Workers at {SUBNET}.1..N, one network "
                  "namespace each.  ")
     datasets = sorted({r["dataset"] for r in ok})
