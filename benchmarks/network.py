@@ -700,10 +700,6 @@ def _drive(args, argv, holder):
     return status
 
 
-# ---------------------------------------------------------------------------------
-# Output: Markdown and SVG.
-
-
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)

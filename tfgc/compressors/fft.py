@@ -167,7 +167,7 @@ class FFT(Compressor):
         kept = tf.gather(spectrum, indices)
         parts = tf.reshape(tf.stack([tf.math.real(kept), tf.math.imag(kept)], axis=1), [-1])
         codes, top = range_float_encode(parts, self.bits, self.exponent_bits)
-        return (tf.ensure_shape(indices, [k]), packing.pack_codes(codes, self.bits),
+        return (indices, packing.pack_codes(codes, self.bits),
                 tf.reshape(top, [1])), state
 
     def _spectrum(self, payload, shape):

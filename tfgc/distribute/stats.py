@@ -45,7 +45,8 @@ class WireBytes:
         self.dynamic_payload = []  # payload bytes known at run time, already counted in sent
         self.dynamic_allreduce = []  # bytes of dense tensors whose static shape is unknown
 
-    def _ring_allreduce(self, nbytes: int) -> int:
+    def ring_allreduce(self, nbytes):
+        """What a ring all-reduce of ``nbytes`` (an int or an int64 tensor) sends per worker."""
         return 2 * (self.n - 1) * nbytes // self.n
 
     def allreduce(self, payload: int, dense: int = 0):
@@ -107,12 +108,12 @@ class WireBytes:
 
     @property
     def static_sent(self) -> int:
-        return (self._ring_allreduce(self.allreduce_bytes) + (self.n - 1) * self.gather_bytes
+        return (self.ring_allreduce(self.allreduce_bytes) + (self.n - 1) * self.gather_bytes
                 + self.pairwise_bytes)
 
     @property
     def dense_sent(self) -> int:
-        return self._ring_allreduce(self.dense)
+        return self.ring_allreduce(self.dense)
 
 
 class CompressionStats:
@@ -142,8 +143,7 @@ class CompressionStats:
                 else tf.constant(0, tf.int64)
             unknown = tf.add_n(wire.dynamic_allreduce) if wire.dynamic_allreduce \
                 else tf.constant(0, tf.int64)
-            ring = lambda b: 2 * (wire.n - 1) * b // wire.n  # noqa: E731
-            sent = wire.static_sent + (wire.n - 1) * dynamic + exchanged + ring(unknown)
+            sent = wire.static_sent + (wire.n - 1) * dynamic + exchanged + wire.ring_allreduce(unknown)
             values = {
                 "dense_bytes": wire.dense + unknown,
                 "payload_bytes": wire.payload + dynamic + unknown + (
@@ -151,7 +151,7 @@ class CompressionStats:
                 # Every exchange is symmetric: a worker receives what it sends.
                 "sent_bytes": sent,
                 "received_bytes": sent,
-                "dense_sent_bytes": wire.dense_sent + ring(unknown),
+                "dense_sent_bytes": wire.dense_sent + wire.ring_allreduce(unknown),
             }
             updates = [v["steps"].assign_add(1)]
             if ok is not None:
