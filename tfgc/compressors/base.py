@@ -80,6 +80,10 @@ class Compressor(abc.ABC):
 
     name: str = ""
     summable: bool = False
+    # False where the workers' payloads combine otherwise than by the sum of their
+    # decodings (signSGD's majority vote): their rows of an embedding gradient cannot
+    # travel as rows, each worker's decoded on its own.
+    combines_by_sum: bool = True
     # Compressors whose paper makes error feedback part of the algorithm (1-bit SGD,
     # EF-signSGD) are wrapped in ErrorFeedback when built from the registry.
     requires_error_feedback: bool = False

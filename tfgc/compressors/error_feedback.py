@@ -93,6 +93,7 @@ class ErrorFeedback(Compressor):
     # inner compressor's; so are the parts that describe the payload (WIRE_PARTS,
     # set below the class).
     summable = _inner("summable")
+    combines_by_sum = _inner("combines_by_sum")
     needs_weights = _inner("needs_weights")
     fuses_gradients = _inner("fuses_gradients")
     needs_second_moment = _inner("needs_second_moment")

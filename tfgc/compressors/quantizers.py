@@ -92,6 +92,7 @@ class SignSGD(Recompressible):
 
     name = "signsgd"
     summable = False
+    combines_by_sum = False
     # On the reduce-scatter the owner counts the votes of its chunk and sends the
     # majority back: the same result as the all-gather, in 2(N-1)/N of the bytes.
 

@@ -9,7 +9,9 @@ stock exact path.
 A gradient aggregation, step by step:
 
   1. the policy splits the gradients into dense ones (small, 1-D, integer,
-     float64, IndexedSlices) and compressed ones;
+     float64) and compressed ones; embedding gradients (IndexedSlices) join them
+     summed into a dense gradient, or travel as compressed rows after the others, or
+     take the stock gather, as ``embeddings.mode`` says;
   2. each compressed gradient is compressed with its variable's state, read from
      the owner's ``CompressionState``; nothing is written yet;
   3. dense tensors and summable payloads go through one fused all-reduce per dtype,
@@ -40,7 +42,7 @@ from tensorflow.python.distribute import cross_device_ops as cross_device_ops_li
 
 from tfgc import collectives
 from tfgc.compressors import get as get_compressor, serialize_config
-from tfgc.distribute import fusion, gradients, moments, momentum, paths
+from tfgc.distribute import embeddings, fusion, gradients, moments, momentum, paths
 from tfgc.distribute import settings as settings_lib
 from tfgc.distribute import state as state_lib
 from tfgc.distribute.policy import CompressionPolicy
@@ -341,7 +343,12 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         n = self._num_replicas
         rank = self._worker_rank + replica_id
         results = [None] * len(flat)
-        slices_pos = [i for i, v in enumerate(flat) if isinstance(v, tf.IndexedSlices)]
+        # Embedding gradients: compressed rows, a dense gradient on the path, or stock.
+        modes = {i: embeddings.mode(compressor, self._policy, ctx.variables[i], v.values.dtype)
+                 for i, v in enumerate(flat) if isinstance(v, tf.IndexedSlices)}
+        flat = [embeddings.densify(v, ctx.variables[i]) if modes.get(i) == embeddings.DENSE
+                else v for i, v in enumerate(flat)]
+        slices_pos = [i for i, m in modes.items() if m != embeddings.DENSE]
         tensor_pos = [i for i in range(len(flat)) if i not in slices_pos]
         # Moment probes' gradients (tfgc.keras.MomentDense) travel with the gradients
         # but are not sent: they are handed to the compressor of their kernel, and
@@ -408,12 +415,28 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         for i, r in zip(tensor_pos, reduced):
             results[i] = r
 
-        if slices_pos:
-            # Embedding gradients (IndexedSlices) keep the stock gather-based path.
-            slices = [flat[i] for i in slices_pos]
+        rows_pos = [i for i in slices_pos if modes[i] == embeddings.ROWS]
+        if rows_pos:
+            if state is None:
+                state = self._state_for(ctx.owner, compressor, variables, mask)
+            step_var = state.step(replica_id)
+            with tf.device(device):
+                reduced_rows, rows_ok = embeddings.reduce_rows(
+                    compressor, [flat[i] for i in rows_pos],
+                    [ctx.variables[i] for i in rows_pos], step_var.read_value(), launcher,
+                    rank, n, options, wire)
+                if not any(mask):
+                    # No path advanced the step counter (it seeds the next draws).
+                    step_var.assign_add(tf.cast(rows_ok, step_var.dtype))
+            ok = rows_ok if ok is None else tf.logical_and(ok, rows_ok)
+            for i, r in zip(rows_pos, reduced_rows):
+                results[i] = r
+        stock_pos = [i for i in slices_pos if modes[i] == embeddings.STOCK]
+        if stock_pos:
+            slices = [flat[i] for i in stock_pos]
             reduced_slices = super()._all_reduce(tf.distribute.ReduceOp.SUM, slices, replica_id,
                                                  options)
-            for i, s, r in zip(slices_pos, slices, reduced_slices):
+            for i, s, r in zip(stock_pos, slices, reduced_slices):
                 results[i] = r
                 dense = int(np.prod(ctx.variables[i].shape)) * s.values.dtype.size
                 wire.indexed_slices(s, dense)

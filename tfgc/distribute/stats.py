@@ -14,9 +14,10 @@ Figures per worker and per gradient reduction:
 
 ``ratio`` is dense_bytes / payload_bytes (the compression of the payload) and
 ``wire_ratio`` is dense_sent_bytes / sent_bytes (the saving on the wire; 0 for a
-single worker, which sends nothing). IndexedSlices (embedding) gradients take the
-stock gather path; their sizes are known only at run time and are counted then, with
-this worker's own size standing in for every worker's.
+single worker, which sends nothing). Embedding gradients (IndexedSlices) stand for
+their whole table in ``dense_bytes``; the rows a step sends are known only at run
+time and counted then: on the stock gather with this worker's own size standing in for
+every worker's, as compressed rows with the padded size every worker sends.
 """
 
 import threading
@@ -86,6 +87,14 @@ class WireBytes:
         self.dynamic_payload.append(payload)
         self.dynamic_sent.append(sent)
 
+    def rows(self, payload, dense: int, sent):
+        """Compressed embedding rows, of sizes known at run time: ``payload`` bytes
+        encoded (tensor), standing for ``dense`` bytes of gradients, ``sent`` bytes on
+        the wire (tensor)."""
+        self.dense += dense
+        self.dynamic_payload.append(payload)
+        self.dynamic_sent.append(sent)
+
     def indexed_slices(self, slices, dense_nbytes: int):
         values = tf.cast(tf.size(slices.values, out_type=tf.int64), tf.int64) * slices.values.dtype.size
         indices = tf.cast(tf.size(slices.indices, out_type=tf.int64), tf.int64) * slices.indices.dtype.size
@@ -94,11 +103,12 @@ class WireBytes:
 
     def log_trace(self, compressed: int, total: int, compressor, path: str):
         """Logs (a few times) what a traced reduction sends, per worker and step."""
-        if self.dynamic_payload:
+        if self.dynamic_payload or self.dynamic or self.dynamic_allreduce:
             logging.log_first_n(
-                logging.INFO, "tfgc: %d of %d gradients compressed with %r over %s, in %d "
-                "stages by step; per worker and step: %d bytes of gradients", 4, compressed,
-                total, compressor, path, len(compressor.stages()), self.dense)
+                logging.INFO, "tfgc: %d of %d gradients compressed with %r over %s; per "
+                "worker and step: %d bytes of gradients, payload sizes known at run time "
+                "(stages by step, embedding rows)", 4, compressed, total, compressor, path,
+                self.dense)
         else:
             logging.log_first_n(
                 logging.INFO, "tfgc: %d of %d gradients compressed with %r over %s; per worker "
