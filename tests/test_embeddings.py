@@ -80,12 +80,13 @@ def reduce_slices(spec, values, indices, steps=1, dense=None):
 
 
 def rows(m, seed=0):
+    """m rows of distinct indices, in random order."""
     rng = np.random.default_rng(seed)
     return (rng.normal(size=(m, DIM)).astype(np.float32),
-            rng.integers(0, VOCAB, size=m).astype(np.int64))
+            rng.permutation(VOCAB)[:m].astype(np.int64))
 
 
-@pytest.mark.parametrize("m", [1, 170, 171, 400])
+@pytest.mark.parametrize("m", [1, 170, 171, 300])
 def test_rows_of_a_cast_arrive_cast_and_in_order(m):
     # Blocks of 4096 // 24 = 170 rows: one block exactly, one row over, several.
     values, indices = rows(m)
@@ -102,7 +103,23 @@ def test_rows_of_a_cast_arrive_cast_and_in_order(m):
     assert stats["dense_bytes"] == VOCAB * DIM * 4
 
 
-def test_rows_of_qsgd_are_unbiased_and_change_draws_each_step():
+def test_repeated_rows_are_added_before_they_are_sent():
+    values, indices = rows(120, seed=2)
+    repeated = np.concatenate([indices, indices[:50], indices[:10]])
+    doubled = np.concatenate([values, values[:50], values[:10]])
+    (out,), strategy, _ = reduce_slices("fp16", doubled, repeated)
+    # One row per distinct index, in order of first appearance.
+    np.testing.assert_array_equal(out.indices.numpy(), indices)
+    summed = values.copy()
+    summed[:50] += values[:50]
+    summed[:10] += values[:10]
+    np.testing.assert_array_equal(out.values.numpy(),
+                                  summed.astype(np.float16).astype(np.float32))
+    # 120 rows sent (one block of 170), not 180 (two).
+    assert strategy.compression_stats()["payload_bytes"] == 170 * (DIM * 2 + 4) + 40
+
+
+def test_rows_of_qsgd_keep_their_signs_and_draw_anew_each_step():
     values, indices = rows(64, seed=1)
     outs = []
     for steps in (1, 2):

@@ -201,6 +201,8 @@ def test_slices_stay_near_slice_size_on_any_kernel_and_round_trip(shape):
     rows = c._slices(x)
     assert rows.shape == (slices, k)
     np.testing.assert_array_equal(c._unslice(rows, tf.TensorShape(shape), tf.float32), x)
+    # A learning step takes its sample without building the other slices.
+    np.testing.assert_array_equal(c._first_slice(x), rows[0])
     tiles = c.tiles(tf.TensorShape(shape))
     if tiles is not None:
         # A slice of a tiled kernel is one tile of t_D channels by t_F filters at c

@@ -141,6 +141,20 @@ class GradiVeQ(Compressor):
         # Tile by tile (channel tile, filter tile), then by group of c positions.
         return tf.reshape(tf.transpose(grid, [2, 4, 0, 1, 3, 5]), [slices, k])
 
+    def _first_slice(self, x):
+        """``_slices(x)[0]`` without building the others (a learning step's sample)."""
+        k, _, _ = self.dims(x.shape)
+        tiles = self.tiles(x.shape)
+        if tiles is None:
+            first = tf.cast(tf.reshape(x, [-1])[:k], tf.float32)
+            return tf.pad(first, [[0, k - int(first.shape[0])]])
+        c, t_d, t_f = tiles
+        h, w, depth, filters = x.shape.as_list()
+        block = tf.cast(tf.reshape(x, [h * w, depth, filters])[:c, :t_d, :t_f], tf.float32)
+        block = tf.pad(block, [[0, c - int(block.shape[0])], [0, t_d - int(block.shape[1])],
+                               [0, t_f - int(block.shape[2])]])
+        return tf.reshape(block, [k])
+
     def _unslice(self, rows, shape, dtype):
         """Inverse of ``_slices``: the [slices, K] matrix back to ``shape`` and ``dtype``."""
         tiles = self.tiles(shape)
@@ -244,9 +258,9 @@ class GradiVeQ(Compressor):
             projected = tf.reshape(flat, [slices, d])
             rows = tf.matmul(projected, state["basis"], transpose_b=True) + state["mean"][None, :]
             return self._unslice(rows, shape, dtype), state
-        total = tf.reshape(tf.cast(flat, tf.float32), [-1])
+        out = tf.reshape(tf.cast(flat, dtype), shape)
         # The aggregated gradient's first slice (the first tile's, for a wide layer).
-        sample = self._slices(tf.reshape(total, shape))[0]
+        sample = self._first_slice(tf.reshape(flat, shape))
         period = self.learn_steps + self.compress_steps
         in_window = tf.math.floormod(tf.cast(ctx.step, tf.int64), period)
         keep = tf.where(tf.equal(in_window, 0), 0.0, 1.0)  # a new window starts afresh
@@ -256,7 +270,6 @@ class GradiVeQ(Compressor):
         basis, mean = tf.cond(tf.equal(in_window, self.learn_steps - 1),
                               lambda: self.learn(cov, sums, count)[:2],
                               lambda: (state["basis"], state["mean"]))
-        out = tf.reshape(tf.cast(total, dtype), shape)
         return out, {"basis": basis, "mean": mean, "cov": cov, "sum": sums, "count": count}
 
 

@@ -284,12 +284,24 @@ class Threshold(_SignWords):
         return 0.0 < float(dtype.base_dtype.as_numpy_dtype(self.tau)) < float("inf")
 
     def compress_with_feedback(self, x, residual, state, ctx):
+        # The entries sent are those of the capacity largest |v| that reach tau: all
+        # that reach it when they fit (every one of them is larger than every entry
+        # that does not), the largest of them when more reach it. One exact top-k
+        # pass finds them whatever the count; cutting the passing set with
+        # tf.math.top_k cost 120 ms on a [3, 3, 512, 512] kernel where a third passed.
         cap = self.capacity(x.shape)
-        words, v, index, restored = self._encode(x, residual, self.tau, -self.tau, cap)
+        top = sparsify.sparsify_with_residual(x, residual, cap, exact=True)
+        v = tf.cast(top.values, tf.float32)
         tau = tf.cast(tf.cast(self.tau, x.dtype), tf.float32)
-        sent = tf.where(tf.bitwise.bitwise_and(words, 1) > 0, tau, -tau)
-        new_residual = tf.tensor_scatter_nd_update(restored, index[:, None],
-                                                   tf.cast(v - sent, restored.dtype))
+        passing = tf.logical_or(v >= tau, v <= -tau)  # False for NaN, as the kernel's
+        sent = tf.where(v >= 0, tau, -tau)
+        # The top entries that do not reach tau go back to the residual whole.
+        new_residual = tf.tensor_scatter_nd_update(
+            tf.reshape(top.new_residual, [-1]), top.indices[:, None],
+            tf.cast(tf.where(passing, v - sent, v), x.dtype))
+        index = tf.boolean_mask(top.indices, passing)
+        words = tf.bitwise.left_shift(index, 1) + tf.cast(
+            tf.boolean_mask(v, passing) >= 0, tf.int32)
         count = tf.shape(words)[0]
         payload = (_pad(words, cap), tf.reshape(count, [1]))
         return payload, state, tf.reshape(new_residual, x.shape)

@@ -12,7 +12,9 @@ three modes (``mode``):
   and FFT without error feedback): the rows are cut into blocks of a fixed number of rows, each block is
   compressed as a [rows, row size] matrix, and the blocks and their row indices are
   all-gathered, padded to the largest count among the workers (counts and the
-  guard's control words go first, in an all-gather of their own). Every worker decodes
+  guard's control words go first, in an all-gather of their own). A worker's repeated
+  rows are added before they are compressed, so it never sends more rows than the
+  table has. Every worker decodes
   every worker's blocks, drops the padding and returns the rows in rank order: an
   IndexedSlices like the stock one, its rows quantized.
 * ``DENSE``, compressors with state (error feedback, so 1-bit SGD and EF-signSGD
@@ -114,8 +116,11 @@ def reduce_rows(compressor, slices: Sequence[tf.IndexedSlices], variables, step,
     for j, (s, var) in enumerate(zip(slices, variables)):
         d, r = row_size(var), block_rows(var)
         dtype = s.values.dtype
-        values = tf.reshape(s.values, [-1, d])
-        m = tf.shape(values)[0]
+        # Repeated rows (a token seen twice) are added first: at most one row per
+        # entry of the table, however large the batch.
+        unique, position = tf.unique(tf.cast(s.indices, tf.int32))
+        m = tf.shape(unique)[0]
+        values = tf.math.unsorted_segment_sum(tf.reshape(s.values, [-1, d]), position, m)
         blocks = (m + r - 1) // r
         padded = tf.pad(values, [[0, blocks * r - m], [0, 0]])
         like = _payload_like(compressor, [r, d], dtype, n)
@@ -130,8 +135,7 @@ def reduce_rows(compressor, slices: Sequence[tf.IndexedSlices], variables, step,
 
         words = tf.map_fn(encode, (tf.reshape(padded, [-1, r, d]), tf.range(blocks)),
                           fn_output_signature=tf.TensorSpec([width], tf.int32))
-        indices = tf.reshape(tf.pad(tf.cast(s.indices, tf.int32), [[0, blocks * r - m]]),
-                             [-1, r])
+        indices = tf.reshape(tf.pad(unique, [[0, blocks * r - m]]), [-1, r])
         plans.append(dict(d=d, r=r, m=m, blocks=blocks, like=like, width=width,
                           rows=tf.concat([words, indices], 1), dtype=dtype))
 
