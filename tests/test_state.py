@@ -138,10 +138,11 @@ def test_float64_goes_dense_and_embeddings_are_counted(checks):
     assert r0["float64_payload"] == r0["float64_dense"] == 8 * (100 * 64 + 64 + 64 * 10 + 10)
     assert r0["float64_weights"] == r1["float64_weights"]
     emb = r0["embedding"]
-    # Slices: 32 x 8 rows of 16 float32 values, and their int32 indices; the dense
-    # 128 x 10 kernel goes top-1% (13 entries), its bias dense, plus the guard's 9 control words.
-    slices = 32 * 8 * 16 * 4 + 32 * 8 * 4
-    assert emb["payload_bytes"] == slices + 8 * math.ceil(0.01 * 1280) + 40 + 36
+    # Top-k takes the embedding's gradient as a dense [1000, 16] table (its rows summed):
+    # 1 % of it is 160 entries of 8 bytes. The 128 x 10 kernel goes top-1% (13 entries),
+    # its bias dense, plus the guard's 9 control words.
+    table = 8 * math.ceil(0.01 * 1000 * 16)
+    assert emb["payload_bytes"] == table + 8 * math.ceil(0.01 * 1280) + 40 + 36
     assert emb["dense_bytes"] == 4 * (1000 * 16 + 1280 + 10)
     assert emb["sent_bytes"] == emb["payload_bytes"]  # (N-1) = 1 for gathers, 2(N-1)/N = 1
 
