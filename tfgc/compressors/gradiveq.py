@@ -13,14 +13,15 @@ c = round(``slice_size`` / (D F)), at least 1 and at most H W. A wider layer is 
 into tiles of t_D channels by t_F filters (``tiles``), and a slice holds one tile at
 c collocated positions, K = t_D t_F c near ``slice_size``: ResNet-50's [3, 3, 512,
 512] kernel would otherwise make K = 262,144 and a K x K covariance of 275 GB.
-Memory is then O(``slice_size``^2) per layer whatever its width. The paper leaves fully-connected
+Memory is then O(``slice_size`` x (``learn_steps`` + ``max_dim``)) per layer whatever its
+width. The paper leaves fully-connected
 layers uncompressed; ``dense_layers=True`` compresses 2-D kernels too, in flat slices
 of ``slice_size``. Padding (of the last slice, or of a tile row) is zeros.
 
 Learning the compressor, in cycles of ``learn_steps`` + ``compress_steps`` steps:
 
-* learning steps send the gradient uncompressed (one all-reduce); every worker adds
-  the first slice of the *aggregated* gradient to its sums, so every worker holds
+* learning steps send the gradient uncompressed (one all-reduce); every worker stores
+  the first slice of the *aggregated* gradient as a row of its samples, so every worker holds
   the same samples (the paper's reuse factor s = infinity: one compressor per
   layer, learned from its first slice);
 * at the last learning step every worker computes mu (the samples' mean) and the
@@ -191,9 +192,20 @@ class GradiVeQ(Compressor):
     # -- state ------------------------------------------------------------------------
 
     def init_state(self, shape, dtype):
+        # The window's samples themselves, one row per learning step: L_t x K floats
+        # (307 KB at the defaults) where a running K x K covariance would be 2.4 MB and
+        # a K x K update every learning step; the covariance is formed once, at the
+        # window's last step.
         k, _, d = self.dims(shape)
-        return {"basis": tf.zeros([k, d]), "mean": tf.zeros([k]), "cov": tf.zeros([k, k]),
-                "sum": tf.zeros([k]), "count": tf.zeros([])}
+        return {"basis": tf.zeros([k, d]), "mean": tf.zeros([k]),
+                "samples": tf.zeros([self.learn_steps, k]), "count": tf.zeros([])}
+
+    def learn_from_samples(self, samples, count):
+        """``learn`` on the first ``count`` rows of ``samples`` [L_t, K]."""
+        live = tf.cast(tf.range(tf.shape(samples)[0]) < tf.cast(count, tf.int32), tf.float32)
+        rows = samples * live[:, None]
+        return self.learn(tf.matmul(rows, rows, transpose_a=True), tf.reduce_sum(rows, 0),
+                          count)
 
     def learn(self, samples_cov, samples_sum, count):
         """(basis [K, d'], mean [K], d) from accumulated samples, by the lambda rule."""
@@ -263,14 +275,14 @@ class GradiVeQ(Compressor):
         sample = self._first_slice(tf.reshape(flat, shape))
         period = self.learn_steps + self.compress_steps
         in_window = tf.math.floormod(tf.cast(ctx.step, tf.int64), period)
-        keep = tf.where(tf.equal(in_window, 0), 0.0, 1.0)  # a new window starts afresh
-        cov = state["cov"] * keep + sample[:, None] * sample[None, :]
-        sums = state["sum"] * keep + sample
-        count = state["count"] * keep + 1.0
+        # Row i of the window's samples; rows past it are an older window's, left out.
+        samples = tf.tensor_scatter_nd_update(state["samples"], tf.reshape(in_window, [1, 1]),
+                                              sample[None, :])
+        count = tf.cast(in_window + 1, tf.float32)
         basis, mean = tf.cond(tf.equal(in_window, self.learn_steps - 1),
-                              lambda: self.learn(cov, sums, count)[:2],
+                              lambda: self.learn_from_samples(samples, count)[:2],
                               lambda: (state["basis"], state["mean"]))
-        return out, {"basis": basis, "mean": mean, "cov": cov, "sum": sums, "count": count}
+        return out, {"basis": basis, "mean": mean, "samples": samples, "count": count}
 
 
 def _even(n: int, cap: int) -> int:
