@@ -95,6 +95,16 @@ class GradiVeQ(Compressor):
         c = min(positions, max(1, int(round(self.slice_size / (t_d * t_f)))))
         return c, t_d, t_f
 
+    def _grid(self, shape):
+        """(c, t_D, t_F, position groups, channel tiles, filter tiles) of a tiled kernel,
+        else None."""
+        tiles = self.tiles(shape)
+        if tiles is None:
+            return None
+        c, t_d, t_f = tiles
+        h, w, depth, filters = shape.as_list()
+        return c, t_d, t_f, -(-h * w // c), -(-depth // t_d), -(-filters // t_f)
+
     def slice_length(self, shape) -> int:
         tiles = self.tiles(shape)
         if tiles is not None:
@@ -110,13 +120,12 @@ class GradiVeQ(Compressor):
     def dims(self, shape):
         """(K, slices, d') for a gradient of ``shape``."""
         k = self.slice_length(shape)
-        tiles = self.tiles(shape)
-        if tiles is None:
+        grid = self._grid(shape)
+        if grid is None:
             slices = -(-num_elements(shape) // k)
         else:
-            c, t_d, t_f = tiles
-            h, w, depth, filters = shape.as_list()
-            slices = -(-h * w // c) * -(-depth // t_d) * -(-filters // t_f)
+            _, _, _, p, nd, nf = grid
+            slices = p * nd * nf
         return k, slices, min(self.max_dim, k)
 
     def supports(self, shape, dtype):
@@ -128,14 +137,13 @@ class GradiVeQ(Compressor):
     def _slices(self, x):
         """``x`` as its [slices, K] matrix, float32."""
         k, slices, _ = self.dims(x.shape)
-        tiles = self.tiles(x.shape)
-        if tiles is None:
+        layout = self._grid(x.shape)
+        if layout is None:
             flat = tf.cast(tf.reshape(x, [-1]), tf.float32)
             flat = tf.pad(flat, [[0, slices * k - num_elements(x.shape)]])
             return tf.reshape(flat, [slices, k])
-        c, t_d, t_f = tiles
+        c, t_d, t_f, p, nd, nf = layout
         h, w, depth, filters = x.shape.as_list()
-        p, nd, nf = -(-h * w // c), -(-depth // t_d), -(-filters // t_f)
         grid = tf.reshape(tf.cast(x, tf.float32), [h * w, depth, filters])
         grid = tf.pad(grid, [[0, p * c - h * w], [0, nd * t_d - depth], [0, nf * t_f - filters]])
         grid = tf.reshape(grid, [p, c, nd, t_d, nf, t_f])
@@ -158,13 +166,12 @@ class GradiVeQ(Compressor):
 
     def _unslice(self, rows, shape, dtype):
         """Inverse of ``_slices``: the [slices, K] matrix back to ``shape`` and ``dtype``."""
-        tiles = self.tiles(shape)
-        if tiles is None:
+        layout = self._grid(shape)
+        if layout is None:
             flat = tf.reshape(rows, [-1])[:num_elements(shape)]
             return tf.reshape(tf.cast(flat, dtype), shape)
-        c, t_d, t_f = tiles
+        c, t_d, t_f, p, nd, nf = layout
         h, w, depth, filters = shape.as_list()
-        p, nd, nf = -(-h * w // c), -(-depth // t_d), -(-filters // t_f)
         grid = tf.transpose(tf.reshape(rows, [nd, nf, p, c, t_d, t_f]), [2, 3, 0, 4, 1, 5])
         grid = tf.reshape(grid, [p * c, nd * t_d, nf * t_f])[:h * w, :depth, :filters]
         return tf.reshape(tf.cast(grid, dtype), shape)

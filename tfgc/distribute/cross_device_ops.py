@@ -444,7 +444,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         if replica_id == 0:
             self._stats.record(wire, ok)
             if not tf.executing_eagerly():
-                wire.log_trace(sum(mask), len(flat), compressor,
+                wire.log_trace(sum(mask) + len(rows_pos), len(flat), compressor,
                                paths.PATHS[self._path()].describe)
         return results
 
@@ -499,7 +499,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             return run
 
         outs, ok, payload, sent = tf.switch_case(index, [branch(c) for _, c in stages])
-        reduction.wire.staged(dense[-1], payload, sent)
+        reduction.wire.at_run_time(dense[-1], payload, sent)
         return list(outs), ok
 
     def _exchanger(self, replica_id):

@@ -159,9 +159,9 @@ def reduce_rows(compressor, slices: Sequence[tf.IndexedSlices], variables, step,
     buffer = tf.concat(buffers, 0) if len(buffers) > 1 else buffers[0]
     gathered = tf.reshape(collectives.all_gather(launcher, buffer, options), [n, -1])
     total = tf.cast(4 * tf.add_n(sizes), tf.int64)
-    wire.rows(payload=tf.add_n(own), dense=sum(
-        int(np.prod(v.shape)) * s.values.dtype.size for s, v in zip(slices, variables)),
-        sent=(n - 1) * total)
+    wire.at_run_time(dense=sum(int(np.prod(v.shape)) * s.values.dtype.size
+                               for s, v in zip(slices, variables)),
+                     payload=tf.add_n(own), sent=(n - 1) * total)
     parts = tf.split(gathered, tf.stack(sizes), axis=1) if len(plans) > 1 else [gathered]
 
     outputs = []

@@ -81,16 +81,10 @@ class WireBytes:
         self.payload += payload
         self.dynamic_sent.append(tf.cast(sent, tf.int64))
 
-    def staged(self, dense: int, payload, sent):
-        """A reduction whose stage is chosen at run time: its payload and sent bytes (tensors)."""
-        self.dense += dense
-        self.dynamic_payload.append(payload)
-        self.dynamic_sent.append(sent)
-
-    def rows(self, payload, dense: int, sent):
-        """Compressed embedding rows, of sizes known at run time: ``payload`` bytes
-        encoded (tensor), standing for ``dense`` bytes of gradients, ``sent`` bytes on
-        the wire (tensor)."""
+    def at_run_time(self, dense: int, payload, sent):
+        """Bytes known only at run time (a stage chosen by step, embedding rows):
+        ``payload`` encoded and ``sent`` on the wire (int64 tensors), standing for
+        ``dense`` bytes of gradients."""
         self.dense += dense
         self.dynamic_payload.append(payload)
         self.dynamic_sent.append(sent)
