@@ -314,7 +314,8 @@ def worker_main(args):
     rank, num_workers = worker_info(strategy)
     ds = data_lib.load_dataset(args.dataset, seed=0)
     x, y = data_lib.shard(ds.x_train, ds.y_train, rank, num_workers)
-    train_ds = data_lib.make_tf_dataset(x, y, args.batch_size, seed=rank, repeat=True)
+    train_ds = data_lib.make_tf_dataset(x, y, args.batch_size, seed=rank, repeat=True,
+                                        workers=num_workers)
 
     results = []
     for spec in args.compressors:

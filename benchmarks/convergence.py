@@ -308,7 +308,7 @@ def worker_main(args):
     # The same data pipeline as tfgc.apps.train.train_and_evaluate.
     x, y = data_lib.shard(ds.x_train, ds.y_train, rank, num_workers)
     train_ds = data_lib.make_tf_dataset(x, y, args.batch_size, seed=args.seed + rank,
-                                        repeat=True)
+                                        repeat=True, workers=num_workers)
     test_ds = data_lib.make_tf_dataset(ds.x_test, ds.y_test, 500, shuffle=False,
                                        drop_remainder=False)
     compressor = getattr(strategy, "compressor", None)

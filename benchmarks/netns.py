@@ -19,7 +19,7 @@ import subprocess
 
 # The benchmark drivers that build clusters: a namespace whose owner still runs one of
 # them belongs to a sweep in progress.
-DRIVERS = ("network.py",)
+DRIVERS = ("network.py", "time_to_accuracy.py")
 NS_PREFIX = "tfgcb"
 SUBNET = "10.77.0"  # workers are SUBNET.1 ... SUBNET.N, /24, inside our namespaces only
 WORKER_DEV = "eth0"  # the worker's end of its veth pair (names are per namespace)
@@ -171,3 +171,13 @@ class Cluster:
         for ns in reversed(self.created):
             delete_namespace(ns)
         self.created = []
+
+
+if __name__ == "__main__":
+    # `python benchmarks/netns.py`: exit 0 when a shaped cluster can be built here, else
+    # say why on stdout and exit 1 (scripts/demo.sh asks before it shapes a link).
+    import sys
+    why = preflight()
+    if why:
+        print(why)
+    sys.exit(1 if why else 0)

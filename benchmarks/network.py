@@ -235,7 +235,8 @@ def _worker(args, prefix, phase):
         ds = data_lib.load_dataset("synthetic", synthetic_examples=16384, seed=0)
         dataset_note = f"{args.dataset} not installed, used synthetic ({exc})"
     x, y = data_lib.shard(ds.x_train, ds.y_train, rank, num_workers)
-    train_ds = data_lib.make_tf_dataset(x, y, args.batch_size, seed=rank, repeat=True)
+    train_ds = data_lib.make_tf_dataset(x, y, args.batch_size, seed=rank, repeat=True,
+                                        workers=num_workers)
 
     phase[0] = "model"
     keras.utils.set_random_seed(0)

@@ -98,7 +98,8 @@ def worker_main(args):
     steps = (len(ds.x_train) // num_workers) // args.batch_size
     if args.steps_per_epoch:
         steps = min(steps, args.steps_per_epoch)
-    train_ds = data_lib.make_tf_dataset(x, y, args.batch_size, seed=rank, repeat=True)
+    train_ds = data_lib.make_tf_dataset(x, y, args.batch_size, seed=rank, repeat=True,
+                                        workers=num_workers)
 
     with strategy.scope():
         net = models.build_model(args.model, input_shape=ds.x_train.shape[1:],

@@ -22,7 +22,8 @@ rank, num_workers = worker_info(strategy)
 batch = 64
 ds = data.load_dataset("mnist5k")
 x, y = data.shard(ds.x_train, ds.y_train, rank, num_workers)
-dist = strategy.experimental_distribute_dataset(data.make_tf_dataset(x, y, batch, repeat=True))
+dist = strategy.experimental_distribute_dataset(data.make_tf_dataset(x, y, batch, repeat=True,
+                                                                    workers=num_workers))
 
 with strategy.scope():
     model = models.build_model("mlp")

@@ -18,7 +18,8 @@ ds = data.load_dataset("fashion_mnist")
 x, y = data.shard(ds.x_train, ds.y_train, rank, num_workers)  # each worker: its own shard
 # Every worker must run the same number of steps.
 steps = len(ds.x_train) // num_workers // 64
-train = data.make_tf_dataset(x, y, batch_size=64, repeat=True)
+# 64 rows per worker and step: the dataset carries the global batch, 64 x num_workers.
+train = data.make_tf_dataset(x, y, batch_size=64, repeat=True, workers=num_workers)
 
 with strategy.scope():
     model = keras.Sequential([

@@ -208,6 +208,14 @@ def test_make_tf_dataset():
         np.concatenate([b[1].numpy() for b in plain]), ds.y_train)
     rep = td.make_tf_dataset(ds.x_train, ds.y_train, 32, repeat=True)
     assert len(list(rep.take(10))) == 10
+    # `workers`: the batch a distributed dataset carries is the global one, batch_size
+    # rows for each worker.
+    two = list(td.make_tf_dataset(ds.x_train, ds.y_train, 16, shuffle=False, workers=2))
+    assert [int(b[0].shape[0]) for b in two] == [32, 32, 32]
+    np.testing.assert_array_equal(two[1][1].numpy(), ds.y_train[32:64])
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="workers"):
+            td.make_tf_dataset(ds.x_train, ds.y_train, 16, workers=bad)
 
 
 # ------------------------------------------------------------------------ models

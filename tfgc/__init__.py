@@ -28,6 +28,7 @@ _EXPORTS = {
     "ErrorFeedback": "tfgc.compressors",
     "get_compressor": ("tfgc.compressors", "get"),
     "serialize": "tfgc.compressors",
+    "recommended": "tfgc.compressors",
 }
 _SUBMODULES = ("apps", "compressors", "collectives", "distribute", "keras", "ops")
 

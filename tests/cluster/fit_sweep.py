@@ -58,9 +58,15 @@ def fit_sweep(strategy, ds, args):
         strategy.compressor = spec
         before = strategy.compression_stats()
         optimizer, lr = learning_setup(spec)
+        # 16 rows per worker and step, 2 x 78 steps: the runs the accuracy margins of
+        # tests/test_distributed.py were measured on (benchmarks/seed_spread.py). They
+        # date from before the trainer batched a worker's dataset at the global batch,
+        # when --batch_size=32 put 16 rows through each of 2 workers per step.
+        n = _rank(strategy)[1]
         results, net = train_and_evaluate(
-            strategy, model="mlp", data=ds, epochs=args.epochs, batch_size=32,
-            learning_rate=lr, optimizer=optimizer, seed=args.seed, verbose=0)
+            strategy, model="mlp", data=ds, epochs=args.epochs, batch_size=32 // n,
+            steps_per_epoch=len(ds.x_train) // n // 32, learning_rate=lr,
+            optimizer=optimizer, seed=args.seed, verbose=0)
         after = strategy.compression_stats()
         rank = results["rank"]
         results.update(spec=spec, reductions=after["steps"] - before["steps"],
@@ -95,6 +101,41 @@ def retrace_check(strategy, ds, extras):
     extras["retrace_same_state"] = after is state and \
         [id(v) for v in after.variables()] == variables_before
     extras["retrace_state_variables"] = len(variables_before)
+
+
+def batch_rows_check(strategy, ds, extras):
+    """The rows each worker's model sees per step of ``model.fit``, and which: a dataset
+    from ``make_tf_dataset(..., workers=n)`` must give every worker its batch size, in
+    order, from its own shard (Keras takes a distributed dataset's batch for the global
+    one)."""
+    import tensorflow as tf
+    import tf_keras as keras
+
+    from tfgc.apps import data as data_lib
+
+    rank, n = _rank(strategy)
+    strategy.compressor = "none"
+    x = np.arange(40, dtype=np.float32).reshape(-1, 1) + 1000 * rank
+    seen = []
+
+    def record(values):
+        seen.append(values.numpy().ravel().tolist())
+        return np.int32(0)
+
+    class Recording(keras.Model):
+        def train_step(self, data):
+            xb, _ = data
+            with tf.control_dependencies([tf.py_function(record, [xb], tf.int32)]):
+                return super().train_step(data)
+
+    with strategy.scope():
+        inputs = keras.Input((1,))
+        net = Recording(inputs, keras.layers.Dense(1)(inputs))
+        net.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    train = data_lib.make_tf_dataset(x, np.zeros(40, np.float32), 4, shuffle=False,
+                                     repeat=True, workers=n)
+    net.fit(train, epochs=1, steps_per_epoch=3, verbose=0)
+    extras["batch_rows_seen"] = seen
 
 
 def custom_loop_check(strategy, ds, extras, out_dir):
@@ -422,6 +463,7 @@ def main():
     extras = {}
     if args.retrace:
         retrace_check(strategy, ds, extras)
+        batch_rows_check(strategy, ds, extras)
     if args.custom_loop:
         custom_loop_check(strategy, ds, extras, args.out_dir)
     if args.eager_reduce:

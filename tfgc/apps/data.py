@@ -384,7 +384,8 @@ def shard(x: np.ndarray, y: np.ndarray, rank: int, num_workers: int,
 
 
 def make_tf_dataset(x: np.ndarray, y: np.ndarray, batch_size: int, *, shuffle: bool = True,
-                    seed: int = 0, repeat: bool = False, drop_remainder: bool = True):
+                    seed: int = 0, repeat: bool = False, drop_remainder: bool = True,
+                    workers: int = 1):
     """A batched ``tf.data.Dataset`` over (x, y) with auto-sharding disabled.
 
     Each worker already holds its own shard (see :func:`shard`); letting
@@ -392,11 +393,23 @@ def make_tf_dataset(x: np.ndarray, y: np.ndarray, batch_size: int, *, shuffle: b
     (num_workers - 1) / num_workers of it, or fail for in-memory sources.
     ``drop_remainder`` defaults to True so every step has a full, equal batch
     on every worker.
+
+    ``batch_size`` is the rows each worker puts through its model per step, and
+    ``workers`` the number of workers in the cluster. TensorFlow takes the batch of a
+    dataset given to ``model.fit`` or ``experimental_distribute_dataset`` under
+    MultiWorkerMirroredStrategy for the *global* batch and hands each worker
+    1/``workers`` of it per step, consuming the rest on the following steps when
+    auto-sharding is off (checked on 2 workers: a dataset batched at 8 puts rows 0-3
+    through the model at step 1 and rows 4-7 at step 2). So the dataset is batched at
+    ``batch_size * workers``; with ``workers=1`` (the default) it is batched at
+    ``batch_size``, right for one worker and for ``distribute_datasets_from_function``.
     """
     import tensorflow as tf  # lazy: keep `import tfgc.apps.data` light
 
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if isinstance(workers, bool) or int(workers) != workers or workers < 1:
+        raise ValueError(f"workers must be a positive integer, got {workers!r}")
     if len(x) != len(y):
         raise ValueError(f"x and y have different lengths: {len(x)} vs {len(y)}")
     ds = tf.data.Dataset.from_tensor_slices((x, y))
@@ -406,7 +419,7 @@ def make_tf_dataset(x: np.ndarray, y: np.ndarray, batch_size: int, *, shuffle: b
         ds = ds.shuffle(max(1, len(x)), seed=seed, reshuffle_each_iteration=True)
     if repeat:
         ds = ds.repeat()
-    ds = ds.batch(batch_size, drop_remainder=drop_remainder)
+    ds = ds.batch(batch_size * int(workers), drop_remainder=drop_remainder)
     ds = ds.prefetch(tf.data.AUTOTUNE)
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF

@@ -52,11 +52,21 @@ flags.DEFINE_enum("lr_scaling", "none", ["none", "linear"],
                   "as given. 'linear': the linear scaling rule of Goyal et al. 2017 (the "
                   "global batch is N x --batch_size, so train at N x --learning_rate), reached "
                   "by a linear warm-up from --learning_rate over --warmup_epochs.")
-flags.DEFINE_float("warmup_epochs", 0.0, "With --lr_scaling=linear: epochs (of --steps_per_epoch "
-                   "steps, or a full shard) over which the rate ramps linearly from "
-                   "--learning_rate to N x --learning_rate; Goyal et al. use 5. 0: N x "
-                   "--learning_rate from the first step. Must be 0 with --lr_scaling=none.",
+flags.DEFINE_float("warmup_epochs", 0.0, "Epochs (of --steps_per_epoch steps, or a full shard) "
+                   "of linear learning-rate warm-up. With --lr_scaling=linear the rate ramps "
+                   "from --learning_rate to N x --learning_rate (Goyal et al. use 5); with "
+                   "--schedule=cosine and no scaling, from a tenth of the rate to the rate. "
+                   "Must be 0 with --lr_scaling=none and --schedule=constant.",
                    lower_bound=0.0)
+flags.DEFINE_enum("schedule", "constant", ["constant", "cosine"],
+                  "Learning rate after warm-up: 'constant', or 'cosine' decay to 0 at the end "
+                  "of the run (Loshchilov & Hutter 2017).")
+flags.DEFINE_bool("recommended", False,
+                  "Train with the compressor's recommended setting "
+                  "(tfgc.compressors.recommended, listed in the README): its compressor "
+                  "string when --compressor names only the compressor, its optimizer, "
+                  "--learning_rate times its rate scale, its schedule and warm-up. Flags "
+                  "given on the command line win. With --baseline: the dense setting.")
 flags.DEFINE_enum("optimizer", "momentum", ["sgd", "momentum", "adam"],
                   "Optimizer. 'momentum' is SGD with momentum 0.9, or plain SGD when the "
                   "compressor applies the momentum itself (dgc, or momentum=m on an "
@@ -101,10 +111,12 @@ flags.register_validator(
     or _is_entry_point(v),
     message="--dataset must be 'fashion_mnist', 'mnist5k', 'synthetic' or package.module:load_fn")
 flags.register_multi_flags_validator(
-    ["lr_scaling", "warmup_epochs"],
-    lambda f: f["lr_scaling"] != "none" or not f["warmup_epochs"],
+    ["lr_scaling", "warmup_epochs", "schedule", "recommended"],
+    lambda f: (f["lr_scaling"] != "none" or f["schedule"] != "constant"
+               or f["recommended"] or not f["warmup_epochs"]),
     message="--warmup_epochs > 0 needs --lr_scaling=linear (the warm-up ramps from "
-            "--learning_rate up to the scaled rate; without scaling there is nothing to ramp to)")
+            "--learning_rate up to the scaled rate) or --schedule=cosine (it ramps up to "
+            "--learning_rate, then decays)")
 
 
 def worker_info(strategy):
@@ -128,35 +140,62 @@ def warmup_steps_for(warmup_epochs, steps_per_epoch):
     return max(1, int(round(warmup_epochs * steps_per_epoch)))
 
 
-def make_learning_rate(learning_rate, lr_scaling="none", workers=1, warmup_steps=0):
+def cosine_warmup_steps(warmup_steps, total_steps):
+    """The warm-up of a cosine schedule, at most a quarter of the run's ``total_steps``
+    (a one-epoch warm-up in a one-epoch run would leave no steps to decay over)."""
+    return min(warmup_steps, total_steps // 4)
+
+
+def make_learning_rate(learning_rate, lr_scaling="none", workers=1, warmup_steps=0,
+                       schedule="constant", total_steps=0):
     """What the optimizer is given as its learning rate.
 
-    ``lr_scaling="none"``: ``learning_rate`` itself (``warmup_steps`` must be 0).
+    ``lr_scaling="none"``: ``learning_rate`` itself (``warmup_steps`` must be 0 unless
+    the schedule is cosine).
     ``"linear"``: a ``tfgc.keras.LinearScalingWarmup`` that ramps from
     ``learning_rate`` to ``workers * learning_rate`` over ``warmup_steps`` steps and
     stays there (Goyal et al. 2017's linear scaling rule and gradual warm-up).
+    ``schedule="cosine"``: after the warm-up (from ``learning_rate`` when scaling
+    linearly, else from a tenth of it), the peak rate decays along a half cosine to 0
+    at step ``total_steps`` (Keras's ``CosineDecay`` with its warm-up).
     """
+    if schedule not in ("constant", "cosine"):
+        raise ValueError(f"`schedule` must be 'constant' or 'cosine', got {schedule!r}")
+    if lr_scaling not in ("none", "linear"):
+        raise ValueError(f"`lr_scaling` must be 'none' or 'linear', got {lr_scaling!r}")
+    if schedule == "cosine":
+        import tf_keras as keras
+        if isinstance(total_steps, bool) or not isinstance(total_steps, int) \
+                or total_steps <= warmup_steps:
+            raise ValueError("a cosine schedule needs `total_steps` > `warmup_steps` "
+                             f"({warmup_steps}), got {total_steps!r}")
+        peak = learning_rate * (workers if lr_scaling == "linear" else 1)
+        start = learning_rate if lr_scaling == "linear" else learning_rate / 10
+        if not warmup_steps:
+            return keras.optimizers.schedules.CosineDecay(peak, total_steps)
+        return keras.optimizers.schedules.CosineDecay(
+            start, total_steps - warmup_steps, warmup_target=peak, warmup_steps=warmup_steps)
     if lr_scaling == "none":
         if warmup_steps:
             raise ValueError("`warmup_steps` must be 0 without learning-rate scaling "
                              f"(lr_scaling='none'), got {warmup_steps!r}")
         return learning_rate
-    if lr_scaling == "linear":
-        from tfgc.keras.schedules import LinearScalingWarmup
-        return LinearScalingWarmup(learning_rate, workers, warmup_steps)
-    raise ValueError(f"`lr_scaling` must be 'none' or 'linear', got {lr_scaling!r}")
+    from tfgc.keras.schedules import LinearScalingWarmup
+    return LinearScalingWarmup(learning_rate, workers, warmup_steps)
 
 
 def make_optimizer(name, learning_rate, compressor=None, *, lr_scaling="none", workers=1,
-                   warmup_steps=0):
+                   warmup_steps=0, schedule="constant", total_steps=0):
     """The Keras optimizer ``name``; momentum SGD leaves its momentum to a compressor
     that applies it on the workers (DGC's momentum correction).
 
     ``learning_rate`` may be a number or a Keras ``LearningRateSchedule``; with
     ``lr_scaling="linear"`` it is the one-worker rate, scaled to ``workers`` times it
-    after ``warmup_steps`` of linear warm-up (see ``make_learning_rate``)."""
+    after ``warmup_steps`` of linear warm-up; ``schedule="cosine"`` decays it to 0 at
+    ``total_steps`` (see ``make_learning_rate``)."""
     import tf_keras as keras
-    learning_rate = make_learning_rate(learning_rate, lr_scaling, workers, warmup_steps)
+    learning_rate = make_learning_rate(learning_rate, lr_scaling, workers, warmup_steps,
+                                       schedule, total_steps)
     if name == "sgd":
         return keras.optimizers.SGD(learning_rate)
     if name == "momentum":
@@ -164,6 +203,54 @@ def make_optimizer(name, learning_rate, compressor=None, *, lr_scaling="none", w
             return keras.optimizers.SGD(learning_rate)
         return keras.optimizers.SGD(learning_rate, momentum=0.9)
     return keras.optimizers.Adam(learning_rate)
+
+
+def steps_per_epoch_for(num_examples, num_workers, batch_size, cap=0):
+    """Steps per epoch when each of ``num_workers`` workers takes ``batch_size`` rows per
+    step from its shard of ``num_examples``, at most ``cap`` (0: no cap). Every worker
+    runs the same number: one with an extra step would wait forever in its all-reduce."""
+    steps = (num_examples // num_workers) // batch_size
+    if cap:
+        steps = min(steps, cap)
+    if steps < 1:
+        raise ValueError(f"batch_size {batch_size} is larger than a worker's shard "
+                         f"({num_examples // num_workers})")
+    return steps
+
+
+def training_setting(compressor, *, baseline=False, recommended=False, optimizer="momentum",
+                     learning_rate=0.05, schedule="constant", warmup_epochs=0.0,
+                     given=frozenset()):
+    """The compressor string, optimizer, rate, schedule and warm-up a run trains with.
+
+    Without ``recommended`` they are the given ones. With it, the compressor's
+    recommended setting (``tfgc.compressors.recommended``; the dense one with
+    ``baseline``) fills in the optimizer, the schedule and the warm-up unless named in
+    ``given`` (the flags the user set), multiplies ``learning_rate`` (the dense rate) by
+    its rate scale, and replaces a bare compressor name by its recommended string.
+    ``needs_steps`` says the string still needs the run's steps per epoch
+    (``recommendation.spec(steps)``).
+    """
+    out = {"compressor": compressor, "optimizer": optimizer, "learning_rate": learning_rate,
+           "schedule": schedule, "warmup_epochs": warmup_epochs, "recommendation": None,
+           "needs_steps": False}
+    if not recommended:
+        return out
+    from tfgc.compressors.recommended import recommended as lookup
+    from tfgc.compressors.recommended import resolve
+    rec = lookup("none" if baseline else compressor)
+    out["recommendation"] = rec
+    out["learning_rate"] = rec.learning_rate(learning_rate)
+    for name in ("optimizer", "schedule", "warmup_epochs"):
+        if name not in given:
+            out[name] = getattr(rec, name)
+    if not baseline:
+        if ":" not in compressor and rec.needs_steps_per_epoch and \
+                resolve(compressor, 1) != compressor.strip():
+            out["needs_steps"] = True
+        else:
+            out["compressor"] = resolve(compressor)
+    return out
 
 
 def make_step_timer():
@@ -241,7 +328,7 @@ def train_and_evaluate(strategy, *, model="mlp", dataset="mnist5k", epochs=1, ba
                        learning_rate=0.05, optimizer="momentum", seed=0, steps_per_epoch=0,
                        data=None, verbose=None, callbacks=(), lr_scaling="none",
                        warmup_epochs=0.0, eval_each_epoch=False, progress=None,
-                       tensorboard="", compressor_name=None):
+                       tensorboard="", compressor_name=None, schedule="constant"):
     """Trains ``model`` on this worker's shard of ``dataset`` under ``strategy``.
 
     Returns a dict of results (accuracy, bytes, ratio, step time) and the model.
@@ -255,7 +342,8 @@ def train_and_evaluate(strategy, *, model="mlp", dataset="mnist5k", epochs=1, ba
     on worker 0 when ``verbose`` is None) draws a text progress bar instead of Keras's.
     ``tensorboard`` is a directory for ``CompressionStatsCallback(log_dir=...)``.
     ``compressor_name`` is how the results name the compressor (default: its shortest
-    string form).
+    string form). ``schedule="cosine"`` decays the rate to 0 over the run's
+    ``epochs * steps`` steps after the warm-up.
     """
     import tf_keras as keras
 
@@ -267,16 +355,15 @@ def train_and_evaluate(strategy, *, model="mlp", dataset="mnist5k", epochs=1, ba
     x, y = data_lib.shard(ds.x_train, ds.y_train, rank, num_workers)
     # Every worker must run the same number of steps: a worker with one more would
     # wait forever in its all-reduce. Shards differ by at most one example.
-    per_worker = len(ds.x_train) // num_workers
-    steps = per_worker // batch_size
-    if steps_per_epoch:
-        steps = min(steps, steps_per_epoch)
-    if steps < 1:
-        raise ValueError(f"batch_size {batch_size} is larger than a worker's shard ({per_worker})")
-    train_ds = data_lib.make_tf_dataset(x, y, batch_size, seed=seed + rank, repeat=True)
+    steps = steps_per_epoch_for(len(ds.x_train), num_workers, batch_size, steps_per_epoch)
+    # batch_size rows per worker and step: the dataset carries the global batch.
+    train_ds = data_lib.make_tf_dataset(x, y, batch_size, seed=seed + rank, repeat=True,
+                                        workers=num_workers)
     test_ds = data_lib.make_tf_dataset(ds.x_test, ds.y_test, 500, shuffle=False,
                                        drop_remainder=False)
     warmup_steps = warmup_steps_for(warmup_epochs, steps)
+    if schedule == "cosine":
+        warmup_steps = cosine_warmup_steps(warmup_steps, epochs * steps)
 
     from tfgc.apps.entry_points import outputs_probabilities
     with strategy.scope():
@@ -288,7 +375,8 @@ def train_and_evaluate(strategy, *, model="mlp", dataset="mnist5k", epochs=1, ba
                                               and compressor.needs_second_moment))
         net.compile(optimizer=make_optimizer(optimizer, learning_rate, compressor,
                                              lr_scaling=lr_scaling, workers=num_workers,
-                                             warmup_steps=warmup_steps),
+                                             warmup_steps=warmup_steps, schedule=schedule,
+                                             total_steps=epochs * steps),
                     loss=keras.losses.SparseCategoricalCrossentropy(
                         from_logits=not outputs_probabilities(net)),
                     metrics=["accuracy"])
@@ -343,6 +431,8 @@ def train_and_evaluate(strategy, *, model="mlp", dataset="mnist5k", epochs=1, ba
         "dense_sent_bytes_per_step": int(stats["dense_sent_bytes"]),
         "ratio": float(stats["ratio"]), "wire_ratio": float(stats["wire_ratio"]),
         "step_time_ms": timer.median_ms(), "train_seconds": train_seconds,
+        "optimizer": optimizer, "learning_rate": float(learning_rate), "schedule": schedule,
+        "warmup_steps": warmup_steps,
     }
     if curve_cb is not None:
         results["curve"] = curve_cb.curve
@@ -482,24 +572,45 @@ def main(argv):
 
     tf.get_logger().setLevel("INFO" if FLAGS.tf_logs else "WARNING")
 
+    setting = training_setting(
+        FLAGS.compressor, baseline=FLAGS.baseline, recommended=FLAGS.recommended,
+        optimizer=FLAGS.optimizer, learning_rate=FLAGS.learning_rate,
+        schedule=FLAGS.schedule, warmup_epochs=FLAGS.warmup_epochs,
+        given={name for name in ("optimizer", "schedule", "warmup_epochs")
+               if FLAGS[name].present})
     if FLAGS.baseline:
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
     else:
+        # A recommended string that needs the steps per epoch (dgc's warm-up) is set once
+        # they are known; the bare name builds the strategy meanwhile.
         strategy = tfgc.CompressedMultiWorkerMirroredStrategy(
-            compressor=FLAGS.compressor,
+            compressor=FLAGS.compressor if setting["needs_steps"] else setting["compressor"],
             policy=tfgc.CompressionPolicy(min_elements=FLAGS.min_elements),
             communication=FLAGS.communication)
+    data = None
+    if setting["needs_steps"]:
+        from tfgc.apps import data as data_lib
+        data = data_lib.load_dataset(FLAGS.dataset, seed=FLAGS.seed)
+        _, num_workers = worker_info(strategy)
+        steps = steps_per_epoch_for(len(data.x_train), num_workers, FLAGS.batch_size,
+                                    FLAGS.steps_per_epoch)
+        setting["compressor"] = setting["recommendation"].spec(steps)
+        strategy.compressor = setting["compressor"]
     tf_keras.utils.set_random_seed(FLAGS.seed)
     callbacks = []
     if FLAGS.backup_dir:
         callbacks.append(tf_keras.callbacks.BackupAndRestore(FLAGS.backup_dir))
     results, net = train_and_evaluate(
         strategy, model=FLAGS.model, dataset=FLAGS.dataset, epochs=FLAGS.epochs,
-        batch_size=FLAGS.batch_size, learning_rate=FLAGS.learning_rate,
-        optimizer=FLAGS.optimizer, seed=FLAGS.seed, steps_per_epoch=FLAGS.steps_per_epoch,
-        callbacks=callbacks, lr_scaling=FLAGS.lr_scaling, warmup_epochs=FLAGS.warmup_epochs,
+        batch_size=FLAGS.batch_size, learning_rate=setting["learning_rate"],
+        optimizer=setting["optimizer"], seed=FLAGS.seed, steps_per_epoch=FLAGS.steps_per_epoch,
+        data=data, callbacks=callbacks, lr_scaling=FLAGS.lr_scaling,
+        warmup_epochs=setting["warmup_epochs"], schedule=setting["schedule"],
         eval_each_epoch=FLAGS.eval_each_epoch, tensorboard=FLAGS.tensorboard,
-        compressor_name=None if FLAGS.baseline else FLAGS.compressor.strip())
+        compressor_name=None if FLAGS.baseline else setting["compressor"])
+    if setting["recommendation"] is not None:
+        results["recommended"] = setting["recommendation"].describe(
+            results["steps_per_epoch"] if setting["needs_steps"] else None)
 
     if FLAGS.save_weights:
         np.savez(f"{FLAGS.save_weights}.w{results['rank']}.npz",
@@ -512,6 +623,8 @@ def main(argv):
         print(f"wire/step      {results['sent_bytes_per_step']:,} bytes sent per worker; a dense "
               f"ring all-reduce sends {results['dense_sent_bytes_per_step']:,}")
         print(f"step time      {results['step_time_ms']:.2f} ms (median)")
+        if "recommended" in results:
+            print(f"setting        recommended: {results['recommended']}")
         if "peak_learning_rate" in results:
             print(f"learning rate  {results['peak_learning_rate']:g} peak "
                   f"({results['base_learning_rate']:g} x {results['workers']} workers, "

@@ -8,6 +8,7 @@ from tfgc.compressors.fft import FFT
 from tfgc.compressors.gradiveq import GradiVeQ
 from tfgc.compressors.powersgd import PowerSGD
 from tfgc.compressors.quantizers import QSGD, OneBit, ScaledSign, SignSGD, TernGrad
+from tfgc.compressors.recommended import Recommendation, recommended, recommended_settings
 from tfgc.compressors.registry import (describe, get, names, register, serialize,
                                        serialize_config)
 from tfgc.compressors.sparse import Importance, RandomK, TopK
@@ -17,6 +18,6 @@ from tfgc.compressors.variance import Variance
 __all__ = [
     "Adaptive", "BF16", "CompressContext", "Compressor", "DGC", "describe", "ErrorFeedback", "FFT", "FP16",
     "GradiVeQ", "GradientDropping", "Identity", "Importance", "OneBit",
-    "PowerSGD", "QSGD", "RandomK", "ScaledSign", "SignSGD", "TernGrad", "Threshold", "TopK", "Variance", "get", "names", "register",
+    "PowerSGD", "QSGD", "RandomK", "Recommendation", "recommended", "recommended_settings", "ScaledSign", "SignSGD", "TernGrad", "Threshold", "TopK", "Variance", "get", "names", "register",
     "serialize", "serialize_config",
 ]

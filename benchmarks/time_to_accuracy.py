@@ -1,0 +1,727 @@
+"""Time to accuracy: how soon each setting reaches dense accuracy on a shaped link (root).
+
+    sudo python benchmarks/time_to_accuracy.py                  # the default sweep
+    sudo python benchmarks/time_to_accuracy.py --models cnn --rates 100mbit \\
+        --settings stock bf16 dgc --budget 300
+    sudo python benchmarks/time_to_accuracy.py --resume         # go on with a cut sweep
+
+A cluster of ``--workers`` workers (default 4) on this one machine, each in its own
+network namespace behind a tbf-shaped link (``netns.py``, as ``network.py``), trains a
+Fashion-MNIST model with ``model.fit`` until the test accuracy reaches the target or
+the run's time budget is spent. Worker 0 evaluates the whole test set every
+``--eval_every`` seconds of training on a copy of its weights outside the strategy (no
+collective, so the other workers need not agree on when); evaluation time is left out
+of the training time. The clock starts after the first step (tracing) and includes
+everything else a user waits for: compute, compression, the wire. When worker 0 sees the
+target reached, or the budget spent, it names a step two steps ahead in a file the
+other workers read after every step, and all stop after that step together.
+
+Settings: ``stock`` (``tf.distribute.MultiWorkerMirroredStrategy``, fp32), ``bf16``
+(tfgc's 16-bit cast, the honest baseline of Han et al. 2024) and registry compressors,
+each at its recommended setting (``tfgc.compressors.recommended``: compressor string,
+optimizer, learning-rate scale, a one-epoch warm-up and a cosine decay over
+``--epochs``). The dense rate is ``--learning_rate`` at ``--batch_size`` rows per worker.
+
+Target: per model, the stock strategy first trains its whole schedule on a
+``--floor_rate`` link (default 10gbit, where the link is not what limits it: the
+compute floor); its final accuracy minus ``--margin`` points (default 0.5) is the
+target for every run of that model (or ``--target`` gives it). The floor run's
+time to the target is the machine's compute floor.
+
+Synchronous training computes the same steps at any link rate (the same seed gives
+the same weights, data order and random draws), so a setting that reaches the
+target at step S on one link reaches it at step S on every link. When a run spends
+its budget first, the table gives its best accuracy and, where the same setting
+reached the target on another link, a projection: S times this run's median step
+time (marked "projected").
+
+Outputs (``--out PREFIX``, default ``benchmarks/results/time_to_accuracy``):
+PREFIX.md, PREFIX.json (every run, its accuracy curve; ``--resume`` reads it) and
+PREFIX_<model>_<rate>.svg (test accuracy against training time). Without root,
+``ip``/``tc`` or namespaces it prints why and exits 0. Namespaces are removed on every
+exit path, as in ``network.py``.
+"""
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402  (also puts the repo root on sys.path)
+import network  # noqa: E402  (worker environment, supervision, signals, the wide MLP)
+from netns import (NS_PREFIX, Cluster, NetError, clean_leftovers,  # noqa: E402
+                   delete_namespace, list_namespaces, preflight)
+from network_report import rate_bps, rate_label  # noqa: E402
+from tfgc.apps.plots import fmt_bytes, svg_plot  # noqa: E402  (stdlib only)
+
+DEFAULT_OUT = os.path.join(_common.RESULTS_DIR, "time_to_accuracy")
+BASE_PORT = 21000
+MODELS = ("cnn", "wide_mlp", "mlp")
+STOCK = "stock"
+DEFAULT_SETTINGS = [STOCK, "bf16", "qsgd", "terngrad", "onebit", "ef", "dgc", "powersgd"]
+DEFAULT_EPOCHS = {"cnn": 3, "wide_mlp": 3, "mlp": 3}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", choices=MODELS, default=["cnn", "wide_mlp"])
+    p.add_argument("--rates", nargs="+", default=["1gbit", "100mbit"],
+                   help="link rates in tc's syntax, run fastest first (default 1gbit 100mbit)")
+    p.add_argument("--floor_rate", default="10gbit",
+                   help="the link of the floor runs; stock's sets the target (default 10gbit)")
+    p.add_argument("--floor", nargs="+", default=["all"], metavar="SETTING",
+                   help="the settings that also train on the floor link, without a budget "
+                        "('all', the default, or some of --settings; stock always does): "
+                        "their time to target there is their compute floor, and their step "
+                        "count there projects their runs that spend their budget")
+    p.add_argument("--settings", nargs="+", default=DEFAULT_SETTINGS,
+                   help="'stock', registry names at their recommended setting, or "
+                        "compressor strings (trained with their compressor's recommended "
+                        f"optimizer and schedule) (default: {' '.join(DEFAULT_SETTINGS)})")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--epochs", type=int, default=0,
+                   help="epochs of the schedule (0: per model, "
+                        f"{', '.join(f'{k} {v}' for k, v in DEFAULT_EPOCHS.items())})")
+    p.add_argument("--batch_size", type=int, default=64, help="rows per worker and step")
+    p.add_argument("--learning_rate", type=float, default=0.05,
+                   help="the dense rate (momentum SGD); settings scale it")
+    p.add_argument("--margin", type=float, default=0.5,
+                   help="points below the floor run's final accuracy (default 0.5)")
+    p.add_argument("--target", type=float, default=None,
+                   help="target test accuracy for every model (default: from the floor run)")
+    p.add_argument("--budget", type=float, default=600.0,
+                   help="seconds of training per run before it stops unreached (default 600)")
+    p.add_argument("--eval_every", type=float, default=10.0,
+                   help="seconds of training between evaluations (default 10)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=0,
+                   help="seconds per run before its workers are killed (0: budget x 3 + 300)")
+    p.add_argument("--resume", action="store_true", help="keep the runs already in PREFIX.json")
+    p.add_argument("--out", default=DEFAULT_OUT)
+    # Worker-only arguments.
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--setting", help=argparse.SUPPRESS)
+    p.add_argument("--run_epochs", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--run_target", type=float, default=-1.0, help=argparse.SUPPRESS)
+    p.add_argument("--result_prefix", help=argparse.SUPPRESS)
+    p.add_argument("--stop_file", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return args
+    if args.workers < 2 or args.workers > 200:
+        p.error("--workers must be in [2, 200] (a link to shape; addresses in a /24)")
+    for name in ("budget", "eval_every", "learning_rate"):
+        if not getattr(args, name) > 0:
+            p.error(f"--{name} must be > 0")
+    if args.batch_size < 1 or args.epochs < 0:
+        p.error("--batch_size must be >= 1 and --epochs >= 0")
+    if args.target is not None and not 0 < args.target <= 1:
+        p.error("--target is an accuracy in (0, 1]")
+    for rate in args.rates + [args.floor_rate]:
+        try:
+            rate_bps(rate)
+        except ValueError as exc:
+            p.error(str(exc))
+    args.rates = sorted(dict.fromkeys(args.rates), key=rate_bps, reverse=True)
+    args.settings = list(dict.fromkeys(args.settings))
+    if STOCK not in args.settings:
+        args.settings.insert(0, STOCK)
+    unknown = [s for s in args.floor if s != "all" and s not in args.settings]
+    if unknown:
+        p.error(f"--floor names settings not in --settings: {', '.join(unknown)}")
+    bad = [s for s in args.settings if s != STOCK and not _known(s)]
+    if bad:
+        p.error(f"no recommended setting for {', '.join(bad)} (see tfgc.compressors."
+                "recommended)")
+    return args
+
+
+def _recommendations():
+    """``tfgc/compressors/recommended.py`` loaded by path: the ``tfgc.compressors``
+    package imports TensorFlow, which the driver never does."""
+    import importlib.util
+    path = os.path.join(_common.REPO_ROOT, "tfgc", "compressors", "recommended.py")
+    spec = importlib.util.spec_from_file_location("_tfgc_recommended", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _known(name):
+    try:
+        _recommendations().recommended(name)
+    except ValueError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------------------
+# Worker: one cluster member inside its namespace.
+
+def worker_main(args):
+    rank = int(os.environ.get("TFGC_WORKER_INDEX", "0"))
+    prefix = f"{args.result_prefix}.w{rank}"
+    phase = ["import"]
+    try:
+        _worker(args, rank, prefix, phase)
+    except BaseException as exc:  # noqa: BLE001  (reported, then re-raised)
+        text = (str(exc).strip().splitlines() or [""])[0]
+        reason = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+        with open(prefix + ".err.json", "w") as f:
+            json.dump({"rank": rank, "phase": phase[0], "reason": reason[:300]}, f)
+        raise
+
+
+def _worker(args, rank, prefix, phase):
+    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+    import numpy as np
+    import tensorflow as tf
+    import tf_keras as keras
+
+    import tfgc
+    from tfgc.apps import data as data_lib
+    from tfgc.apps import models
+    from tfgc.apps.train import (cosine_warmup_steps, make_optimizer, steps_per_epoch_for,
+                                 warmup_steps_for, worker_info)
+    from tfgc.compressors.recommended import recommended, resolve
+
+    threads = max(1, (os.cpu_count() or 1) // int(os.environ["TFGC_NUM_WORKERS"]))
+    tf.config.threading.set_intra_op_parallelism_threads(threads)
+    tf.config.threading.set_inter_op_parallelism_threads(threads)
+
+    phase[0] = "data"
+    ds = data_lib.load_dataset("fashion_mnist", seed=args.seed)
+    rec = recommended("none" if args.setting == STOCK else args.setting)
+    phase[0] = "strategy"
+    if args.setting == STOCK:
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    else:
+        # A placeholder for the steps per epoch is filled in once the cluster is known.
+        strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor=resolve(args.setting, 1))
+    _, num_workers = worker_info(strategy)
+    steps = steps_per_epoch_for(len(ds.x_train), num_workers, args.batch_size)
+    if args.setting != STOCK:
+        strategy.compressor = resolve(args.setting, steps)
+    x, y = data_lib.shard(ds.x_train, ds.y_train, rank, num_workers)
+    train_ds = data_lib.make_tf_dataset(x, y, args.batch_size, seed=args.seed + rank,
+                                        repeat=True, workers=num_workers)
+
+    phase[0] = "model"
+
+    def build():
+        if args.model == "wide_mlp":
+            return network.build_wide_mlp(keras, ds.x_train.shape[1:], ds.num_classes,
+                                          seed=args.seed)
+        return models.build_model(args.model, input_shape=ds.x_train.shape[1:],
+                                  num_classes=ds.num_classes, seed=args.seed)
+
+    keras.utils.set_random_seed(args.seed)
+    total = args.run_epochs * steps
+    compressor = getattr(strategy, "compressor", None)
+    with strategy.scope():
+        net = build()
+        net.compile(optimizer=make_optimizer(
+            rec.optimizer, rec.learning_rate(args.learning_rate), compressor,
+            warmup_steps=cosine_warmup_steps(warmup_steps_for(rec.warmup_epochs, steps), total),
+            schedule=rec.schedule,
+            total_steps=total),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    dense_bytes = int(sum(np.prod(v.shape) * v.dtype.size for v in net.trainable_variables))
+
+    # Worker 0's evaluation copy, outside the strategy: no collective, no agreement.
+    # (Only worker 0 evaluates.)
+    if rank == 0:
+        copy = build()
+        x_test = tf.constant(ds.x_test)
+        y_test = tf.constant(ds.y_test.astype(np.int64))
+
+        @tf.function
+        def correct():
+            logits = copy(x_test, training=False)
+            return tf.reduce_sum(tf.cast(tf.argmax(logits, 1) == y_test, tf.int32))
+
+        def evaluate():
+            copy.set_weights(net.get_weights())
+            return float(correct()) / len(ds.y_test)
+
+    target = args.run_target if args.run_target > 0 else None
+
+    class Clock(keras.callbacks.Callback):
+        """Steps, training time, evaluations, and the agreed stop."""
+
+        def __init__(self):
+            super().__init__()
+            self.step = 0
+            self.durations = []
+            self.curve = []
+            self.eval_s = 0.0
+            self.t0 = None
+            self.first_step_s = None
+            self.reached = None
+            self.stop_at = None
+            self.stop_reason = None
+            self._t = None
+            self._next_eval = args.eval_every
+
+        def train_s(self, now):
+            return now - self.t0 - self.eval_s
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self._t = time.perf_counter()
+
+        def _evaluate(self, now):
+            begin = time.perf_counter()
+            accuracy = evaluate()
+            self.eval_s += time.perf_counter() - begin
+            point = {"train_s": self.train_s(now), "step": self.step, "test_accuracy": accuracy}
+            if compressor is not None:
+                point["sent_bytes"] = int(strategy.compression_stats()["total_sent_bytes"])
+            self.curve.append(point)
+            if target is not None and self.reached is None and accuracy >= target:
+                self.reached = point
+
+        def on_train_batch_end(self, batch, logs=None):
+            now = time.perf_counter()
+            self.step += 1
+            self.durations.append(now - self._t)
+            if self.step == 1:
+                self.t0 = now  # the clock starts after the first (traced) step
+                self.first_step_s = now - self._t
+                return
+            if rank == 0 and self.stop_at is None:
+                if self.train_s(now) >= self._next_eval or self.step == total:
+                    self._evaluate(now)
+                    while self._next_eval <= self.train_s(now):
+                        self._next_eval += args.eval_every
+                why = ("target" if self.reached is not None
+                       else "budget" if self.train_s(now) >= args.budget else None)
+                if why and self.step < total:
+                    # Two steps ahead: a peer cannot finish step + 1 before this worker
+                    # sends its gradients for it, so every peer still reads this in time.
+                    self.stop_at, self.stop_reason = self.step + 2, why
+                    with open(args.stop_file + ".tmp", "w") as f:
+                        f.write(f"{self.stop_at} {why}")
+                    os.replace(args.stop_file + ".tmp", args.stop_file)
+            if self.stop_at is None and rank != 0 and os.path.exists(args.stop_file):
+                with open(args.stop_file) as f:
+                    self.stop_at = int(f.read().split()[0])
+            if self.stop_at is not None and self.step >= self.stop_at:
+                self.model.stop_training = True
+
+    clock = Clock()
+    phase[0] = "train"
+    t_fit = time.perf_counter()
+    net.fit(train_ds, epochs=args.run_epochs, steps_per_epoch=steps, callbacks=[clock],
+            verbose=0)
+    fit_s = time.perf_counter() - t_fit
+    if rank != 0:
+        with open(prefix + ".json", "w") as f:
+            json.dump({"rank": rank, "steps": clock.step}, f)
+        return
+    end = time.perf_counter()
+    if not clock.curve or clock.curve[-1]["step"] != clock.step:
+        clock._evaluate(end)
+    timed = [d * 1e3 for d in clock.durations[5:]] or [d * 1e3 for d in clock.durations]
+    ring = 2 * (num_workers - 1) * dense_bytes // num_workers
+    if compressor is not None:
+        stats = strategy.compression_stats()
+        sent = stats["total_sent_bytes"] / max(1, stats["steps"])
+        spec = tfgc.compressors.describe(compressor)
+    else:
+        sent, spec = ring, "stock MultiWorkerMirroredStrategy, fp32"
+    accs = [p["test_accuracy"] for p in clock.curve]
+    result = {
+        "rank": 0, "workers": num_workers, "model": args.model, "setting": args.setting,
+        "spec": spec, "recommended": (
+            "none" if args.setting == STOCK else resolve(args.setting, steps))
+        + rec.describe(steps)[len(rec.spec(steps)):],
+        "optimizer": rec.optimizer, "learning_rate": rec.learning_rate(args.learning_rate),
+        "steps_per_epoch": steps, "planned_steps": total, "steps": clock.step,
+        "target": target, "reached": clock.reached is not None,
+        "time_to_target_s": clock.reached["train_s"] if clock.reached else None,
+        "steps_to_target": clock.reached["step"] if clock.reached else None,
+        "stop_reason": clock.stop_reason or "schedule end",
+        "final_accuracy": accs[-1], "best_accuracy": max(accs),
+        "train_s": clock.train_s(end), "eval_s": clock.eval_s, "evaluations": len(accs),
+        "first_step_s": clock.first_step_s, "fit_s": fit_s,
+        "median_step_ms": statistics.median(timed),
+        "sent_bytes_per_step": sent, "dense_ring_bytes_per_step": ring,
+        "dense_bytes": dense_bytes, "curve": clock.curve,
+    }
+    with open(prefix + ".json", "w") as f:
+        json.dump(result, f)
+
+
+# ---------------------------------------------------------------------------------
+# Driver.
+
+def run_once(cluster, run, args, run_dir, port):
+    """Starts one cluster for ``run``; returns worker 0's result or raises RunFailed."""
+    os.makedirs(run_dir, exist_ok=True)
+    prefix = os.path.join(run_dir, "result")
+    stop_file = os.path.join(run_dir, "stop")
+    if os.path.exists(stop_file):
+        os.remove(stop_file)
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--model", run["model"],
+           "--setting", run["setting"], "--run_epochs", str(run["epochs"]),
+           "--run_target", str(run["target"] if run["target"] is not None else -1),
+           "--result_prefix", prefix, "--stop_file", stop_file,
+           "--batch_size", str(args.batch_size), "--learning_rate", str(args.learning_rate),
+           "--seed", str(args.seed), "--eval_every", str(args.eval_every),
+           "--budget", str(run["budget"])]
+    logs = [os.path.join(run_dir, f"w{i}.log") for i in range(cluster.n)]
+    procs, files = [], []
+    timeout = args.timeout or run["budget"] * 3 + 300
+    try:
+        for i, ns in enumerate(cluster.workers):
+            log = open(logs[i], "w")
+            files.append(log)
+            procs.append(subprocess.Popen(
+                ["ip", "netns", "exec", ns] + cmd, env=network.worker_env(cluster, i, port),
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True, cwd=_common.REPO_ROOT))
+        deadline = time.monotonic() + timeout
+        while True:
+            codes = [p.poll() for p in procs]
+            bad = [i for i, c in enumerate(codes) if c not in (None, 0)]
+            if bad:
+                time.sleep(0.5)
+                reason, phase = network._failure_reason(run_dir, bad[0], codes[bad[0]], logs)
+                raise network.RunFailed(reason, phase)
+            if all(c == 0 for c in codes):
+                break
+            if time.monotonic() > deadline:
+                raise network.RunFailed(f"timed out after {timeout:g} s; killed all workers",
+                                        "timeout")
+            time.sleep(0.5)
+    finally:
+        network._kill_groups(procs)
+        for f in files:
+            f.close()
+        cluster.reap()
+    with open(f"{prefix}.w0.json") as f:
+        return json.load(f)
+
+
+def _key(run):
+    return f"{run['model']}|{run['rate']}|{run['setting']}"
+
+
+def plan(args, done):
+    """The runs, in order: per model the floor runs (stock first: it sets the target),
+    then every rate's settings."""
+    runs = []
+    for model in args.models:
+        epochs = args.epochs or DEFAULT_EPOCHS[model]
+        for setting in [s for s in args.settings
+                        if "all" in args.floor or s in args.floor or s == STOCK]:
+            runs.append(dict(model=model, rate=args.floor_rate, setting=setting,
+                             epochs=epochs, role="floor" if setting == STOCK else "floor_run",
+                             budget=1e9))
+        for rate in args.rates:
+            for setting in args.settings:
+                runs.append(dict(model=model, rate=rate, setting=setting, epochs=epochs,
+                                 role="run", budget=args.budget))
+    for run in runs:
+        old = done.get(_key(run))
+        if old and old.get("status") == "ok" and old.get("epochs") == run["epochs"]:
+            run.update(old)
+    return runs
+
+
+def target_for(args, runs, model):
+    if args.target is not None:
+        return args.target
+    floor = next(r for r in runs if r["model"] == model and r["role"] == "floor")
+    if floor.get("status") != "ok":
+        return None
+    return floor["final_accuracy"] - args.margin / 100
+
+
+def add_projections(runs):
+    """Speed-ups against stock and bf16 on the same link; projections for runs that
+    spent their budget where the same setting reached the target on another link."""
+    for run in runs:
+        if run.get("status") != "ok" or run["role"] != "run":
+            continue
+        run.pop("projected_s", None)
+        if not run["reached"]:
+            other = [r for r in runs if r.get("status") == "ok" and r is not run
+                     and r["model"] == run["model"] and r["setting"] == run["setting"]
+                     and r.get("reached") and r["role"] != "floor"]
+            if run["setting"] == STOCK:
+                other += [r for r in runs if r.get("status") == "ok"
+                          and r["model"] == run["model"] and r["role"] == "floor"
+                          and r.get("steps_to_target")]
+            if other:
+                run["projected_s"] = (other[0]["steps_to_target"] * run["median_step_ms"] / 1e3)
+    for run in runs:
+        if run.get("status") != "ok" or run["role"] != "run":
+            continue
+        for base in (STOCK, "bf16"):
+            ref = next((r for r in runs if r.get("status") == "ok" and r["role"] == "run"
+                        and r["model"] == run["model"] and r["rate"] == run["rate"]
+                        and r["setting"] == base), None)
+            mine = _tta(run)
+            theirs = _tta(ref) if ref else None
+            run[f"speedup_vs_{base}"] = (theirs[0] / mine[0] if mine and theirs else None)
+            run[f"speedup_vs_{base}_kind"] = (
+                "measured" if mine and theirs and not (mine[1] or theirs[1]) else
+                "projected" if mine and theirs else None)
+
+
+def _tta(run):
+    """(seconds to target, projected?) or None."""
+    if run is None or run.get("status") != "ok":
+        return None
+    if run.get("reached"):
+        return run["time_to_target_s"], False
+    if run.get("projected_s"):
+        return run["projected_s"], True
+    return None
+
+
+def render(report, args):
+    runs = report["runs"]
+    lines = [f"# Time to accuracy: Fashion-MNIST, {args.workers} workers, shaped links", "",
+             f"`{report['command']}` ({report['started']}, {report['cpu_count']} cores). "
+             "Each run trains with `model.fit` at the setting's recommended optimizer, rate "
+             f"and schedule (1-epoch warm-up, cosine over the run's epochs), {args.batch_size} "
+             "rows per worker and step, until worker 0's test accuracy (the whole test set, "
+             f"every {args.eval_every:g} s of training) reaches the target or "
+             f"{args.budget:g} s of training are spent. Times: training only, from the end "
+             "of the first (traced) step, evaluations left out. Target: the stock strategy's "
+             f"final accuracy on a {rate_label(args.floor_rate)} link minus {args.margin:g} "
+             "point (the compute floor run). `sent/step`: what one worker sends per step "
+             "(the strategy's own count; the stock ring all-reduce's 2(N−1)/N of the "
+             "gradients). Speed-ups: time to target of stock fp32 (or bf16) on the same link "
+             "over the setting's. A run that spent its budget shows its best accuracy and, "
+             "where the same setting reached the target on another link at step S, "
+             "S × its median step time, marked *projected* (synchronous training computes the "
+             "same steps at any link rate).", ""]
+    for model in args.models:
+        floor = next((r for r in runs if r["model"] == model and r["role"] == "floor"), None)
+        target = target_for(args, runs, model)
+        lines.append(f"## {model}")
+        lines.append("")
+        if floor and floor.get("status") == "ok":
+            lines.append(
+                f"Compute floor (stock, {rate_label(floor['rate'])}, {floor['epochs']} epochs): "
+                f"final accuracy {floor['final_accuracy']:.4f}, best {floor['best_accuracy']:.4f}; "
+                f"median step {floor['median_step_ms']:.0f} ms; target "
+                + (f"{target:.4f}" if target is not None else "–") + "; time to target "
+                + (f"{floor['time_to_target_s']:.0f} s (step {floor['steps_to_target']})"
+                   if floor.get("reached") else "not reached") + ".")
+        elif floor:
+            lines.append(f"Floor run failed: {floor.get('reason', 'not run')}")
+        lines.append("")
+        floors = [r for r in runs if r["model"] == model and r["role"] == "floor_run"
+                  and r.get("status") == "ok"]
+        if floors:
+            lines += [f"Compute floor of every setting ({rate_label(args.floor_rate)}, no "
+                      "budget):", "",
+                      "| setting | time to target | steps | step ms | final acc |",
+                      "|:--|--:|--:|--:|--:|"]
+            for r in [floor] + floors:
+                if r is None or r.get("status") != "ok":
+                    continue
+                tta = (f"{r['time_to_target_s']:.0f} s" if r.get("reached")
+                       else "not reached")
+                steps = r["steps_to_target"] if r.get("reached") else r["steps"]
+                lines.append(f"| {r['setting']} | {tta} | {steps} | {r['median_step_ms']:.0f} | "
+                             f"{r['final_accuracy']:.4f} |")
+            lines.append("")
+        for rate in args.rates:
+            lines += [f"### {rate_label(rate)}", "",
+                      "| setting | compressor, optimizer | time to target | vs stock fp32 | "
+                      "vs bf16 | steps | step ms | sent/step | final acc | best acc |",
+                      "|:--|:--|--:|--:|--:|--:|--:|--:|--:|--:|"]
+            for setting in args.settings:
+                run = next((r for r in runs if r["model"] == model and r["rate"] == rate
+                            and r["setting"] == setting and r["role"] == "run"), None)
+                if run is None or run.get("status") is None:
+                    continue
+                if run["status"] != "ok":
+                    lines.append(f"| {setting} | failed: {run.get('reason', '')[:120]} |"
+                                 + " |" * 8)
+                    continue
+                if run["reached"]:
+                    tta = f"{run['time_to_target_s']:.0f} s"
+                elif run.get("projected_s"):
+                    tta = (f"not reached in {run['train_s']:.0f} s (best "
+                           f"{run['best_accuracy']:.4f}); ≈ {run['projected_s']:.0f} s projected")
+                else:
+                    tta = (f"not reached in {run['train_s']:.0f} s (best "
+                           f"{run['best_accuracy']:.4f})")
+                cells = []
+                for base in (STOCK, "bf16"):
+                    sp = run.get(f"speedup_vs_{base}")
+                    cells.append("–" if sp is None else f"{sp:.2f}×" + (
+                        " (projected)" if run.get(f"speedup_vs_{base}_kind") == "projected"
+                        else ""))
+                steps = run["steps_to_target"] if run["reached"] else run["steps"]
+                lines.append(
+                    f"| {setting} | {run['recommended'].replace('none, ', 'stock fp32, ', 1)} | "
+                    f"{tta} | {cells[0]} | {cells[1]} | {steps} | {run['median_step_ms']:.0f} | "
+                    f"{fmt_bytes(run['sent_bytes_per_step'])} | {run['final_accuracy']:.4f} | "
+                    f"{run['best_accuracy']:.4f} |")
+            lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def write_plots(report, args):
+    written = []
+    for model in args.models:
+        for rate in args.rates:
+            series = []
+            for run in report["runs"]:
+                if (run["model"] == model and run["rate"] == rate and run["role"] == "run"
+                        and run.get("status") == "ok"):
+                    series.append((run["setting"], [(p["train_s"], p["test_accuracy"])
+                                                    for p in run["curve"]]))
+            if not series:
+                continue
+            path = f"{args.out}_{model}_{rate}.svg"
+            with open(path, "w") as f:
+                f.write(svg_plot(f"{model}, {args.workers} workers, {rate_label(rate)}: test "
+                                 "accuracy against training time", "training time, s",
+                                 "test accuracy", series))
+            written.append(path)
+    return written
+
+
+def driver_main(args, argv):
+    previous = {sig: signal.signal(sig, network._on_signal)
+                for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    holder = {"cluster": None, "ready": False}
+    try:
+        status = _drive(args, argv, holder)
+    except network.Interrupted as exc:
+        status = 128 + exc.signum
+        network.say(f"\ninterrupted by {signal.Signals(exc.signum).name}")
+    finally:
+        network._STATE["cleaning"] = True
+        if holder["ready"]:
+            if holder["cluster"] is not None:
+                holder["cluster"].down()
+            for ns in list_namespaces():
+                if ns.startswith(f"{NS_PREFIX}{os.getpid()}-"):
+                    delete_namespace(ns)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return status
+
+
+def _drive(args, argv, holder):
+    say = network.say
+    reason = preflight()
+    if reason:
+        say(f"time-to-accuracy benchmark skipped: {reason}")
+        return 0
+    holder["ready"] = True
+    removed, _ = clean_leftovers()
+    if removed:
+        say(f"removed {len(removed)} namespace(s) left by an earlier run")
+    done = {}
+    if args.resume and os.path.exists(args.out + ".json"):
+        with open(args.out + ".json") as f:
+            done = {_key(r): r for r in json.load(f).get("runs", [])}
+    runs = plan(args, done)
+    command = "python benchmarks/time_to_accuracy.py" + "".join(
+        " " + (a if re.match(r"^[\w./=:-]+$", a) else json.dumps(a)) for a in argv)
+    report = {"benchmark": "time_to_accuracy", "command": command,
+              "started": time.strftime("%Y-%m-%d %H:%M:%S"), "cpu_count": os.cpu_count(),
+              "config": {k: getattr(args, k) for k in (
+                  "models", "rates", "floor_rate", "settings", "workers", "epochs",
+                  "batch_size", "learning_rate", "margin", "target", "budget", "eval_every",
+                  "seed")},
+              "runs": runs, "complete": False}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    scratch = _common.scratch_dir("tfgc_tta_")
+    say(f"time to accuracy: {len(runs)} runs, {args.workers} workers, worker logs under "
+        f"{scratch}")
+    cluster = holder["cluster"] = Cluster(args.workers).up()
+    status = 0
+    try:
+        for k, run in enumerate(runs):
+            label = f"[{k + 1}/{len(runs)}] {run['model']} {run['rate']:>7} {run['setting']}"
+            if run.get("status") == "ok":
+                say(f"{label}: kept from the earlier sweep")
+                continue
+            run["target"] = (None if run["role"] == "floor" and args.target is None
+                             else target_for(args, runs, run["model"]))
+            if run["role"] != "floor" and run["target"] is None:
+                run.update(status="failed", reason="no target: the floor run failed")
+                say(f"{label}: skipped: no target")
+                continue
+            cluster.set_rate(run["rate"])
+            t0 = time.monotonic()
+            try:
+                result = run_once(cluster, run, args, os.path.join(scratch, f"run{k:03d}"),
+                                  BASE_PORT + (k * 7) % 9000)
+                run.update(result, status="ok")
+            except network.RunFailed as exc:
+                run.update(status="failed", reason=exc.reason, phase=exc.phase)
+            except (OSError, ValueError, KeyError) as exc:
+                run.update(status="failed", reason=f"driver: {type(exc).__name__}: {exc}")
+            run["wall_s"] = time.monotonic() - t0
+            if run["role"] == "floor" and run["status"] == "ok":
+                # The floor run sets the target from its own end; when it first got there.
+                target = target_for(args, runs, run["model"])
+                hit = next((p for p in run["curve"] if p["test_accuracy"] >= target), None)
+                run.update(target=target, reached=hit is not None,
+                           time_to_target_s=hit["train_s"] if hit else None,
+                           steps_to_target=hit["step"] if hit else None)
+            add_projections(runs)
+            if run["status"] == "ok":
+                say(f"{label}: " + (f"target in {run['time_to_target_s']:.0f} s "
+                                    f"(step {run['steps_to_target']})" if run["reached"]
+                                    else f"final {run['final_accuracy']:.4f} after "
+                                    f"{run['train_s']:.0f} s ({run['stop_reason']})")
+                    + f", {run['median_step_ms']:.0f} ms/step, "
+                    f"{fmt_bytes(run['sent_bytes_per_step'])}/step ({run['wall_s']:.0f} s)")
+            else:
+                say(f"{label}: failed: {run['reason']}")
+            _common.write_json(args.out + ".json", report)
+        report["complete"] = True
+    except network.Interrupted as exc:
+        network._STATE["cleaning"] = True
+        status = 128 + exc.signum
+        say(f"\ninterrupted by {signal.Signals(exc.signum).name}: stopping")
+    except NetError as exc:
+        network._STATE["cleaning"] = True
+        status = 1
+        say(f"\nerror building the shaped cluster: {exc}")
+    cluster.down()
+    holder["cluster"] = None
+    add_projections(runs)
+    _common.write_json(args.out + ".json", report)
+    md = render(report, args)
+    with open(args.out + ".md", "w") as f:
+        f.write(md)
+    plots = write_plots(report, args)
+    say()
+    say(md)
+    say(f"wrote {args.out}.md, {args.out}.json" + "".join(f", {p}" for p in plots))
+    return status
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    if args.worker:
+        worker_main(args)
+        return 0
+    return driver_main(args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
