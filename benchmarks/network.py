@@ -562,13 +562,16 @@ def _on_signal(signum, frame):  # noqa: ARG001
     raise Interrupted(signum)
 
 
-def driver_main(args, argv):
-    """Signal handlers and the last-resort clean-up around the whole sweep."""
+def driver_main(args, argv, drive=None):
+    """Signal handlers and the last-resort clean-up around the whole sweep, which
+    ``drive(args, argv, holder)`` runs (default: this script's; time_to_accuracy.py
+    passes its own). ``holder["cluster"]`` is the cluster it builds, ``holder["ready"]``
+    set once namespaces may exist."""
     previous = {sig: signal.signal(sig, _on_signal)
                 for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     holder = {"cluster": None, "ready": False}
     try:
-        status = _drive(args, argv, holder)
+        status = (drive or _drive)(args, argv, holder)
     except Interrupted as exc:  # before the sweep started (preflight, clean-up)
         status = 128 + exc.signum
         say(f"\ninterrupted by {signal.Signals(exc.signum).name}")

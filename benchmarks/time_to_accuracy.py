@@ -58,8 +58,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402  (also puts the repo root on sys.path)
 import network  # noqa: E402  (worker environment, supervision, signals, the wide MLP)
-from netns import (NS_PREFIX, Cluster, NetError, clean_leftovers,  # noqa: E402
-                   delete_namespace, list_namespaces, preflight)
+from netns import Cluster, NetError, clean_leftovers, preflight  # noqa: E402
 from network_report import rate_bps, rate_label  # noqa: E402
 from tfgc.apps.plots import fmt_bytes, svg_plot  # noqa: E402  (stdlib only)
 
@@ -618,28 +617,6 @@ def write_plots(report, args):
     return written
 
 
-def driver_main(args, argv):
-    previous = {sig: signal.signal(sig, network._on_signal)
-                for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    holder = {"cluster": None, "ready": False}
-    try:
-        status = _drive(args, argv, holder)
-    except network.Interrupted as exc:
-        status = 128 + exc.signum
-        network.say(f"\ninterrupted by {signal.Signals(exc.signum).name}")
-    finally:
-        network._STATE["cleaning"] = True
-        if holder["ready"]:
-            if holder["cluster"] is not None:
-                holder["cluster"].down()
-            for ns in list_namespaces():
-                if ns.startswith(f"{NS_PREFIX}{os.getpid()}-"):
-                    delete_namespace(ns)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    return status
-
-
 def _drive(args, argv, holder):
     say = network.say
     reason = preflight()
@@ -741,7 +718,7 @@ def main(argv=None):
     if args.worker:
         worker_main(args)
         return 0
-    return driver_main(args, argv)
+    return network.driver_main(args, argv, drive=_drive)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,10 @@ import tfgc
 from tfgc.apps import data
 from tfgc.apps.train import worker_info
 
-strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="ef+topk:ratio=0.01")
+# Top-k with error feedback at its recommended setting (tfgc.compressors.recommended("ef")):
+# 0.1 % of each gradient, momentum 0.9 applied on the workers, plain SGD in the optimizer.
+recommended = tfgc.compressors.recommended("ef")
+strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor=recommended.spec())
 rank, num_workers = worker_info(strategy)
 
 ds = data.load_dataset("fashion_mnist")
@@ -28,9 +31,10 @@ with strategy.scope():
         keras.layers.Dense(256, activation="relu"),
         keras.layers.Dense(10),
     ])
-    # Plain SGD: error feedback with heavy-ball momentum in the optimizer lost accuracy in
-    # our runs (docs/results.md); with momentum, put it on the workers instead
-    # ("ef+topk:ratio=0.01,momentum=0.9") and keep this optimizer plain.
+    # Plain SGD (recommended.optimizer == "sgd"): the compressor applies the momentum on
+    # the workers; heavy-ball momentum here as well would apply it twice (the strategy
+    # stops with a message). A warm-up and cosine decay of the rate, as tfgc-train
+    # --recommended uses, help further (docs/results.md).
     model.compile(optimizer=keras.optimizers.SGD(0.05),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])

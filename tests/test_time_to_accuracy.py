@@ -1,0 +1,96 @@
+"""benchmarks/time_to_accuracy.py's driver: its plan, its target, its projections and
+report (the runs themselves need root and a shaped cluster: the benchmark, not the suite)."""
+
+import pytest
+
+from cluster_scripts import benchmark_module
+
+tta = benchmark_module("time_to_accuracy")
+
+
+def _args(*argv):
+    return tta.parse_args(["--models", "mlp", "--rates", "100mbit", "1gbit",
+                           "--settings", "stock", "bf16", "ef", *argv])
+
+
+def test_plan_floor_runs_first_then_rates_fastest_first():
+    args = _args("--epochs", "2", "--floor", "stock", "ef")
+    runs = tta.plan(args, {})
+    assert [(r["rate"], r["setting"], r["role"]) for r in runs[:2]] == [
+        ("10gbit", "stock", "floor"), ("10gbit", "ef", "floor_run")]
+    assert [r["rate"] for r in runs[2:]] == ["1gbit"] * 3 + ["100mbit"] * 3
+    # Compressed settings get twice the epochs; stock and bf16 the given ones.
+    assert {r["setting"]: r["epochs"] for r in runs} == {"stock": 2, "bf16": 2, "ef": 4}
+    assert all(r["budget"] == args.budget for r in runs if r["role"] == "run")
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--floor", "dgc"], "--floor names settings not in --settings"),
+    (["--budget", "0"], "--budget must be > 0"),
+    (["--target", "1.5"], "--target is an accuracy"),
+    (["--rates", "fast"], "fast"),
+])
+def test_bad_arguments_stop_with_a_message(argv, words, capsys):
+    with pytest.raises(SystemExit):
+        _args(*argv)
+    assert words in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tta.parse_args(["--settings", "stock", "dgcc"])
+
+
+def _run(setting, rate, role="run", reached_at=None, step_ms=100.0, steps=500, acc=0.8):
+    run = {"model": "mlp", "rate": rate, "setting": setting, "role": role, "status": "ok",
+           "epochs": 2, "reached": reached_at is not None, "median_step_ms": step_ms,
+           "steps": steps, "train_s": steps * step_ms / 1e3, "best_accuracy": acc,
+           "final_accuracy": acc, "sent_bytes_per_step": 1000, "spec": setting,
+           "recommended": f"{'none' if setting == 'stock' else setting}, momentum SGD (0.9)",
+           "curve": []}
+    if reached_at is not None:
+        run.update(steps_to_target=reached_at, time_to_target_s=reached_at * step_ms / 1e3)
+    return run
+
+
+def test_projections_and_speedups():
+    runs = [_run("stock", "10gbit", role="floor", reached_at=300, step_ms=50),
+            _run("ef", "10gbit", role="floor_run", reached_at=600, step_ms=20),
+            # On the slow link stock spends its budget; ef reaches the target.
+            _run("stock", "100mbit", step_ms=1000, steps=100),
+            _run("ef", "100mbit", reached_at=600, step_ms=25),
+            _run("bf16", "100mbit", step_ms=500, steps=100)]
+    tta.add_projections(runs)
+    stock, ef, bf16 = runs[2:]
+    # Stock: the floor's 300 steps at its own 1000 ms.
+    assert stock["projected_s"] == pytest.approx(300.0)
+    assert ef["speedup_vs_stock"] == pytest.approx(300.0 / 15.0)
+    assert ef["speedup_vs_stock_kind"] == "projected"
+    # bf16 reached the target nowhere: no projection, no speed-up against it.
+    assert "projected_s" not in bf16 and ef["speedup_vs_bf16"] is None
+    assert stock["speedup_vs_stock"] == pytest.approx(1.0)
+
+
+def test_target_from_the_floor_run_and_the_report():
+    args = _args("--floor", "stock")
+    runs = tta.plan(args, {})
+    assert tta.target_for(args, runs, "mlp") is None  # not run yet
+    runs[0].update(_run("stock", "10gbit", role="floor", reached_at=300), final_accuracy=0.88)
+    assert tta.target_for(args, runs, "mlp") == pytest.approx(0.875)
+    assert tta.target_for(_args("--target", "0.9"), runs, "mlp") == 0.9
+    runs[1].update(_run("stock", "1gbit", reached_at=300, step_ms=200))
+    runs[2].update(status="failed", reason="RuntimeError: boom")
+    tta.add_projections(runs)
+    report = {"runs": runs, "command": "python benchmarks/time_to_accuracy.py",
+              "started": "now", "cpu_count": 2}
+    text = tta.render(report, args)
+    assert "target 0.8750" in text
+    assert "| stock | stock fp32, momentum SGD (0.9) | 60 s | 1.00× |" in text
+    assert "failed: RuntimeError: boom" in text
+
+
+def test_resume_keeps_finished_runs_with_the_same_schedule():
+    args = _args("--floor", "stock")
+    first = tta.plan(args, {})
+    done = {tta._key(first[0]): dict(first[0], status="ok", final_accuracy=0.9)}
+    again = tta.plan(args, done)
+    assert again[0]["status"] == "ok" and again[0]["final_accuracy"] == 0.9
+    changed = tta.plan(_args("--floor", "stock", "--epochs", "5"), done)
+    assert "status" not in changed[0]
