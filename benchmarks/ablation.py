@@ -110,9 +110,7 @@ def render(args, runs):
         sent = [mine[str(s)]["sent_bytes_per_step"] for s in args.seeds
                 if "sent_bytes_per_step" in mine.get(str(s), {})]
         lines.append(f"| {label} | `{' '.join(flags)}` | " + " | ".join(cells)
-                     + f" | {mean} | {sd} | {delta} | {sent[0]:,} |" if sent else
-                     f"| {label} | `{' '.join(flags)}` | " + " | ".join(cells)
-                     + f" | {mean} | {sd} | {delta} | – |")
+                     + f" | {mean} | {sd} | {delta} | {f'{sent[0]:,}' if sent else '–'} |")
     errors = [(label, s, r["error"]) for label, seeds in runs.items()
               for s, r in seeds.items() if "error" in r]
     for label, s, err in errors:

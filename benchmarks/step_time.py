@@ -81,7 +81,8 @@ def worker_main(args):
     import tfgc
     from tfgc.apps import data as data_lib
     from tfgc.apps import models
-    from tfgc.apps.train import make_optimizer, make_step_timer, worker_info
+    from tfgc.apps.train import (make_optimizer, make_step_timer, steps_per_epoch_for,
+                                 worker_info)
 
     if args.side == "baseline":
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
@@ -94,10 +95,8 @@ def worker_main(args):
 
     ds = data_lib.load_dataset(args.dataset, seed=0)
     x, y = data_lib.shard(ds.x_train, ds.y_train, rank, num_workers)
-    # Same step count on every worker, or the longer one would hang in a collective.
-    steps = (len(ds.x_train) // num_workers) // args.batch_size
-    if args.steps_per_epoch:
-        steps = min(steps, args.steps_per_epoch)
+    steps = steps_per_epoch_for(len(ds.x_train), num_workers, args.batch_size,
+                                args.steps_per_epoch)
     train_ds = data_lib.make_tf_dataset(x, y, args.batch_size, seed=rank, repeat=True,
                                         workers=num_workers)
 

@@ -194,27 +194,30 @@ def _worker(args, rank, prefix, phase):
     import tfgc
     from tfgc.apps import data as data_lib
     from tfgc.apps import models
-    from tfgc.apps.train import (cosine_warmup_steps, make_optimizer, steps_per_epoch_for,
-                                 warmup_steps_for, worker_info)
+    from tfgc.apps.train import (cosine_warmup_steps, dense_bytes, make_optimizer,
+                                 steps_per_epoch_for, stock_ring_bytes, warmup_steps_for,
+                                 worker_info)
     from tfgc.compressors.recommended import recommended, resolve
 
-    threads = max(1, (os.cpu_count() or 1) // int(os.environ["TFGC_NUM_WORKERS"]))
+    # The driver starts this many workers and names them in TF_CONFIG (checked below).
+    num_workers = int(os.environ["TFGC_NUM_WORKERS"])
+    threads = max(1, (os.cpu_count() or 1) // num_workers)
     tf.config.threading.set_intra_op_parallelism_threads(threads)
     tf.config.threading.set_inter_op_parallelism_threads(threads)
 
     phase[0] = "data"
     ds = data_lib.load_dataset("fashion_mnist", seed=args.seed)
+    steps = steps_per_epoch_for(len(ds.x_train), num_workers, args.batch_size)
     rec = recommended("none" if args.setting == STOCK else args.setting)
+    spec = None if args.setting == STOCK else resolve(args.setting, steps)
     phase[0] = "strategy"
-    if args.setting == STOCK:
+    if spec is None:
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
     else:
-        # A placeholder for the steps per epoch is filled in once the cluster is known.
-        strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor=resolve(args.setting, 1))
-    _, num_workers = worker_info(strategy)
-    steps = steps_per_epoch_for(len(ds.x_train), num_workers, args.batch_size)
-    if args.setting != STOCK:
-        strategy.compressor = resolve(args.setting, steps)
+        strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor=spec)
+    named = worker_info(strategy)[1]
+    if named != num_workers:
+        raise RuntimeError(f"TF_CONFIG names {named} workers, the driver started {num_workers}")
     x, y = data_lib.shard(ds.x_train, ds.y_train, rank, num_workers)
     train_ds = data_lib.make_tf_dataset(x, y, args.batch_size, seed=args.seed + rank,
                                         repeat=True, workers=num_workers)
@@ -239,7 +242,6 @@ def _worker(args, rank, prefix, phase):
             schedule=rec.schedule,
             total_steps=total),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    dense_bytes = int(sum(np.prod(v.shape) * v.dtype.size for v in net.trainable_variables))
 
     # Worker 0's evaluation copy, outside the strategy: no collective, no agreement.
     # (Only worker 0 evaluates.)
@@ -338,19 +340,17 @@ def _worker(args, rank, prefix, phase):
     if not clock.curve or clock.curve[-1]["step"] != clock.step:
         clock._evaluate(clock.last_train_s)
     timed = [d * 1e3 for d in clock.durations[5:]] or [d * 1e3 for d in clock.durations]
-    ring = 2 * (num_workers - 1) * dense_bytes // num_workers
+    ring = stock_ring_bytes(net, num_workers)
     if compressor is not None:
         stats = strategy.compression_stats()
         sent = stats["total_sent_bytes"] / max(1, stats["steps"])
-        spec = tfgc.compressors.describe(compressor)
+        described = tfgc.compressors.describe(compressor)
     else:
-        sent, spec = ring, "stock MultiWorkerMirroredStrategy, fp32"
+        sent, described = ring, "stock MultiWorkerMirroredStrategy, fp32"
     accs = [p["test_accuracy"] for p in clock.curve]
     result = {
         "rank": 0, "workers": num_workers, "model": args.model, "setting": args.setting,
-        "spec": spec, "recommended": (
-            "none" if args.setting == STOCK else resolve(args.setting, steps))
-        + rec.describe(steps)[len(rec.spec(steps)):],
+        "spec": described, "recommended": rec.describe(compressor=spec or "none"),
         "optimizer": rec.optimizer, "learning_rate": rec.learning_rate(args.learning_rate),
         "steps_per_epoch": steps, "planned_steps": total, "steps": clock.step,
         "target": target, "reached": clock.reached is not None,
@@ -362,7 +362,7 @@ def _worker(args, rank, prefix, phase):
         "first_step_s": clock.first_step_s, "fit_s": fit_s,
         "median_step_ms": statistics.median(timed),
         "sent_bytes_per_step": sent, "dense_ring_bytes_per_step": ring,
-        "dense_bytes": dense_bytes, "curve": clock.curve,
+        "dense_bytes": dense_bytes(net), "curve": clock.curve,
     }
     with open(prefix + ".json", "w") as f:
         json.dump(result, f)

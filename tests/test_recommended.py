@@ -8,7 +8,7 @@ import pytest
 
 from tfgc.apps import train
 from tfgc.compressors import get, names, recommended, recommended_settings
-from tfgc.compressors.recommended import Recommendation, resolve
+from tfgc.compressors.recommended import Recommendation, needs_steps_per_epoch, resolve
 
 
 def test_every_registry_name_has_a_setting_that_builds():
@@ -53,6 +53,7 @@ def test_spec_fills_in_the_steps_per_epoch():
 
 def test_resolve_takes_the_recommended_string_only_for_a_bare_name():
     assert resolve("dgc", 50) == "dgc:ratio=0.001,warmup_steps=50"
+    assert resolve("dgc") == "dgc:ratio=0.001,warmup_steps={steps_per_epoch}"
     assert resolve("randomk") == "ef+randomk:ratio=0.01"  # memory is the recommendation
     assert resolve("onebit") == "onebit:momentum=0.9"
     assert resolve("ef") == resolve("ef+topk") == recommended("ef").spec()
@@ -71,6 +72,8 @@ def test_learning_rate_and_description():
     assert text.startswith("dgc:ratio=0.001,warmup_steps=10, plain SGD")
     assert "1-epoch warm-up, then cosine" in text
     assert "0.04 x the dense rate" in sign.describe()
+    # The string a run trained with stands in for the setting's own.
+    assert sign.describe(compressor="signsgd:seed=3").startswith("signsgd:seed=3, plain SGD")
 
 
 @pytest.mark.parametrize("field, value", [
@@ -106,9 +109,10 @@ def test_training_setting_fills_in_what_the_user_left_out():
     assert (s["optimizer"], s["learning_rate"]) == ("momentum", 0.05)
     # A string that needs the steps per epoch says so; the caller fills it in.
     s = train.training_setting("dgc", recommended=True)
-    assert s["needs_steps"] and s["recommendation"].spec(7).endswith("warmup_steps=7")
+    assert needs_steps_per_epoch(s["compressor"])
+    assert s["recommendation"].spec(7).endswith("warmup_steps=7")
     s = train.training_setting("dgc:ratio=0.01", recommended=True)
-    assert not s["needs_steps"] and s["compressor"] == "dgc:ratio=0.01"
+    assert not needs_steps_per_epoch(s["compressor"]) and s["compressor"] == "dgc:ratio=0.01"
 
 
 def test_steps_per_epoch_for():

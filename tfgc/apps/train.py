@@ -227,13 +227,13 @@ def training_setting(compressor, *, baseline=False, recommended=False, optimizer
     recommended setting (``tfgc.compressors.recommended``; the dense one with
     ``baseline``) fills in the optimizer, the schedule and the warm-up unless named in
     ``given`` (the flags the user set), multiplies ``learning_rate`` (the dense rate) by
-    its rate scale, and replaces a bare compressor name by its recommended string.
-    ``needs_steps`` says the string still needs the run's steps per epoch
-    (``recommendation.spec(steps)``).
+    its rate scale, and replaces a bare compressor name by its recommended string. That
+    string may still hold the run's steps per epoch as a placeholder
+    (``tfgc.compressors.recommended.needs_steps_per_epoch``), which
+    ``recommendation.spec(steps)`` fills in.
     """
     out = {"compressor": compressor, "optimizer": optimizer, "learning_rate": learning_rate,
-           "schedule": schedule, "warmup_epochs": warmup_epochs, "recommendation": None,
-           "needs_steps": False}
+           "schedule": schedule, "warmup_epochs": warmup_epochs, "recommendation": None}
     if not recommended:
         return out
     from tfgc.compressors.recommended import recommended as lookup
@@ -245,11 +245,7 @@ def training_setting(compressor, *, baseline=False, recommended=False, optimizer
         if name not in given:
             out[name] = getattr(rec, name)
     if not baseline:
-        if ":" not in compressor and rec.needs_steps_per_epoch and \
-                resolve(compressor, 1) != compressor.strip():
-            out["needs_steps"] = True
-        else:
-            out["compressor"] = resolve(compressor)
+        out["compressor"] = resolve(compressor)
     return out
 
 
@@ -578,17 +574,19 @@ def main(argv):
         schedule=FLAGS.schedule, warmup_epochs=FLAGS.warmup_epochs,
         given={name for name in ("optimizer", "schedule", "warmup_epochs")
                if FLAGS[name].present})
+    from tfgc.compressors.recommended import needs_steps_per_epoch
+    needs_steps = not FLAGS.baseline and needs_steps_per_epoch(setting["compressor"])
     if FLAGS.baseline:
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
     else:
         # A recommended string that needs the steps per epoch (dgc's warm-up) is set once
         # they are known; the bare name builds the strategy meanwhile.
         strategy = tfgc.CompressedMultiWorkerMirroredStrategy(
-            compressor=FLAGS.compressor if setting["needs_steps"] else setting["compressor"],
+            compressor=FLAGS.compressor if needs_steps else setting["compressor"],
             policy=tfgc.CompressionPolicy(min_elements=FLAGS.min_elements),
             communication=FLAGS.communication)
     data = None
-    if setting["needs_steps"]:
+    if needs_steps:
         from tfgc.apps import data as data_lib
         data = data_lib.load_dataset(FLAGS.dataset, seed=FLAGS.seed)
         _, num_workers = worker_info(strategy)
@@ -610,7 +608,7 @@ def main(argv):
         compressor_name=None if FLAGS.baseline else setting["compressor"])
     if setting["recommendation"] is not None:
         results["recommended"] = setting["recommendation"].describe(
-            results["steps_per_epoch"] if setting["needs_steps"] else None)
+            compressor=None if FLAGS.baseline else setting["compressor"])
 
     if FLAGS.save_weights:
         np.savez(f"{FLAGS.save_weights}.w{results['rank']}.npz",

@@ -70,7 +70,7 @@ class Recommendation:
 
     @property
     def needs_steps_per_epoch(self) -> bool:
-        return "{steps_per_epoch}" in self.compressor
+        return needs_steps_per_epoch(self.compressor)
 
     def spec(self, steps_per_epoch: Optional[int] = None) -> str:
         """The compressor string, with the run's steps per epoch filled in."""
@@ -89,10 +89,17 @@ class Recommendation:
             raise ValueError(f"`dense_learning_rate` must be > 0, got {dense_learning_rate!r}")
         return float(dense_learning_rate) * self.lr_scale
 
-    def describe(self, steps_per_epoch: Optional[int] = None) -> str:
-        """One line: compressor, optimizer, rate and schedule (the compressor string with
-        the run's ``steps_per_epoch`` filled in when given)."""
-        spec = self.spec(steps_per_epoch) if steps_per_epoch is not None else self.compressor
+    def describe(self, steps_per_epoch: Optional[int] = None,
+                 compressor: Optional[str] = None) -> str:
+        """One line: compressor, optimizer, rate and schedule. The compressor string is
+        ``compressor`` when given (the one a run trained with), else this setting's,
+        with the run's ``steps_per_epoch`` filled in when given."""
+        if compressor is not None:
+            spec = compressor
+        elif steps_per_epoch is not None:
+            spec = self.spec(steps_per_epoch)
+        else:
+            spec = self.compressor
         opt = "momentum SGD (0.9)" if self.optimizer == "momentum" else "plain SGD"
         rate = "the dense rate" if self.lr_scale == 1 else f"{self.lr_scale:g} x the dense rate"
         sched = (f"{self.warmup_epochs:g}-epoch warm-up, then {self.schedule}"
@@ -203,13 +210,21 @@ def resolve(compressor: str, steps_per_epoch: Optional[int] = None) -> str:
     recommended string (``"dgc"`` -> ``"dgc:ratio=0.001,warmup_steps=<steps>"``,
     ``"randomk"`` -> ``"ef+randomk:ratio=0.01"``); a string with hyperparameters, or
     one that composes differently (``"ef+qsgd"``), is the user's choice and stays.
+    Without ``steps_per_epoch`` the recommended string keeps its ``{steps_per_epoch}``
+    placeholder, if it has one (``needs_steps_per_epoch`` says so; the
+    recommendation's ``spec(steps)`` fills it in).
     """
     rec = recommended(compressor)
     mine, theirs = _head(compressor), _head(rec.compressor)
     same = mine == theirs or (len(mine) == 1 and mine[0] in (theirs[-1], rec.name))
     if ":" in compressor or not same:
         return compressor.strip()
-    return rec.spec(steps_per_epoch)
+    return rec.compressor if steps_per_epoch is None else rec.spec(steps_per_epoch)
+
+
+def needs_steps_per_epoch(compressor: str) -> bool:
+    """Whether ``compressor`` still holds the ``{steps_per_epoch}`` placeholder."""
+    return "{steps_per_epoch}" in compressor
 
 
 def recommended_settings():
