@@ -20,9 +20,10 @@ Settings: ``stock`` (``tf.distribute.MultiWorkerMirroredStrategy``, fp32), ``bf1
 (tfgc's 16-bit cast, the honest baseline of Han et al. 2024) and registry compressors,
 each at its recommended setting (``tfgc.compressors.recommended``: compressor string,
 optimizer, learning-rate scale, a one-epoch warm-up and a cosine decay over
-``--epochs``, or ``--compressed_epochs`` (default twice as many) for every setting but
-stock and bf16: a cheaper step leaves room for more of them, and a time-to-accuracy
-race should not stop a method for lack of schedule). The dense rate is
+``--epochs`` times the setting's epochs scale (2 where error feedback or a biased
+code needs more, cheaper steps to reach dense accuracy; 1 for the casts and 8-bit
+QSGD), or ``--compressed_epochs`` for every setting but stock and bf16). The dense
+rate is
 ``--learning_rate`` at ``--batch_size`` rows per worker.
 
 Target: per model, the stock strategy first trains its whole schedule on a
@@ -93,7 +94,7 @@ def parse_args(argv=None):
                         f"{', '.join(f'{k} {v}' for k, v in DEFAULT_EPOCHS.items())})")
     p.add_argument("--compressed_epochs", type=int, default=0,
                    help="epochs of the schedule of every setting but stock and bf16 (0: "
-                        "twice --epochs): a cheaper step leaves room for more of them")
+                        "--epochs times the setting's recommended epochs scale)")
     p.add_argument("--batch_size", type=int, default=64, help="rows per worker and step")
     p.add_argument("--learning_rate", type=float, default=0.05,
                    help="the dense rate (momentum SGD); settings scale it")
@@ -433,7 +434,8 @@ def plan(args, done):
         def epochs_of(setting):
             if setting in (STOCK, "bf16"):
                 return epochs
-            return args.compressed_epochs or 2 * epochs
+            return (args.compressed_epochs
+                    or _recommendations().recommended(setting).epochs(epochs))
 
         for setting in [s for s in args.settings
                         if "all" in args.floor or s in args.floor or s == STOCK]:
@@ -512,8 +514,10 @@ def render(report, args):
              "Each run trains with `model.fit` at the setting's recommended optimizer, rate "
              "and schedule (1-epoch warm-up, then cosine over the run's epochs: "
              f"{args.epochs or 'the model default'} for stock and bf16, "
-             f"{args.compressed_epochs or 'twice that'} for the others, whose steps "
-             f"are cheaper), {args.batch_size} "
+             + (f"{args.compressed_epochs} for the others"
+                if args.compressed_epochs else
+                "that times the setting's recommended epochs scale for the others")
+             + f"), {args.batch_size} "
              "rows per worker and step, until worker 0's test accuracy (the whole test set, "
              f"every {args.eval_every:g} s of training) reaches the target or "
              f"{args.budget:g} s of training are spent. Times: training only, from the end "

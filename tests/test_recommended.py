@@ -76,8 +76,24 @@ def test_learning_rate_and_description():
     assert sign.describe(compressor="signsgd:seed=3").startswith("signsgd:seed=3, plain SGD")
 
 
+def test_epochs_scale_lengthens_only_the_settings_that_need_it():
+    # The casts and 8-bit QSGD keep dense's schedule; error feedback trains twice as long.
+    for name in ("none", "bf16", "qsgd"):
+        assert recommended(name).epochs(5) == 5
+        assert "epochs" not in recommended(name).describe()
+    ef = recommended("ef")
+    assert ef.epochs_scale == 2 and ef.epochs(5) == 10
+    assert ef.describe().endswith(", 2 x the dense run's epochs")
+    assert Recommendation(name="x", compressor="none", optimizer="sgd",
+                          epochs_scale=1.5).epochs(3) == 4  # rounded, never fewer
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="dense_epochs"):
+            ef.epochs(bad)
+
+
 @pytest.mark.parametrize("field, value", [
-    ("optimizer", "adam"), ("schedule", "linear"), ("lr_scale", 0.0), ("warmup_epochs", -1)])
+    ("optimizer", "adam"), ("schedule", "linear"), ("lr_scale", 0.0), ("warmup_epochs", -1),
+    ("epochs_scale", 0.5), ("epochs_scale", True)])
 def test_a_bad_recommendation_fails_at_construction(field, value):
     kwargs = dict(name="x", compressor="none", optimizer="sgd")
     kwargs[field] = value
@@ -113,6 +129,14 @@ def test_training_setting_fills_in_what_the_user_left_out():
     assert s["recommendation"].spec(7).endswith("warmup_steps=7")
     s = train.training_setting("dgc:ratio=0.01", recommended=True)
     assert not needs_steps_per_epoch(s["compressor"]) and s["compressor"] == "dgc:ratio=0.01"
+    # --epochs is the dense run's: scaled, unless the user gave it.
+    assert train.training_setting("ef", recommended=True, epochs=3)["epochs"] == 6
+    assert train.training_setting("ef", recommended=True, epochs=3,
+                                  given={"epochs"})["epochs"] == 3
+    assert train.training_setting("qsgd", recommended=True, epochs=3)["epochs"] == 3
+    assert train.training_setting("ef", baseline=True, recommended=True,
+                                  epochs=3)["epochs"] == 3
+    assert train.training_setting("ef", epochs=3)["epochs"] == 3
 
 
 def test_steps_per_epoch_for():
@@ -159,3 +183,16 @@ def test_trainer_recommended_flag_one_worker(tmp_path):
     assert results["recommended"].startswith("dgc:ratio=0.001,warmup_steps=8, plain SGD")
     assert "setting        recommended: dgc:ratio=0.001,warmup_steps=8" in proc.stdout
 
+
+
+def test_trainer_recommended_flag_refuses_an_unknown_compressor_in_one_line():
+    # Checked before any worker starts: one line naming the flag, no traceback.
+    proc = subprocess.run(
+        [sys.executable, "-m", "tfgc.apps.train", "--compressor=dgcc", "--recommended",
+         "--workers=2", "--dataset=mnist5k", "--epochs=1"],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith("tfgc-train: --recommended: no recommended setting for "
+                                "'dgcc' (did you mean 'dgc'?)"), proc.stderr[-1000:]
+    assert "Traceback" not in proc.stderr

@@ -65,8 +65,9 @@ flags.DEFINE_bool("recommended", False,
                   "Train with the compressor's recommended setting "
                   "(tfgc.compressors.recommended, listed in the README): its compressor "
                   "string when --compressor names only the compressor, its optimizer, "
-                  "--learning_rate times its rate scale, its schedule and warm-up. Flags "
-                  "given on the command line win. With --baseline: the dense setting.")
+                  "--learning_rate times its rate scale, its schedule and warm-up, and "
+                  "--epochs (the dense run's) times its epochs scale. Flags given on the "
+                  "command line win. With --baseline: the dense setting.")
 flags.DEFINE_enum("optimizer", "momentum", ["sgd", "momentum", "adam"],
                   "Optimizer. 'momentum' is SGD with momentum 0.9, or plain SGD when the "
                   "compressor applies the momentum itself (dgc, or momentum=m on an "
@@ -220,20 +221,24 @@ def steps_per_epoch_for(num_examples, num_workers, batch_size, cap=0):
 
 def training_setting(compressor, *, baseline=False, recommended=False, optimizer="momentum",
                      learning_rate=0.05, schedule="constant", warmup_epochs=0.0,
-                     given=frozenset()):
-    """The compressor string, optimizer, rate, schedule and warm-up a run trains with.
+                     epochs=2, given=frozenset()):
+    """The compressor string, optimizer, rate, schedule, warm-up and epochs a run trains
+    with.
 
     Without ``recommended`` they are the given ones. With it, the compressor's
     recommended setting (``tfgc.compressors.recommended``; the dense one with
     ``baseline``) fills in the optimizer, the schedule and the warm-up unless named in
     ``given`` (the flags the user set), multiplies ``learning_rate`` (the dense rate) by
-    its rate scale, and replaces a bare compressor name by its recommended string. That
+    its rate scale, scales ``epochs`` (the dense run's) by its ``epochs_scale`` unless
+    ``"epochs"`` is in ``given``, and replaces a bare compressor name by its recommended
+    string. That
     string may still hold the run's steps per epoch as a placeholder
     (``tfgc.compressors.recommended.needs_steps_per_epoch``), which
     ``recommendation.spec(steps)`` fills in.
     """
     out = {"compressor": compressor, "optimizer": optimizer, "learning_rate": learning_rate,
-           "schedule": schedule, "warmup_epochs": warmup_epochs, "recommendation": None}
+           "schedule": schedule, "warmup_epochs": warmup_epochs, "epochs": epochs,
+           "recommendation": None}
     if not recommended:
         return out
     from tfgc.compressors.recommended import recommended as lookup
@@ -244,6 +249,8 @@ def training_setting(compressor, *, baseline=False, recommended=False, optimizer
     for name in ("optimizer", "schedule", "warmup_epochs"):
         if name not in given:
             out[name] = getattr(rec, name)
+    if "epochs" not in given:
+        out["epochs"] = rec.epochs(epochs)
     if not baseline:
         out["compressor"] = resolve(compressor)
     return out
@@ -553,6 +560,7 @@ def main(argv):
     _quiet_tensorflow()
     _check_entry_points()
     launching = FLAGS.workers > 1 and not os.environ.get("TF_CONFIG")
+    _check_recommended_flag()
     _check_compression_flags(launching)
     if launching:
         if FLAGS.tensorboard and FLAGS.baseline:
@@ -571,8 +579,8 @@ def main(argv):
     setting = training_setting(
         FLAGS.compressor, baseline=FLAGS.baseline, recommended=FLAGS.recommended,
         optimizer=FLAGS.optimizer, learning_rate=FLAGS.learning_rate,
-        schedule=FLAGS.schedule, warmup_epochs=FLAGS.warmup_epochs,
-        given={name for name in ("optimizer", "schedule", "warmup_epochs")
+        schedule=FLAGS.schedule, warmup_epochs=FLAGS.warmup_epochs, epochs=FLAGS.epochs,
+        given={name for name in ("optimizer", "schedule", "warmup_epochs", "epochs")
                if FLAGS[name].present})
     from tfgc.compressors.recommended import needs_steps_per_epoch
     needs_steps = not FLAGS.baseline and needs_steps_per_epoch(setting["compressor"])
@@ -599,7 +607,7 @@ def main(argv):
     if FLAGS.backup_dir:
         callbacks.append(tf_keras.callbacks.BackupAndRestore(FLAGS.backup_dir))
     results, net = train_and_evaluate(
-        strategy, model=FLAGS.model, dataset=FLAGS.dataset, epochs=FLAGS.epochs,
+        strategy, model=FLAGS.model, dataset=FLAGS.dataset, epochs=setting["epochs"],
         batch_size=FLAGS.batch_size, learning_rate=setting["learning_rate"],
         optimizer=setting["optimizer"], seed=FLAGS.seed, steps_per_epoch=FLAGS.steps_per_epoch,
         data=data, callbacks=callbacks, lr_scaling=FLAGS.lr_scaling,
@@ -654,6 +662,20 @@ def compression_error(compressor, communication):
                 f"{'' if communication == 'auto' else f' --communication={communication}'}"
                 f": {exc}")
     return None
+
+
+def _check_recommended_flag():
+    """--recommended needs a compressor with a recommended setting (every registry name
+    has one; a compressor from an entry point does not): one line, before any worker
+    starts, instead of a traceback from each."""
+    if not FLAGS.recommended or FLAGS.baseline:
+        return
+    from tfgc.compressors.recommended import recommended as lookup
+    try:
+        lookup(FLAGS.compressor)
+    except ValueError as exc:
+        sys.exit(f"tfgc-train: --recommended: {exc}; drop --recommended and set "
+                 "--optimizer and --learning_rate yourself")
 
 
 def _check_compression_flags(launching):
