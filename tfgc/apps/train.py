@@ -231,8 +231,7 @@ def training_setting(compressor, *, baseline=False, recommended=False, optimizer
     ``given`` (the flags the user set), multiplies ``learning_rate`` (the dense rate) by
     its rate scale, scales ``epochs`` (the dense run's) by its ``epochs_scale`` unless
     ``"epochs"`` is in ``given``, and replaces a bare compressor name by its recommended
-    string. That
-    string may still hold the run's steps per epoch as a placeholder
+    string. That string may still hold the run's steps per epoch as a placeholder
     (``tfgc.compressors.recommended.needs_steps_per_epoch``), which
     ``recommendation.spec(steps)`` fills in.
     """
