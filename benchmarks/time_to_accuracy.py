@@ -351,7 +351,8 @@ def _worker(args, rank, prefix, phase):
     accs = [p["test_accuracy"] for p in clock.curve]
     result = {
         "rank": 0, "workers": num_workers, "model": args.model, "setting": args.setting,
-        "spec": described, "recommended": rec.describe(compressor=spec or "none"),
+        "spec": described, "compressor": spec or "none",
+        "recommended": rec.describe(compressor=spec or "none"),
         "optimizer": rec.optimizer, "learning_rate": rec.learning_rate(args.learning_rate),
         "steps_per_epoch": steps, "planned_steps": total, "steps": clock.step,
         "target": target, "reached": clock.reached is not None,

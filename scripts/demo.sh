@@ -35,7 +35,7 @@ if why=$("$PYTHON" benchmarks/netns.py); then
     --eval_every 5 \
     --out "$out/time_to_accuracy" > "$out/time_to_accuracy.log"
   "$PYTHON" - "$out/time_to_accuracy.json" "$COMPRESSOR" <<'PY'
-import json, re, sys
+import json, sys
 report = json.load(open(sys.argv[1]))
 runs = [r for r in report["runs"] if r["role"] == "run"]
 floor = next(r for r in report["runs"] if r["role"] == "floor")
@@ -50,7 +50,7 @@ for r in runs:
         print(f"{r['setting']:<34} failed: {r.get('reason')}")
         continue
     name = ("stock MultiWorkerMirroredStrategy" if r["setting"] == "stock"
-            else re.split(r", (?:momentum|plain) SGD", r["recommended"])[0])
+            else r["compressor"])
     tta = (f"{r['time_to_target_s']:.0f} s" if r["reached"]
            else f"not in {r['train_s']:.0f} s")
     steps = r["steps_to_target"] if r["reached"] else r["steps"]

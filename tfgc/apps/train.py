@@ -664,9 +664,10 @@ def compression_error(compressor, communication):
 
 
 def _check_recommended_flag():
-    """--recommended needs a compressor with a recommended setting (every registry name
-    has one; a compressor from an entry point does not): one line, before any worker
-    starts, instead of a traceback from each."""
+    """--recommended needs a compressor with a recommended setting. Every registry name
+    has one (tests/test_recommended.py checks), so what fails here is a name the
+    registry does not know either: one line with the nearest recommended name, before
+    TensorFlow is imported or any worker starts, instead of a traceback from each."""
     if not FLAGS.recommended or FLAGS.baseline:
         return
     from tfgc.compressors.recommended import recommended as lookup

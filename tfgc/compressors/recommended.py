@@ -100,7 +100,7 @@ class Recommendation:
         if (isinstance(dense_epochs, bool) or not isinstance(dense_epochs, int)
                 or dense_epochs < 1):
             raise ValueError(f"`dense_epochs` must be an integer >= 1, got {dense_epochs!r}")
-        return max(dense_epochs, int(round(dense_epochs * self.epochs_scale)))
+        return int(round(dense_epochs * self.epochs_scale))  # >= dense_epochs: scale >= 1
 
     def describe(self, steps_per_epoch: Optional[int] = None,
                  compressor: Optional[str] = None) -> str:
