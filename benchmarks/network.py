@@ -74,7 +74,9 @@ DEFAULT_CONFIGS = [
     "ef+topk:ratio=0.001@auto", "ef+topk:ratio=0.01@auto",
 ]
 ARGUMENT_ERRORS = ("ValueError", "TypeError", "KeyError")
-MODELS = ("wide_mlp", "cnn", "mlp")
+MODELS = ("wide_mlp", "cnn", "mlp", "resnet50")
+# ResNet-50 (tf_keras.applications, no weights) on synthetic 32x32x3 images, 10 classes.
+RESNET_SHAPE, RESNET_EXAMPLES = (32, 32, 3), 2048
 WIDE_MLP_UNITS = (2048, 2048)
 
 
@@ -235,6 +237,12 @@ def _worker(args, prefix, phase):
         ds = data_lib.load_dataset("synthetic", synthetic_examples=16384, seed=0)
         dataset_note = f"{args.dataset} not installed, used synthetic ({exc})"
     x, y = data_lib.shard(ds.x_train, ds.y_train, rank, num_workers)
+    if args.model == "resnet50":
+        # Only the step's cost matters here: Gaussian images, uniform labels.
+        rng = np.random.RandomState(rank)
+        x = rng.randn(RESNET_EXAMPLES, *RESNET_SHAPE).astype(np.float32)
+        y = rng.randint(0, 10, RESNET_EXAMPLES).astype(np.int64)
+        dataset_note = "resnet50: synthetic 32x32x3 images"
     train_ds = data_lib.make_tf_dataset(x, y, args.batch_size, seed=rank, repeat=True,
                                         workers=num_workers)
 
@@ -243,6 +251,9 @@ def _worker(args, prefix, phase):
     with strategy.scope():
         if args.model == "wide_mlp":
             net = build_wide_mlp(keras, ds.x_train.shape[1:], ds.num_classes, seed=0)
+        elif args.model == "resnet50":
+            net = keras.applications.ResNet50(weights=None, input_shape=RESNET_SHAPE,
+                                              classes=10)
         else:
             net = models.build_model(args.model, input_shape=ds.x_train.shape[1:],
                                      num_classes=ds.num_classes, seed=0)

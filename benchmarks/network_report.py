@@ -40,8 +40,8 @@ def rate_label(rate):
 def split_config(config):
     """'qsgd:levels=7@allgather' -> ('qsgd:levels=7', 'allgather'); no '@': 'auto'.
 
-    The communication may end in ':bucket_mb=M' (the strategy's ``bucket_bytes``,
-    in MiB), e.g. 'onebit@reduce_scatter:bucket_mb=4'; ``split_options`` reads it.
+    The communication may end in options, e.g. 'onebit@reduce_scatter:overlap_mb=0'
+    (``split_options`` reads them).
     """
     if config == STOCK:
         return None, None
@@ -54,26 +54,55 @@ def split_config(config):
     return spec, comm
 
 
+OPTIONS = {"bucket_mb": ("bucket_bytes", 1), "overlap_mb": ("overlap_bytes", 0)}
+
+
 def split_options(comm):
-    """'reduce_scatter:bucket_mb=4' -> ('reduce_scatter', {'bucket_bytes': 4 << 20})."""
+    """'reduce_scatter:bucket_mb=4,overlap_mb=0' ->
+    ('reduce_scatter', {'bucket_bytes': 4 << 20, 'overlap_bytes': 0}).
+
+    ``bucket_mb``: the strategy's ``bucket_bytes`` in MiB (at least 1);
+    ``overlap_mb``: its ``overlap_bytes`` in MiB (0: one bucket, no overlap).
+    """
     comm, sep, rest = comm.partition(":")
     options = {}
-    if sep:
-        key, eq, value = rest.partition("=")
-        if key != "bucket_mb" or not eq or not value.isdigit() or int(value) < 1:
-            raise ValueError(f"communication {comm + sep + rest!r}: the only option is "
-                             "':bucket_mb=M' with M a positive integer")
-        options["bucket_bytes"] = int(value) << 20
+    for item in rest.split(",") if sep else []:
+        key, eq, value = item.partition("=")
+        if key not in OPTIONS or not eq or not value.isdigit() or int(value) < OPTIONS[key][1]:
+            raise ValueError(f"communication {comm + sep + rest!r}: options are "
+                             "':bucket_mb=M' (M >= 1) and ':overlap_mb=M' (M >= 0), "
+                             "joined by ','")
+        options[OPTIONS[key][0]] = int(value) << 20
     return comm, options
 
 
 def add_speedups(runs):
+    """Each run's speed-up against stock at the same (model, rate, N), and its overlap
+    figures against the same configuration at the sweep's fastest rate (its compute
+    floor): ``wire_ms``, the slowest worker's bytes per step at the link's rate;
+    ``floor_ms``; ``vs_max`` = step / max(floor, wire), 1 when communication hides
+    entirely behind computation or the reverse; ``vs_sum`` = step / (floor + wire),
+    1 when they do not overlap at all."""
     stock = {(r["model"], r["rate"], r["workers"]): r for r in runs
              if r["config"] == STOCK and r.get("status") == "ok"}
     for r in runs:
         base = stock.get((r["model"], r["rate"], r["workers"]))
         if r.get("status") == "ok" and base:
             r["speedup"] = base["median_ms"] / r["median_ms"]
+    ok = [r for r in runs if r.get("status") == "ok" and r.get("kind", "main") == "main"]
+    fastest = {}
+    for r in ok:
+        key = (r["model"], r["workers"], r["config"])
+        if key not in fastest or rate_bps(r["rate"]) > rate_bps(fastest[key]["rate"]):
+            fastest[key] = r
+    for r in ok:
+        floor = fastest[(r["model"], r["workers"], r["config"])]
+        if floor is r or "veth_tx_per_step_max" not in r:
+            continue
+        wire = 1000.0 * 8 * r["veth_tx_per_step_max"] / rate_bps(r["rate"])
+        r.update(wire_ms=wire, floor_ms=floor["median_ms"],
+                 vs_max=r["median_ms"] / max(floor["median_ms"], wire),
+                 vs_sum=r["median_ms"] / (floor["median_ms"] + wire))
 
 
 def fmt_ms(ms):
@@ -197,6 +226,30 @@ def render_markdown(report, args):
             lines += [f"† other processes took more than {BUSY_SHARE:.0%} of the "
                       f"{os.cpu_count()} cores during the timed steps (`other_cpu_cores` in "
                       "the JSON): that figure is slowed by load that is not the benchmark's.", ""]
+
+        slower = [r for r in rates if r != fast]
+        if slower:
+            lines += [f"Overlap: each setting's step against its compute floor (its own step "
+                      f"at {rate_label(fast)}) and its wire time (the busiest worker's veth "
+                      "bytes per step at the link's rate): step / max(floor, wire) is 1 when "
+                      "one hides the other entirely, step / (floor + wire) is 1 when they do "
+                      "not overlap at all.", ""]
+            header = ["configuration", "link", "step ms", "floor ms", "wire ms",
+                      "max(floor, wire)", "floor + wire", "step / max", "step / sum"]
+            rows = []
+            for c in configs:
+                for rate in slower:
+                    r = _find(runs, model, rate, n, c)
+                    if not r or "vs_max" not in r:
+                        continue
+                    rows.append([f"`{c}`", rate_label(rate), fmt_ms(r["median_ms"]),
+                                 fmt_ms(r["floor_ms"]), fmt_ms(r["wire_ms"]),
+                                 fmt_ms(max(r["floor_ms"], r["wire_ms"])),
+                                 fmt_ms(r["floor_ms"] + r["wire_ms"]),
+                                 f"{r['vs_max']:.2f}", f"{r['vs_sum']:.2f}"])
+            if rows:
+                lines += _table(header, ["l", "l"] + ["r"] * 7, rows)
+                lines.append("")
 
         header = ["configuration"] + [f"veth sent {rate_label(r)}" for r in rates] + \
                  ["strategy sent", "veth / strategy", "dense ring"]

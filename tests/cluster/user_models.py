@@ -12,7 +12,8 @@ the compressor is switched between runs and each run builds a fresh model. The m
 * ``resnet``: a small residual CNN with BatchNormalization and a depthwise convolution.
 
 The strategy compresses every gradient of 64 elements or more, so that the attention's
-3-D kernels, the depthwise kernel and the embedding all take the compressor's path.
+3-D kernels, the depthwise kernel and the embedding all take the compressor's path, and
+reduces each step in buckets of 16 KiB of gradient, several per model.
 Each run trains on a fixed synthetic set whose labels a small model can learn, and
 writes OUT_DIR/<model>.<precision>.<i>.w<rank>.json (losses on a fixed batch before
 and after training, per-epoch training losses, the run's compression figures) and the
@@ -124,8 +125,10 @@ def main():
     import tfgc
 
     keras = importlib.import_module("tf_keras" if args.keras == "2" else "keras")
+    # Buckets of 16 KiB of gradient: each model's step is reduced in several.
     strategy = tfgc.CompressedMultiWorkerMirroredStrategy(
-        compressor="none", policy=tfgc.CompressionPolicy(min_elements=64))
+        compressor="none", policy=tfgc.CompressionPolicy(min_elements=64),
+        overlap_bytes=16 << 10)
     rank = strategy.cluster_resolver.task_id
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     for precision in args.precisions:

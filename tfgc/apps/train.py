@@ -84,6 +84,10 @@ flags.DEFINE_enum("communication", "auto",
                   "How compressed payloads cross the wire (auto: fewest bytes; reduce_scatter: "
                   "quantizers only; shared_index and sparse_allreduce: top-k only; low_rank: "
                   "powersgd only).")
+flags.DEFINE_float("overlap_mb", 4.0,
+                   "Gradient MiB per bucket: each step's gradients are reduced in buckets, last "
+                   "layers first, while back-propagation goes on (0: one bucket after the "
+                   "whole backward pass).", lower_bound=0.0)
 flags.DEFINE_integer("steps_per_epoch", 0, "Cap on steps per epoch (0: a full shard).",
                      lower_bound=0)
 flags.DEFINE_string("save_weights", "", "If set, each worker saves its final weights to "
@@ -591,7 +595,8 @@ def main(argv):
         strategy = tfgc.CompressedMultiWorkerMirroredStrategy(
             compressor=FLAGS.compressor if needs_steps else setting["compressor"],
             policy=tfgc.CompressionPolicy(min_elements=FLAGS.min_elements),
-            communication=FLAGS.communication)
+            communication=FLAGS.communication,
+            overlap_bytes=int(round(FLAGS.overlap_mb * (1 << 20))))
     data = None
     if needs_steps:
         from tfgc.apps import data as data_lib

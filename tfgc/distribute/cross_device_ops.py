@@ -14,14 +14,18 @@ A gradient aggregation, step by step:
      take the stock gather, as ``embeddings.mode`` says;
   2. each compressed gradient is compressed with its variable's state, read from
      the owner's ``CompressionState``; nothing is written yet;
-  3. dense tensors and summable payloads go through one fused all-reduce per dtype,
-     other payloads are packed into int32 words and all-gathered, a few tensors per
-     collective. A few *control* words ride along: whether this worker's gradients
-     were all finite, and its step counter;
-  4. if every worker's gradients were finite, the payloads are decoded and
-     combined in rank order (bit-identical on every worker) and the new state is
-     written; otherwise the compressed gradients come out as NaN on every worker
-     (so a ``LossScaleOptimizer`` skips the step) and the state stays as it was;
+  3. the gradients are cut into buckets of about ``overlap_bytes``, last layers
+     first (``buckets``), and each bucket takes the path on its own as soon as its
+     gradients exist, while back-propagation goes on: dense tensors and summable
+     payloads through one fused all-reduce per dtype, other payloads packed into
+     int32 words and all-gathered (or the path's own collectives). A few *control*
+     words ride along: whether this worker's gradients in the bucket were all
+     finite, and its step counter. The payloads are decoded and combined in rank
+     order (bit-identical on every worker) as soon as they are in;
+  4. if every worker's gradients were finite in every bucket, every bucket's new
+     state is written; otherwise the compressed gradients come out as NaN on every
+     worker (so a ``LossScaleOptimizer`` skips the step) and the state stays as it
+     was;
   5. MEAN divides by the group size, as the stock implementation does.
 
 All collectives go through the launchers of the parent class, so they share its
@@ -42,7 +46,7 @@ from tensorflow.python.distribute import cross_device_ops as cross_device_ops_li
 
 from tfgc import collectives
 from tfgc.compressors import get as get_compressor, serialize_config
-from tfgc.distribute import embeddings, fusion, gradients, moments, momentum, paths
+from tfgc.distribute import buckets, embeddings, fusion, gradients, moments, momentum, paths
 from tfgc.distribute import settings as settings_lib
 from tfgc.distribute import state as state_lib
 from tfgc.distribute.policy import CompressionPolicy
@@ -53,7 +57,12 @@ from tfgc.distribute.stats import CompressionStats, WireBytes
 _EXCHANGE_TIMEOUT_S = 600.0
 
 
-def check_compression_args(compressor, policy, communication, bucket_bytes):
+# The default of ``overlap_bytes``: gradient bytes per bucket (benchmarks/network.py).
+DEFAULT_OVERLAP_BYTES = 4 << 20
+
+
+def check_compression_args(compressor, policy, communication, bucket_bytes,
+                           overlap_bytes=DEFAULT_OVERLAP_BYTES):
     """Validates the compression settings; returns ``(compressor, policy)`` built from them.
 
     Raises ``ValueError`` naming the offending argument.
@@ -65,7 +74,14 @@ def check_compression_args(compressor, policy, communication, bucket_bytes):
     paths.check_communication(communication, compressor)
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
         raise ValueError(f"`bucket_bytes` must be a positive integer, got {bucket_bytes!r}")
+    check_overlap_bytes(overlap_bytes)
     return compressor, policy
+
+
+def check_overlap_bytes(overlap_bytes):
+    if isinstance(overlap_bytes, bool) or not isinstance(overlap_bytes, int) or overlap_bytes < 0:
+        raise ValueError("`overlap_bytes` must be a non-negative integer (0: one bucket, no "
+                         f"overlap), got {overlap_bytes!r}")
 
 
 class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
@@ -90,17 +106,23 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         "low_rank" (PowerSGD).
       bucket_bytes: upper bound on the per-worker size of one fused all-gather, and
         of one message of the reduce-scatter.
+      overlap_bytes: gradient bytes per bucket: a step's gradients are reduced in
+        buckets of about this size, last layers first, each as soon as
+        back-propagation has produced it (``tfgc.distribute.buckets``); 0 reduces
+        the whole step at once, after the backward pass.
       worker_rank: index of this worker's first replica among all replicas; seeds
         per-worker randomness.
     """
 
     def __init__(self, devices, group_size, options, collective_keys=None,
                  canonicalize_devices=True, *, compressor="none", policy=None,
-                 communication="auto", bucket_bytes=32 << 20, worker_rank=0):
+                 communication="auto", bucket_bytes=32 << 20,
+                 overlap_bytes=DEFAULT_OVERLAP_BYTES, worker_rank=0):
         self._compressor, self._policy = check_compression_args(
-            compressor, policy, communication, bucket_bytes)
+            compressor, policy, communication, bucket_bytes, overlap_bytes)
         self._communication = communication
         self._bucket_bytes = bucket_bytes
+        self._overlap_bytes = overlap_bytes
         self._worker_rank = worker_rank
         super().__init__(devices, group_size, options, collective_keys, canonicalize_devices)
         # Our own copies of the constructor's arguments, instead of the parent's private
@@ -143,6 +165,35 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         compressor = get_compressor(value)
         paths.check_communication(self._communication, compressor)
         self._compressor = compressor
+        self._switched()
+
+    @property
+    def communication(self) -> str:
+        return self._communication
+
+    @communication.setter
+    def communication(self, value):
+        """Changes the path from the next step on (as the compressor switches); the
+        compressor must fit it (set ``"auto"`` first to switch to one that does not)."""
+        paths.check_communication(value, self._compressor)
+        self._communication = value
+        self._auto_choice = None
+        self._switched()
+
+    @property
+    def overlap_bytes(self) -> int:
+        return self._overlap_bytes
+
+    @overlap_bytes.setter
+    def overlap_bytes(self, value):
+        """Changes the buckets' size from the next step on (as the compressor switches)."""
+        check_overlap_bytes(value)
+        self._overlap_bytes = value
+        self._switched()
+
+    def _switched(self):
+        """A setting changed: new train functions for registered Keras models, a failing
+        guard for other functions traced before, and the settings exchanged again."""
         self._generation += 1
         if self._generation_var is not None:
             self._generation_var.assign(self._generation)
@@ -180,7 +231,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
     def settings(self) -> str:
         """What every worker must agree on, as one line (``tfgc.distribute.settings``)."""
         return settings_lib.line(self._compressor, self._policy, self._communication,
-                                 self._bucket_bytes)
+                                 self._bucket_bytes, self._overlap_bytes)
 
     def _path(self) -> str:
         """The communication this compressor uses: ``communication``, or auto's choice."""
@@ -273,8 +324,9 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                                                    trainable=False, name="tfgc_generation")
         return tf.debugging.assert_equal(
             self._generation_var.read_value(), tf.constant(self._generation, tf.int64),
-            message="tfgc: the compressor was switched after this tf.function was traced; "
-                    "trace it again (a new tf.function) to use the new compressor")
+            message="tfgc: the compressor was switched after this tf.function was traced "
+                    "(or overlap_bytes changed); trace it again (a new tf.function) to use "
+                    "the new setting")
 
     # -- CrossDeviceOps ------------------------------------------------------------
 
@@ -393,17 +445,20 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                     exchanger=lambda: self._exchanger(replica_id),
                     second_moments=self._second_moments.get(replica_id, {}))
                 unfuse = None
+                overlap = self._overlap_bytes
                 if compressor.fuses_gradients:
-                    # One vector per dtype (gradient dropping's global threshold).
+                    # One vector per dtype (gradient dropping's global threshold): one
+                    # bucket, after the whole backward pass.
                     fused_t, fused_v, fused_m, unfuse = fusion.fuse(tensors, variables, mask)
                     step = step.replace(tensors=fused_t, variables=fused_v, mask=fused_m,
                                         state=fusion.FusedState(state))
+                    overlap = 0
                 stages = compressor.stages()
                 if stages:
-                    reduced, ok = self._staged_reduce(stages, path, step,
+                    reduced, ok = self._staged_reduce(stages, path, step, overlap,
                                                       compressor.stage_period)
                 else:
-                    reduced, ok = path.reduce(step)
+                    reduced, ok = buckets.reduce(path, step, overlap)
                 if unfuse is not None:
                     reduced = unfuse(reduced)
         if compressor.applied_momentum and tensors:
@@ -472,12 +527,14 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         self._states.add(state)
         return state
 
-    def _staged_reduce(self, stages, path, reduction, period=0):
+    def _staged_reduce(self, stages, path, reduction, overlap_bytes, period=0):
         """Runs the stage of ``stages`` that the step counter is in (DGC's warm-up).
 
         Each stage is its own branch of a ``tf.switch_case`` with its own static
-        payload sizes and collectives; the counter is the same on every worker, so
-        all take the same branch. The branch reports its byte figures.
+        payload sizes and collectives, reduced in buckets inside the branch (a
+        lowered branch's ops wait for the branch index and their own inputs only);
+        the counter is the same on every worker, so all take the same branch. The
+        branch reports its byte figures.
         """
         step = reduction.step_var.read_value()
         if period:
@@ -489,7 +546,8 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         def branch(stage_compressor):
             def run():
                 w = WireBytes(self._num_replicas)
-                outs, ok = path.reduce(reduction.replace(compressor=stage_compressor, wire=w))
+                outs, ok = buckets.reduce(
+                    path, reduction.replace(compressor=stage_compressor, wire=w), overlap_bytes)
                 dense.append(w.dense)
                 sent = tf.constant(w.static_sent, tf.int64)
                 if w.dynamic_sent:
@@ -518,4 +576,4 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             copy.deepcopy(self._keys, memo), self._canonicalize,
             compressor=self._compressor, policy=self._policy,
             communication=self._communication, bucket_bytes=self._bucket_bytes,
-            worker_rank=self._worker_rank)
+            overlap_bytes=self._overlap_bytes, worker_rank=self._worker_rank)

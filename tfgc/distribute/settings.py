@@ -17,12 +17,16 @@ from tfgc.compressors import serialize_config
 WORDS = 256
 
 
-def line(compressor, policy, communication: str, bucket_bytes: int) -> str:
-    """What every worker must agree on, as one line."""
+def line(compressor, policy, communication: str, bucket_bytes: int,
+         overlap_bytes: int) -> str:
+    """What every worker must agree on, as one line (the buckets' plan depends on
+    ``overlap_bytes``: workers that cut a step differently would pair the wrong
+    collectives)."""
     import tfgc
     return (f"tfgc {tfgc.__version__}, tensorflow {tf.__version__}, compressor "
             f"{serialize_config(compressor)}, policy {policy.get_config()}, "
-            f"communication {communication}, bucket_bytes {bucket_bytes}")
+            f"communication {communication}, bucket_bytes {bucket_bytes}, "
+            f"overlap_bytes {overlap_bytes}")
 
 
 def encode(text: str) -> np.ndarray:

@@ -14,7 +14,8 @@ from tensorflow.python.distribute import multi_worker_util
 from tfgc.distribute import keras_hooks
 from tfgc.distribute import state as state_lib
 from tfgc.distribute import versions
-from tfgc.distribute.cross_device_ops import CompressedAllReduce, check_compression_args
+from tfgc.distribute.cross_device_ops import (DEFAULT_OVERLAP_BYTES, CompressedAllReduce,
+                                              check_compression_args)
 
 
 versions.warn_if_unchecked()
@@ -121,6 +122,11 @@ class CompressedMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStr
         dense all-reduce) or "sparse_allreduce" (top-k: every worker's set, merged
         by recursive doubling with a dense switch).
       bucket_bytes: largest per-worker size of one fused all-gather.
+      overlap_bytes: gradient bytes per bucket. A step's gradients are compressed,
+        reduced and decoded in buckets of about this size, last layers first, each
+        as soon as back-propagation has produced it, so communication overlaps the
+        rest of the backward pass; one decision (all finite on every worker) still
+        holds for the whole step. 0: one bucket, after the whole backward pass.
 
     Invalid arguments raise ``ValueError`` here, before any worker connects.
     """
@@ -129,15 +135,16 @@ class CompressedMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStr
     compresses_gradients = True
 
     def __init__(self, compressor="none", cluster_resolver=None, communication_options=None,
-                 policy=None, communication="auto", bucket_bytes=32 << 20):
+                 policy=None, communication="auto", bucket_bytes=32 << 20,
+                 overlap_bytes=DEFAULT_OVERLAP_BYTES):
         # Everything is checked here, before the parent starts a server and waits
         # for the other workers.
         compressor, policy = check_compression_args(compressor, policy, communication,
-                                                    bucket_bytes)
+                                                    bucket_bytes, overlap_bytes)
         if communication_options is None:
             communication_options = tf.distribute.experimental.CommunicationOptions()
         kwargs = dict(compressor=compressor, policy=policy, communication=communication,
-                      bucket_bytes=bucket_bytes)
+                      bucket_bytes=bucket_bytes, overlap_bytes=overlap_bytes)
         # Keras optimizers name their variables to us; Keras models get rebuilt
         # train functions when the compressor is switched.
         keras_hooks.install()
@@ -187,6 +194,17 @@ class CompressedMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStr
         Residuals carry over to the new compressor; other state starts fresh.
         """
         self.cross_device_ops.compressor = value
+
+    @property
+    def overlap_bytes(self) -> int:
+        return self.cross_device_ops.overlap_bytes
+
+    @overlap_bytes.setter
+    def overlap_bytes(self, value):
+        """Changes the buckets' size from the next training step on, as ``compressor``
+        switches: Keras models get a new train function, a custom ``tf.function``
+        must be traced again. Every worker must set the same value."""
+        self.cross_device_ops.overlap_bytes = value
 
     def _register_model(self, model):
         self.cross_device_ops.register_model(model)

@@ -72,8 +72,8 @@ def reduce(rs: base.ReductionStep):
     if checked:
         ok = guard.ok(reduced[-1] if use_allreduce else gathered_control, n, step)
 
-    # 4. Decode, combine and commit the new state, or keep the old one.
-    def decode_and_commit_one(i):
+    # 4. Decode and combine; commit the new state, or keep the old one.
+    def decode_one(i):
         t = tensors[i]
         new_state = new_states[i]
         if use_allreduce:
@@ -81,11 +81,9 @@ def reduce(rs: base.ReductionStep):
                                                new_state)
         else:
             out = compressor.aggregate(gathered[i], t.shape, t.dtype, contexts[i])
-        tf.nest.map_structure(lambda v, s: v.assign(s), slots[i], new_state)
-        return out
+        return out, base.writes(slots[i], new_state)
 
-    outputs = guard.commit_or_skip(ok, step_var, sorted(payloads), tensors, reduced,
-                                   decode_and_commit_one)
+    outputs = guard.commit_or_skip(rs, ok, sorted(payloads), reduced, decode_one)
     return outputs, ok
 
 

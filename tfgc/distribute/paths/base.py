@@ -50,6 +50,12 @@ class ReductionStep:
     the bytes. ``exchanger()`` gives this replica's pairwise exchanger (made on first
     use). ``second_moments`` maps a kernel's key to its gradient's per-sample second
     moment (variance-based compression). ``path`` is the name the step runs under.
+
+    A step reduced in buckets gives each bucket its own ``ReductionStep``:
+    ``first_index`` is the place of the bucket's first compressed gradient among the
+    whole step's (it seeds the compressors' draws, so a gradient draws the same in any
+    bucket), and ``commit`` the step's ``guard.StepCommit``, which makes one decision
+    for all the buckets (None: the path decides for itself).
     """
 
     compressor: Any
@@ -68,6 +74,8 @@ class ReductionStep:
     path: str
     exchanger: Callable[[], Any]
     second_moments: Dict[Any, tf.Tensor] = dataclasses.field(default_factory=dict)
+    first_index: int = 0
+    commit: Any = None
 
     @property
     def compressed(self) -> List[int]:
@@ -78,7 +86,8 @@ class ReductionStep:
 
     def context(self, index: int, step, variable=None) -> CompressContext:
         """The compressor's context for the ``index``-th compressed gradient."""
-        return CompressContext(rank=self.rank, num_workers=self.num_workers, index=index,
+        return CompressContext(rank=self.rank, num_workers=self.num_workers,
+                               index=self.first_index + index,
                                step=step, weight=weight(self.compressor, variable),
                                second_moment=self.second_moment(variable))
 
@@ -136,9 +145,13 @@ def corrected(compressor, t, slot):
     return compressor.corrected(t, current)
 
 
-def assign(slot, entries):
-    for key, value in entries.items():
-        slot[key].assign(value)
+def writes(slot, new_state):
+    """The ``(variable, value)`` pairs that set ``slot`` (a nest of variables) to
+    ``new_state``: the same nest, or a dict of some of its entries."""
+    if isinstance(new_state, dict) and not isinstance(slot, tf.Variable):
+        return [w for key, value in new_state.items() for w in writes(slot[key], value)]
+    tf.nest.assert_same_structure(slot, new_state)
+    return list(zip(tf.nest.flatten(slot), tf.nest.flatten(new_state)))
 
 
 def reduce_dense(step: ReductionStep, positions):

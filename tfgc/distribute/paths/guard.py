@@ -13,8 +13,8 @@ all-reduces, int32 in gathered payload words). What comes back is decoded by ``a
 
 A sum over at most 256 workers stays below 2**24, so both dtypes carry it exactly.
 ``checked`` turns the answer into the step's ``ok`` (with an assertion naming the
-counters when the steps differ), and ``commit_or_skip`` decodes and writes the new
-state only when ``ok``.
+counters when the steps differ), and ``commit_or_skip`` writes the new state only when
+``ok``; a step reduced in buckets decides once for all of them (``StepCommit``).
 """
 
 import tensorflow as tf
@@ -86,27 +86,89 @@ def ok(control, num_workers, step):
     return checked(any_bad, steps_agree, step, steps_seen)
 
 
-def commit_or_skip(ok, step_var, compressed, tensors, reduced, decode_and_commit_one):
-    """Every reduction's last step: the outputs for ``tensors``.
+def commit_or_skip(rs, ok, compressed, reduced, decode_one):
+    """Every reduction's last step: the outputs for ``rs.tensors``.
 
-    If ``ok`` (None: unchecked), ``decode_and_commit_one(i)`` decodes compressed
-    gradient i and writes its new state, and the step counter advances; otherwise
-    the compressed gradients come out NaN and no state changes. Gradients sent
-    dense come from ``reduced``.
+    ``decode_one(i)`` decodes compressed gradient i and returns ``(output, writes)``,
+    ``writes`` the ``(variable, new value)`` pairs of its state; it only computes, so
+    it runs before the decision, as soon as its payloads are in. If ``ok`` (None:
+    unchecked) the writes are made and the step counter advances; otherwise the
+    compressed gradients come out NaN and no state changes. Gradients sent dense
+    come from ``reduced``.
+
+    When ``rs.commit`` holds a ``StepCommit`` (a step reduced in several buckets),
+    the decision is that of the whole step: this bucket's outputs come back
+    undecided and ``StepCommit.finish`` settles them with the other buckets'.
     """
-    def decode_and_commit():
-        outs = [decode_and_commit_one(i) for i in compressed]
-        with tf.control_dependencies(outs):
+    decoded, writes = {}, []
+    for i in compressed:
+        decoded[i], w = decode_one(i)
+        writes.extend(w)
+    outs = [decoded[i] for i in compressed]
+    if rs.commit is not None:
+        rs.commit.defer(ok, writes, outs)
+    else:
+        outs = settle(ok, rs.step_var, writes, outs)
+    decoded = dict(zip(compressed, outs))
+    return [decoded[i] if i in decoded else reduced[i] for i in range(len(rs.tensors))]
+
+
+def settle(ok, step_var, writes, outs):
+    """Makes ``writes`` and advances ``step_var`` if ``ok`` (None: unchecked), returning
+    ``outs``; otherwise writes nothing and returns ``outs`` as NaN. One ``tf.cond``."""
+    def commit():
+        updates = [variable.assign(value) for variable, value in writes]
+        with tf.control_dependencies(updates):
             step_var.assign_add(1)
-        return outs
+        return [tf.identity(o) for o in outs]
 
     if ok is None:
-        decoded = decode_and_commit()
-    else:
-        def skip():
-            return [tf.fill(tf.shape(tensors[i]), tf.constant(float("nan"), tensors[i].dtype))
-                    for i in compressed]
-        decoded = tf.cond(ok, decode_and_commit, skip)
-        decoded = list(decoded) if isinstance(decoded, (list, tuple)) else [decoded]
-    decoded = dict(zip(compressed, decoded))
-    return [decoded[i] if i in decoded else reduced[i] for i in range(len(tensors))]
+        return commit()
+
+    def skip():
+        return [tf.fill(tf.shape(o), tf.constant(float("nan"), o.dtype)) for o in outs]
+
+    settled = tf.cond(ok, commit, skip)
+    return list(settled) if isinstance(settled, (list, tuple)) else [settled]
+
+
+def and_all(oks):
+    """The AND of the checked ``oks`` (None where unchecked); None if none was checked."""
+    oks = [o for o in oks if o is not None]
+    if not oks:
+        return None
+    return oks[0] if len(oks) == 1 else tf.reduce_all(tf.stack(oks))
+
+
+class StepCommit:
+    """One decision for a step whose gradients were reduced in several buckets.
+
+    Each bucket's path decodes as soon as its own collectives are done and hands its
+    ``ok``, its state writes and its decoded outputs here (``defer``); ``finish``
+    then writes every bucket's state and advances the step counter once, only if
+    every bucket was ok on every worker, and turns every bucket's compressed
+    outputs to NaN otherwise. So a step that one worker's non-finite gradient in
+    one bucket skips leaves every state untouched, everywhere.
+    """
+
+    def __init__(self):
+        self._oks, self._writes, self._outs = [], [], []
+
+    def defer(self, ok, writes, outs):
+        self._oks.append(ok)
+        self._writes.extend(writes)
+        self._outs.extend(outs)
+
+    @property
+    def used(self) -> bool:
+        return bool(self._oks)
+
+    def finish(self, step_var, outputs):
+        """``(outputs, ok)``: ``outputs`` with every deferred output settled by the
+        whole step's ``ok`` (the AND of the buckets'), the state committed or kept."""
+        if not self._oks:
+            return outputs, None
+        ok = and_all(self._oks)
+        settled = settle(ok, step_var, self._writes, self._outs)
+        by_id = {id(o): s for o, s in zip(self._outs, settled)}
+        return [by_id.get(id(o), o) for o in outputs], ok

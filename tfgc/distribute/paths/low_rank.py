@@ -61,16 +61,14 @@ def reduce(rs: base.ReductionStep):
     queries = dict(zip(compressed, collectives.fused_all_reduce(
         launcher, second[::-1], options)[::-1]))
 
-    def decode_and_commit_one(i):
+    def decode_one(i):
         t = tensors[i]
         out = compressor.decompress((bases[i], queries[i]), t.shape, t.dtype, None)
         size = tf.cast(n, out.dtype)
-        slots[i]["residual"].assign(tf.reshape(matrices[i], t.shape) - out / size)
-        slots[i]["query"].assign(queries[i] / size)
-        return out
+        return out, [(slots[i]["residual"], tf.reshape(matrices[i], t.shape) - out / size),
+                     (slots[i]["query"], queries[i] / size)]
 
-    outputs = guard.commit_or_skip(ok, step_var, compressed, tensors, reduced,
-                                   decode_and_commit_one)
+    outputs = guard.commit_or_skip(rs, ok, compressed, reduced, decode_one)
     return outputs, ok
 
 

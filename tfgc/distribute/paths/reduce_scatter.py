@@ -74,8 +74,8 @@ def reduce(rs: base.ReductionStep):
         reduced = base.reduce_dense(rs, dense_pos)
         return [reduced[i] for i in dense_pos], None
 
-    # Each gradient's place among the compressed ones seeds its contexts.
-    position = {i: index for index, i in enumerate(compressed)}
+    # Each gradient's place among the step's compressed ones seeds its contexts.
+    position = {i: rs.first_index + index for index, i in enumerate(compressed)}
 
     # 1. Cut, and compress every chunk for its owner. State is only read here.
     plans, chunks, slots, new_residuals, new_second = {}, {}, {}, {}, {}
@@ -96,7 +96,8 @@ def reduce(rs: base.ReductionStep):
         wire.gather(base.nbytes(local))
         shared = tf.reduce_max(everyone, axis=0)
         scales = {i: shared[j] for j, i in enumerate(compressed)}
-    for index, i in enumerate(compressed):
+    for i in compressed:
+        index = position[i]
         chunks[i], parts = [], []
         plan = plans[i]
         residual = slots[i]["residual"].read_value() if error_feedback else None
@@ -205,7 +206,7 @@ def reduce(rs: base.ReductionStep):
     ok = guard.ok(gathered_control, n, step)
 
     # 3. Decode every owner's chunk; commit both residuals, or keep them.
-    def decode_and_commit_one(i):
+    def decode_one(i):
         t = tensors[i]
         parts = []
         index = position[i]
@@ -218,14 +219,14 @@ def reduce(rs: base.ReductionStep):
                                        step=step)
                 part = inner.decompress(payload, shape, t.dtype, cctx)
             parts.append(part)
+        new_state = []
         if error_feedback:
-            slots[i]["residual"].assign(new_residuals[i])
-            slots[i]["server_residual"].assign(new_second[i])
-            base.assign(slots[i], velocities[i])
-        return plans[i].join(parts, t.shape)
+            new_state = [(slots[i]["residual"], new_residuals[i]),
+                         (slots[i]["server_residual"], new_second[i])]
+            new_state += base.writes(slots[i], velocities[i])
+        return plans[i].join(parts, t.shape), new_state
 
-    outputs = guard.commit_or_skip(ok, step_var, compressed, tensors, reduced,
-                                   decode_and_commit_one)
+    outputs = guard.commit_or_skip(rs, ok, compressed, reduced, decode_one)
     return outputs, ok
 
 

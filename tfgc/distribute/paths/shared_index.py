@@ -77,18 +77,18 @@ def reduce(rs: base.ReductionStep):
     reduced = collectives.fused_all_reduce(launcher, to_reduce[::-1], options)[::-1]
 
     # 3. Scatter the sums back; commit the residuals, or keep them.
-    def decode_and_commit_one(i):
+    def decode_one(i):
         t = tensors[i]
         idx = shared[i][:, None]
+        new_state = []
         if error_feedback:
             kept = tf.tensor_scatter_nd_update(flat_v[i], idx, tf.zeros_like(reduced[i]))
-            slots[i]["residual"].assign(tf.reshape(kept, t.shape))
-            base.assign(slots[i], velocities[i])
-        return tf.reshape(tf.scatter_nd(idx, reduced[i], [t.shape.num_elements()]),
-                          t.shape)
+            new_state = [(slots[i]["residual"], tf.reshape(kept, t.shape))]
+            new_state += base.writes(slots[i], velocities[i])
+        return (tf.reshape(tf.scatter_nd(idx, reduced[i], [t.shape.num_elements()]), t.shape),
+                new_state)
 
-    outputs = guard.commit_or_skip(ok, step_var, compressed, tensors, reduced,
-                                   decode_and_commit_one)
+    outputs = guard.commit_or_skip(rs, ok, compressed, reduced, decode_one)
     return outputs, ok
 
 

@@ -40,14 +40,13 @@ def reduce(rs: base.ReductionStep):
 
     reduced = base.reduce_dense(rs, [i for i in range(len(tensors)) if i not in slots])
 
-    def decode_and_commit_one(i):
+    def decode_one(i):
         t = tensors[i]
         part = total[offsets[i]:offsets[i] + t.shape.num_elements()]
-        tf.nest.map_structure(lambda v, s: v.assign(s), slots[i], new_states[i])
-        return tf.reshape(tf.cast(part, t.dtype), t.shape)
+        return (tf.reshape(tf.cast(part, t.dtype), t.shape),
+                base.writes(slots[i], new_states[i]))
 
-    outputs = guard.commit_or_skip(ok, step_var, compressed, tensors, reduced,
-                                   decode_and_commit_one)
+    outputs = guard.commit_or_skip(rs, ok, compressed, reduced, decode_one)
     return outputs, ok
 
 

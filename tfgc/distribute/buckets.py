@@ -1,0 +1,88 @@
+"""Buckets: a step's gradients reduced in groups, last layers first, as they are ready.
+
+Back-propagation produces the last layer's gradients first and the first layer's last.
+``plan`` cuts a step's gradients (in the model's variable order) into buckets of about
+``overlap_bytes`` of gradient each, walking from the last variable to the first, and
+``reduce`` runs the path once per bucket in that order. A bucket's compression, its
+collectives (with their own control words) and its decoding depend on its own
+gradients only, so TensorFlow's executor starts them while the earlier layers are
+still back-propagating: the wire works while the CPU computes.
+
+What the buckets share is settled once, after the last (``guard.StepCommit``): every
+bucket's state is written and the step counter advances only if every bucket was ok
+on every worker, and every bucket's compressed outputs are NaN otherwise. Nothing
+is written between buckets, so no bucket waits on another's state. All buckets'
+collectives use the replica's one launcher, issued in bucket order, which is the
+same on every worker (instance keys are drawn in that order): the plan depends only
+on the gradients' static shapes, the policy's mask and ``overlap_bytes``, which the
+workers agree on (``settings``).
+
+A compressed gradient draws its randomness with its place among the whole step's
+compressed gradients (``ReductionStep.first_index``), so a compressor's payloads are
+the same in any bucketing; a deterministic compressor's results are bit for bit those
+of one bucket, except that a dense float all-reduce over 3 or more workers may add
+in another order when its tensors are packed differently.
+"""
+
+from typing import List
+
+from tfgc.distribute.paths import guard
+
+
+def nbytes(t) -> int:
+    """The gradient's bytes where its shape is known statically, else 0."""
+    n = t.shape.num_elements()
+    return 0 if n is None else int(n) * t.dtype.size
+
+
+def plan(tensors, mask, overlap_bytes: int) -> List[List[int]]:
+    """The buckets, in the order they are reduced: lists of positions into ``tensors``.
+
+    Walking from the last tensor to the first, a bucket closes after the compressed
+    gradient that brings it to ``overlap_bytes`` or more, so a layer's bias (just
+    after its kernel in the model's order) stays with its kernel; what is left at the
+    end joins the last bucket if it holds no compressed gradient. Each bucket lists
+    its positions in ascending order. ``overlap_bytes`` 0: one bucket.
+    """
+    positions = list(range(len(tensors)))
+    if overlap_bytes <= 0 or sum(bool(m) for m in mask) <= 1:
+        return [positions]
+    buckets, current, size, has_compressed = [], [], 0, False
+    for i in reversed(positions):
+        current.append(i)
+        size += nbytes(tensors[i])
+        has_compressed = has_compressed or bool(mask[i])
+        if mask[i] and size >= overlap_bytes:
+            buckets.append(current)
+            current, size, has_compressed = [], 0, False
+    if current:
+        if has_compressed or not buckets:
+            buckets.append(current)
+        else:
+            buckets[-1].extend(current)
+    return [sorted(b) for b in buckets]
+
+
+def reduce(path, step, overlap_bytes: int):
+    """``path.reduce(step)``, one bucket at a time (see the module docstring).
+
+    Returns ``(outputs, ok)`` as a path does, for the whole step.
+    """
+    buckets = plan(step.tensors, step.mask, overlap_bytes)
+    if len(buckets) == 1:
+        return path.reduce(step)
+    commit = guard.StepCommit()
+    outputs = [None] * len(step.tensors)
+    for bucket in buckets:
+        # Buckets are runs of consecutive positions: the compressed gradients before
+        # this one's first give its first index.
+        first = step.first_index + sum(1 for i in range(bucket[0]) if step.mask[i])
+        sub = step.replace(tensors=[step.tensors[i] for i in bucket],
+                           variables=[step.variables[i] for i in bucket],
+                           mask=[step.mask[i] for i in bucket], first_index=first,
+                           commit=commit)
+        # The path hands its ok to the commit (guard.commit_or_skip).
+        outs, _ = path.reduce(sub)
+        for i, out in zip(bucket, outs):
+            outputs[i] = out
+    return commit.finish(step.step_var, outputs)
