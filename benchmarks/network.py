@@ -109,7 +109,8 @@ def parse_args(argv=None):
     p.add_argument("--min_elements", type=int, default=1024,
                    help="compression policy: smaller gradients are sent dense")
     p.add_argument("--threads", type=int, default=-1,
-                   help="intra/inter-op threads per worker; -1 (default): cores // workers")
+                   help="intra-op threads per worker (inter-op: at least 2); -1 (default): "
+                        "cores // workers")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds per run (one cluster); its workers are killed after that")
     p.add_argument("--out", default=DEFAULT_OUT,
@@ -210,7 +211,10 @@ def _worker(args, prefix, phase):
     threads = args.threads
     if threads:
         tf.config.threading.set_intra_op_parallelism_threads(threads)
-        tf.config.threading.set_inter_op_parallelism_threads(threads)
+        # At least 2 inter-op threads: with one, a bucket's collective that becomes
+        # ready waits behind whatever compute op holds the thread (the next bucket's
+        # compression), and the link idles meanwhile.
+        tf.config.threading.set_inter_op_parallelism_threads(max(2, threads))
 
     import tfgc
     from tfgc.apps import data as data_lib

@@ -34,27 +34,23 @@ def specs(*shapes):
 
 # -- the plan ----------------------------------------------------------------------
 
-def test_plan_walks_from_the_last_layer_and_keeps_each_bias_with_its_kernel():
+def test_plan_walks_from_the_last_layer_with_the_dense_tensors_last():
     # kernel 4 KB, bias, kernel 4 KB, bias, kernel 400 B, bias
     t = specs([32, 32], [32], [32, 32], [32], [10, 10], [10])
     mask = [True, False, True, False, True, False]
-    assert buckets.plan(t, mask, 1) == [[4, 5], [2, 3], [0, 1]]
-    assert buckets.plan(t, mask, 400) == [[4, 5], [2, 3], [0, 1]]
-    # A bucket closes once it holds overlap_bytes: the last two layers together.
-    assert buckets.plan(t, mask, 4096) == [[2, 3, 4, 5], [0, 1]]
+    # Every kernel its own bucket, last layer first; the biases with the last bucket.
+    assert buckets.plan(t, mask, 1) == [[4], [2], [0, 1, 3, 5]]
+    assert buckets.plan(t, mask, 400) == [[4], [2], [0, 1, 3, 5]]
+    # A bucket closes once it holds overlap_bytes: the last two kernels together.
+    assert buckets.plan(t, mask, 4096) == [[2, 4], [0, 1, 3, 5]]
     assert buckets.plan(t, mask, 1 << 30) == [list(range(6))]
     assert buckets.plan(t, mask, 0) == [list(range(6))]
 
 
-def test_plan_never_leaves_a_bucket_without_a_compressed_gradient():
-    # The first layer's tensor is dense only: it joins the bucket before it.
+def test_one_compressed_gradient_is_one_bucket():
     t = specs([8], [32, 32], [32], [32, 32], [32])
-    mask = [False, True, False, True, False]
-    plan = buckets.plan(t, mask, 1)
-    assert plan == [[3, 4], [0, 1, 2]]
-    assert all(any(mask[i] for i in b) for b in plan)
-    # One compressed gradient: one bucket, whatever the size.
     assert buckets.plan(t, [False, True, False, False, False], 1) == [list(range(5))]
+    assert buckets.plan(t, [False, True, False, True, False], 1) == [[3], [0, 1, 2, 4]]
 
 
 def test_every_position_is_in_exactly_one_bucket():
@@ -65,10 +61,14 @@ def test_every_position_is_in_exactly_one_bucket():
         mask = list(rng.rand(count) < 0.6)
         plan = buckets.plan(t, mask, int(rng.choice([0, 1, 2000, 8000])))
         assert sorted(i for b in plan for i in b) == list(range(count))
-        firsts = [b[0] for b in plan]
-        assert firsts == sorted(firsts, reverse=True)  # last layers first
         if sum(mask) > 0:
             assert all(any(mask[i] for i in b) for b in plan)
+            # Last layers first; each bucket's compressed gradients consecutive.
+            runs = [[i for i in b if mask[i]] for b in plan]
+            assert [i for r in reversed(runs) for i in r] == [i for i in range(count)
+                                                               if mask[i]]
+            # Only the last bucket holds dense tensors.
+            assert all(mask[i] for b in plan[:-1] for i in b)
 
 
 def test_overlap_bytes_is_checked_at_construction():

@@ -1,9 +1,10 @@
 """Buckets: a step's gradients reduced in groups, last layers first, as they are ready.
 
 Back-propagation produces the last layer's gradients first and the first layer's last.
-``plan`` cuts a step's gradients (in the model's variable order) into buckets of about
-``overlap_bytes`` of gradient each, walking from the last variable to the first, and
-``reduce`` runs the path once per bucket in that order. A bucket's compression, its
+``plan`` cuts a step's compressed gradients (in the model's variable order) into buckets
+of about ``overlap_bytes`` of gradient each, walking from the last variable to the
+first (the small tensors sent dense go with the last bucket), and ``reduce`` runs the
+path once per bucket in that order. A bucket's compression, its
 collectives (with their own control words) and its decoding depend on its own
 gradients only, so TensorFlow's executor starts them while the earlier layers are
 still back-propagating: the wire works while the CPU computes.
@@ -38,28 +39,28 @@ def nbytes(t) -> int:
 def plan(tensors, mask, overlap_bytes: int) -> List[List[int]]:
     """The buckets, in the order they are reduced: lists of positions into ``tensors``.
 
-    Walking from the last tensor to the first, a bucket closes after the compressed
-    gradient that brings it to ``overlap_bytes`` or more, so a layer's bias (just
-    after its kernel in the model's order) stays with its kernel; what is left at the
-    end joins the last bucket if it holds no compressed gradient. Each bucket lists
-    its positions in ascending order. ``overlap_bytes`` 0: one bucket.
+    The compressed gradients, from the last to the first, fill buckets of at least
+    ``overlap_bytes`` (a bucket closes after the gradient that brings it there; the
+    last one holds what is left). The tensors sent dense (biases, normalization
+    parameters: small) all go with the last bucket, so that a bucket costs its
+    path's own collectives and no dense all-reduce of its own. Each bucket lists its
+    positions in ascending order. ``overlap_bytes`` 0, or one compressed gradient:
+    one bucket.
     """
     positions = list(range(len(tensors)))
-    if overlap_bytes <= 0 or sum(bool(m) for m in mask) <= 1:
+    compressed = [i for i in positions if mask[i]]
+    if overlap_bytes <= 0 or len(compressed) <= 1:
         return [positions]
-    buckets, current, size, has_compressed = [], [], 0, False
-    for i in reversed(positions):
+    buckets, current, size = [], [], 0
+    for i in reversed(compressed):
         current.append(i)
         size += nbytes(tensors[i])
-        has_compressed = has_compressed or bool(mask[i])
-        if mask[i] and size >= overlap_bytes:
+        if size >= overlap_bytes:
             buckets.append(current)
-            current, size, has_compressed = [], 0, False
+            current, size = [], 0
     if current:
-        if has_compressed or not buckets:
-            buckets.append(current)
-        else:
-            buckets[-1].extend(current)
+        buckets.append(current)
+    buckets[-1].extend(i for i in positions if not mask[i])
     return [sorted(b) for b in buckets]
 
 
@@ -74,9 +75,10 @@ def reduce(path, step, overlap_bytes: int):
     commit = guard.StepCommit()
     outputs = [None] * len(step.tensors)
     for bucket in buckets:
-        # Buckets are runs of consecutive positions: the compressed gradients before
-        # this one's first give its first index.
-        first = step.first_index + sum(1 for i in range(bucket[0]) if step.mask[i])
+        # A bucket's compressed gradients are consecutive among the step's: those
+        # before its first give its first index.
+        start = min(i for i in bucket if step.mask[i])
+        first = step.first_index + sum(1 for i in range(start) if step.mask[i])
         sub = step.replace(tensors=[step.tensors[i] for i in bucket],
                            variables=[step.variables[i] for i in bucket],
                            mask=[step.mask[i] for i in bucket], first_index=first,
