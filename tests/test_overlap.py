@@ -153,6 +153,13 @@ def test_the_first_collective_runs_before_the_first_layer_back_propagates(
     assert all(0 in layers for layers in whole if layers), whole
 
 
+def test_identity_stays_one_bucket_as_the_stock_strategy_packs(traced):
+    # "none" is the stock strategy's reduction bit for bit, at any cluster size: its
+    # packs follow bytes_per_pack, never tfgc's buckets.
+    found = traced("none", "allreduce", 1)
+    assert found and all(0 in layers for layers in found), found
+
+
 # -- a real cluster ----------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -84,7 +84,7 @@ flags.DEFINE_enum("communication", "auto",
                   "How compressed payloads cross the wire (auto: fewest bytes; reduce_scatter: "
                   "quantizers only; shared_index and sparse_allreduce: top-k only; low_rank: "
                   "powersgd only).")
-flags.DEFINE_float("overlap_mb", 4.0,
+flags.DEFINE_float("overlap_mb", 25.0,
                    "Gradient MiB per bucket: each step's gradients are reduced in buckets, last "
                    "layers first, while back-propagation goes on (0: one bucket after the "
                    "whole backward pass).", lower_bound=0.0)

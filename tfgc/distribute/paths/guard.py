@@ -159,10 +159,6 @@ class StepCommit:
         self._writes.extend(writes)
         self._outs.extend(outs)
 
-    @property
-    def used(self) -> bool:
-        return bool(self._oks)
-
     def finish(self, step_var, outputs):
         """``(outputs, ok)``: ``outputs`` with every deferred output settled by the
         whole step's ``ok`` (the AND of the buckets'), the state committed or kept."""
