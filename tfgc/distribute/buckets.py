@@ -12,17 +12,18 @@ still back-propagating: the wire works while the CPU computes.
 What the buckets share is settled once, after the last (``guard.StepCommit``): every
 bucket's state is written and the step counter advances only if every bucket was ok
 on every worker, and every bucket's compressed outputs are NaN otherwise. Nothing
-is written between buckets, so no bucket waits on another's state. All buckets'
-collectives use the replica's one launcher, issued in bucket order, which is the
-same on every worker (instance keys are drawn in that order): the plan depends only
-on the gradients' static shapes, the policy's mask and ``overlap_bytes``, which the
-workers agree on (``settings``).
+is written between buckets, so no bucket waits on another's state. The buckets'
+collectives on the replica's launcher share its one ordering token, and those on a
+partner's pairwise launcher share that one's, each chain in bucket order, which is
+the same on every worker (instance keys are drawn in that order): the plan depends
+only on the gradients' static shapes, the policy's mask and ``overlap_bytes``, which
+the workers agree on (``settings``).
 
 A compressed gradient draws its randomness with its place among the whole step's
 compressed gradients (``ReductionStep.first_index``), so a compressor's payloads are
-the same in any bucketing; a deterministic compressor's results are bit for bit those
-of one bucket, except that a dense float all-reduce over 3 or more workers may add
-in another order when its tensors are packed differently.
+the same in any bucketing, and its results are bit for bit those of one bucket,
+stochastic compressors included, except that a dense float all-reduce over 3 or more
+workers may add in another order when its tensors are packed differently.
 """
 
 from typing import List
