@@ -26,6 +26,7 @@ from tfgc.distribute import buckets
 from cluster_scripts import ENV, cluster_script
 
 SCRIPT, worker = cluster_script("overlap")
+_, fixed_reduce = cluster_script("fixed_reduce")
 
 
 def specs(*shapes):
@@ -97,10 +98,7 @@ def traced():
     y = tf.constant(np.arange(16) % 10)
 
     def trace(spec, communication, overlap_bytes):
-        strategy.cross_device_ops.communication = "auto"
-        strategy.compressor = spec
-        strategy.cross_device_ops.communication = communication
-        strategy.overlap_bytes = overlap_bytes
+        fixed_reduce.use(strategy, spec, communication, overlap_bytes)
         with strategy.scope():
             net = keras.Sequential(
                 [keras.layers.Dense(64, activation="relu", name=f"d{i}")

@@ -25,6 +25,15 @@ def make_reduce(strategy, variables, owner):
     return run
 
 
+def use(strategy, spec, communication, overlap_bytes):
+    """Sets the strategy's compressor, communication and buckets for the next trace
+    (the communication through "auto", which any compressor fits)."""
+    strategy.cross_device_ops.communication = "auto"
+    strategy.compressor = spec
+    strategy.cross_device_ops.communication = communication
+    strategy.overlap_bytes = overlap_bytes
+
+
 def run_steps(strategy, spec, shapes, gradients, steps, after_step=None):
     """Sets ``spec`` as the strategy's compressor and reduces ``gradients(step)`` (one
     NumPy array per shape, this worker's) for ``steps`` steps, over fresh variables of

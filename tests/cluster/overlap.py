@@ -53,7 +53,7 @@ def main():
     import tensorflow as tf
 
     import tfgc
-    from fixed_reduce import make_reduce
+    from fixed_reduce import make_reduce, use
     from tfgc.apps.train import worker_info
 
     strategy = tfgc.CompressedMultiWorkerMirroredStrategy(
@@ -61,22 +61,18 @@ def main():
     rank, n = worker_info(strategy)
 
     def run(spec, communication, overlap_bytes):
-        strategy.cross_device_ops.communication = "auto"
-        strategy.compressor = spec
-        strategy.cross_device_ops.communication = communication
-        strategy.overlap_bytes = overlap_bytes
+        use(strategy, spec, communication, overlap_bytes)
         with strategy.scope():
             variables = [tf.Variable(tf.zeros(shape)) for shape in SHAPES]
         owner = tf.Module()
-        reduce = make_reduce(strategy, variables, owner)
-        return reduce, owner, variables
+        return make_reduce(strategy, variables, owner), owner
 
     def state_of(owner):
         return [v.numpy() for v in strategy.compression_state(owner).variables()]
 
     for k, (spec, communication) in enumerate(SPECS):
         for mode, overlap_bytes in (("buckets", 1), ("one", 0)):
-            reduce, owner, _ = run(spec, communication, overlap_bytes)
+            reduce, owner = run(spec, communication, overlap_bytes)
             arrays = {}
             for step in range(STEPS):
                 for j, r in enumerate(reduce(gradients(rank, step))):
@@ -86,7 +82,7 @@ def main():
             np.savez(os.path.join(out_dir, f"{k}.{mode}.w{rank}.npz"), **arrays)
 
     for k, (spec, communication) in enumerate(NONFINITE_SPECS):
-        reduce, owner, _ = run(spec, communication, 1)
+        reduce, owner = run(spec, communication, 1)
         arrays = {}
         skipped = strategy.compression_stats()["nonfinite_steps"]
         for step in range(BAD_STEP):

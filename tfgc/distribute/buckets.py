@@ -28,13 +28,7 @@ workers may add in another order when its tensors are packed differently.
 
 from typing import List
 
-from tfgc.distribute.paths import guard
-
-
-def nbytes(t) -> int:
-    """The gradient's bytes where its shape is known statically, else 0."""
-    n = t.shape.num_elements()
-    return 0 if n is None else int(n) * t.dtype.size
+from tfgc.distribute.paths import base, guard
 
 
 def plan(tensors, mask, overlap_bytes: int) -> List[List[int]]:
@@ -55,7 +49,8 @@ def plan(tensors, mask, overlap_bytes: int) -> List[List[int]]:
     buckets, current, size = [], [], 0
     for i in reversed(compressed):
         current.append(i)
-        size += nbytes(tensors[i])
+        # A compressed gradient's shape is static (the policy compresses no other).
+        size += base.nbytes(tensors[i])
         if size >= overlap_bytes:
             buckets.append(current)
             current, size = [], 0

@@ -46,6 +46,7 @@ from tensorflow.python.distribute import cross_device_ops as cross_device_ops_li
 
 from tfgc import collectives
 from tfgc.compressors import get as get_compressor, serialize_config
+from tfgc.compressors.base import check_int
 from tfgc.distribute import buckets, embeddings, fusion, gradients, moments, momentum, paths
 from tfgc.distribute import settings as settings_lib
 from tfgc.distribute import state as state_lib
@@ -76,16 +77,9 @@ def check_compression_args(compressor, policy, communication, bucket_bytes,
     if not isinstance(policy, CompressionPolicy):
         raise ValueError(f"`policy` must be a tfgc.CompressionPolicy, got {policy!r}")
     paths.check_communication(communication, compressor)
-    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
-        raise ValueError(f"`bucket_bytes` must be a positive integer, got {bucket_bytes!r}")
-    check_overlap_bytes(overlap_bytes)
+    check_int("bucket_bytes", bucket_bytes, 1)
+    check_int("overlap_bytes", overlap_bytes, 0)
     return compressor, policy
-
-
-def check_overlap_bytes(overlap_bytes):
-    if isinstance(overlap_bytes, bool) or not isinstance(overlap_bytes, int) or overlap_bytes < 0:
-        raise ValueError("`overlap_bytes` must be a non-negative integer (0: one bucket, no "
-                         f"overlap), got {overlap_bytes!r}")
 
 
 class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
@@ -191,8 +185,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
     @overlap_bytes.setter
     def overlap_bytes(self, value):
         """Changes the buckets' size from the next step on (as the compressor switches)."""
-        check_overlap_bytes(value)
-        self._overlap_bytes = value
+        self._overlap_bytes = check_int("overlap_bytes", value, 0)
         self._switched()
 
     def _switched(self):
