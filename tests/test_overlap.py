@@ -4,10 +4,14 @@
 * the traced graph: with buckets, the first collective of every path waits for none
   of the first layer's back-propagation (so it runs while that still computes); in
   one bucket, every collective waits for all of it;
+* pieces (the reduce-scatter cuts a gradient larger than ``overlap_bytes``): how a
+  chunk is cut, and that each piece has collectives of its own;
 * a real 2-worker cluster (``tests/cluster/overlap.py``, one launch): every path gives
   bit for bit the same outputs and state in one bucket per kernel as in one bucket for
   the whole step, workers agree, and a NaN in one worker's last bucket skips the whole
   step: every bucket's outputs NaN, no state written on any worker, training goes on.
+  A gradient reduced in pieces gives the bits of the whole gradient under the
+  deterministic quantizers, and errs as the whole gradient does under the stochastic.
 """
 
 import json
@@ -21,7 +25,9 @@ import tensorflow as tf
 
 import tfgc
 from tfgc.apps.launch import launch
+from tfgc import collectives
 from tfgc.distribute import buckets
+from tfgc.distribute.paths import reduce_scatter
 
 from cluster_scripts import ENV, cluster_script
 
@@ -78,6 +84,54 @@ def test_overlap_bytes_is_checked_at_construction():
             tfgc.CompressedMultiWorkerMirroredStrategy(overlap_bytes=bad)
 
 
+# -- pieces ------------------------------------------------------------------------
+
+def _pieces(spec, shape, n, piece_bytes):
+    recompression = tfgc.get_compressor(spec).chunk_recompression
+    shape = tf.TensorShape(shape)
+    plan = collectives.chunk_plan(recompression.chunk_layout(shape, n), shape, n)
+    return plan, reduce_scatter.pieces_of(recompression, plan, 4 * shape.num_elements(),
+                                          piece_bytes)
+
+
+def test_pieces_cut_every_chunk_into_parts_that_join_back():
+    mib = reduce_scatter.MIN_PIECE_BYTES
+    for spec, shape, n in (("qsgd:levels=7,bucket_size=128", (1000, 1100), 3),
+                           ("signsgd", (3, 3, 256, 600), 2), ("fp16", (2048, 2048), 4),
+                           ("terngrad", (1_000_003,), 4)):
+        size = 4 * int(np.prod(shape))
+        plan, cuts = _pieces(spec, shape, n, mib)
+        count = -(-size // mib)
+        assert cuts is not None and len(cuts) == n
+        x = tf.reshape(tf.range(int(np.prod(shape)), dtype=tf.float32), shape)
+        for c, cut in enumerate(cuts):
+            assert len(cut.chunks) == count
+            chunk = plan.take(x, c)
+            parts = [cut.take(chunk, k) for k in range(count)]
+            # Every element of the chunk in exactly one piece, joined back in place.
+            assert sum(int(tf.size(p)) for p in parts) == int(tf.size(chunk))
+            np.testing.assert_array_equal(cut.join(parts, chunk.shape), chunk)
+    # QSGD's pieces fall on whole buckets, as its chunks do.
+    _, cuts = _pieces("qsgd:levels=7,bucket_size=128", (1000, 1100), 3, mib)
+    assert all(a % 128 == 0 for cut in cuts for a, _, _ in cut.chunks)
+
+
+def test_pieces_only_for_gradients_larger_than_the_piece_size_and_never_below_a_floor():
+    mib = reduce_scatter.MIN_PIECE_BYTES
+    # 0: never; a gradient no larger than the piece: whole.
+    assert _pieces("signsgd", (2048, 2048), 4, 0)[1] is None
+    assert _pieces("signsgd", (512, 512), 4, mib)[1] is None
+    # A piece size below the floor is raised to it: 16 MiB -> 16 pieces, not 16 Ki.
+    assert len(_pieces("signsgd", (2048, 2048), 4, 1)[1][0].chunks) == 16
+    assert len(_pieces("signsgd", (2048, 2048), 4, 4 * mib)[1][0].chunks) == 4
+    # 1-bit SGD: never. Its pieces would be column blocks (strided copies) or row
+    # blocks (means of their own, so other bits and more of them).
+    for shape, n in (((2048, 2048), 4), ((8192, 256), 2), ((256, 8192), 2)):
+        assert _pieces("onebit", shape, n, mib)[1] is None, shape
+    # 8 MiB in 4 MiB pieces: each owner's chunk in 2.
+    assert [len(cut.chunks) for cut in _pieces("terngrad", (2 << 20,), 3, 4 * mib)[1]] == [2] * 3
+
+
 # -- the traced graph --------------------------------------------------------------
 
 LAYERS = 5
@@ -88,8 +142,8 @@ TRACED = [("ef+topk:ratio=0.1", "allgather"), ("fp16", "allreduce"),
 
 @pytest.fixture(scope="module")
 def traced():
-    """``trace(spec, communication, overlap_bytes)`` -> for each collective of one
-    training step, in program order, the layers whose gradients it waits for."""
+    """``trace(spec, communication, overlap_bytes, width=64)`` -> for each collective of
+    one training step, in program order, the layers whose gradients it waits for."""
     import tf_keras as keras
     strategy = tfgc.CompressedMultiWorkerMirroredStrategy(
         policy=tfgc.CompressionPolicy(min_elements=1024))
@@ -97,11 +151,11 @@ def traced():
     x = tf.constant(np.random.RandomState(0).rand(16, 32).astype(np.float32))
     y = tf.constant(np.arange(16) % 10)
 
-    def trace(spec, communication, overlap_bytes):
+    def trace(spec, communication, overlap_bytes, width=64):
         fixed_reduce.use(strategy, spec, communication, overlap_bytes)
         with strategy.scope():
             net = keras.Sequential(
-                [keras.layers.Dense(64, activation="relu", name=f"d{i}")
+                [keras.layers.Dense(width, activation="relu", name=f"d{i}")
                  for i in range(LAYERS - 1)] + [keras.layers.Dense(10, name=f"d{LAYERS - 1}")])
             net.build((None, 32))
             opt = keras.optimizers.SGD(0.01)
@@ -151,6 +205,17 @@ def test_the_first_collective_runs_before_the_first_layer_back_propagates(
     assert all(0 in layers for layers in whole if layers), whole
 
 
+def test_each_piece_of_a_large_gradient_has_collectives_of_its_own(traced):
+    # Hidden layers of 768 x 768: 2.25 MiB kernels, 3 pieces each at 1 MiB.
+    found = traced("signsgd", "reduce_scatter", 1, width=768)
+    # One worker: no exchanges, one all-gather a message. A message of d3 waits for
+    # d3's gradient (and d4's back-propagation), not d2's.
+    firsts = [min(layers) for layers in found if layers]
+    assert firsts.count(3) == firsts.count(2) == firsts.count(1) == 3, found
+    whole = traced("signsgd", "reduce_scatter", 0, width=768)
+    assert len(whole) < len(found)
+
+
 def test_identity_stays_one_bucket_as_the_stock_strategy_packs(traced):
     # "none" is the stock strategy's reduction bit for bit, at any cluster size: its
     # packs follow bytes_per_pack, never tfgc's buckets.
@@ -184,6 +249,96 @@ def test_buckets_give_the_bits_of_one_bucket(cluster, k):
                                           err_msg=f"{key}, {mode}, worker {r}")
     # And the outputs are sums, not zeros.
     assert np.any(reference["out0_0"] != 0)
+
+
+DETERMINISTIC_PIECES = [k for k, (s, _) in enumerate(worker.PIECE_SPECS)
+                        if s in ("signsgd", "bf16")]
+STOCHASTIC_PIECES = [k for k, (s, _) in enumerate(worker.PIECE_SPECS)
+                     if s.startswith(("qsgd", "terngrad"))]
+
+
+def _piece_runs(cluster, k):
+    return {(mode, r): np.load(cluster / f"piece{k}.{mode}.w{r}.npz")
+            for mode in ("pieces", "one") for r in range(2)}
+
+
+@pytest.mark.parametrize("k", DETERMINISTIC_PIECES,
+                         ids=[worker.PIECE_SPECS[k][0] for k in DETERMINISTIC_PIECES])
+def test_pieces_give_the_bits_of_the_whole_gradient(cluster, k):
+    # signSGD's and the casts' pieces are ranges of elements, each coded on its own
+    # as in the whole chunk: both stages, the same bits.
+    runs = _piece_runs(cluster, k)
+    reference = runs["one", 0]
+    assert any(key.startswith("state") for key in reference.files)
+    for key in reference.files:
+        for (mode, r), run in runs.items():
+            own = key.startswith(("state", "slot_"))  # each worker's own state
+            expected = runs["one", r] if own else reference
+            np.testing.assert_array_equal(run[key], expected[key],
+                                          err_msg=f"{key}, {mode}, worker {r}")
+    assert np.any(reference["out0_0"] != 0)
+
+
+@pytest.mark.parametrize("k", STOCHASTIC_PIECES,
+                         ids=[worker.PIECE_SPECS[k][0] for k in STOCHASTIC_PIECES])
+def test_pieces_of_a_stochastic_quantizer_err_as_the_whole_gradient_does(cluster, k):
+    # Pieces draw other random numbers than the whole chunk, from the same
+    # distribution: QSGD's pieces fall on whole buckets, TernGrad's share the
+    # gradient's scaler. So the error against the exact sum is unbiased and as large.
+    runs = _piece_runs(cluster, k)
+    for step in range(worker.STEPS):
+        key = f"out{step}_0"
+        # The workers agree, in pieces as whole.
+        for mode in ("pieces", "one"):
+            np.testing.assert_array_equal(runs[mode, 1][key], runs[mode, 0][key])
+        exact = sum(worker.gradients(r, step, worker.PIECE_SHAPES)[0] for r in range(2))
+        pieces = runs["pieces", 0][key] - exact
+        whole = runs["one", 0][key] - exact
+        rms = np.sqrt(np.mean(pieces ** 2))
+        # Over 393,216 elements the mean square's relative spread is well under 1 %.
+        assert 0.9 < rms / np.sqrt(np.mean(whole ** 2)) < 1.1, (step, rms)
+        assert abs(np.mean(pieces)) < 6 * rms / np.sqrt(pieces.size), step
+        # Not a shifted copy: each element's error is its own draw's.
+        assert not np.array_equal(pieces, whole)
+
+
+def test_error_feedback_in_pieces_loses_nothing(cluster):
+    # EF-signSGD in pieces (each with its own scale): what was applied plus both
+    # workers' residuals (their own, and the second one of the chunk each owns) is
+    # every gradient ever sent, as whole.
+    k = [s for s, _ in worker.PIECE_SPECS].index("efsignsgd")
+    n, shape = 2, worker.PIECE_SHAPES[0]
+    recompression = tfgc.get_compressor("efsignsgd").chunk_recompression
+    plan = collectives.chunk_plan(recompression.chunk_layout(tf.TensorShape(shape), n),
+                                  tf.TensorShape(shape), n)
+    for mode in ("pieces", "one"):
+        runs = [np.load(cluster / f"piece{k}.{mode}.w{r}.npz") for r in range(n)]
+        applied = sum(runs[0][f"out{s}_0"].astype(np.float64) for s in range(worker.STEPS))
+        held = [run["slot_server_residual"] for run in runs]
+        owners = plan.join([h[:int(c.num_elements())] for h, (_, _, c) in
+                            zip(held, plan.chunks)], shape).numpy().astype(np.float64)
+        left = owners + sum(run["slot_residual"].astype(np.float64) for run in runs)
+        sent = sum(worker.gradients(r, s, worker.PIECE_SHAPES)[0].astype(np.float64)
+                   for r in range(n) for s in range(worker.STEPS))
+        np.testing.assert_allclose(applied + left, sent, rtol=1e-5, atol=1e-4, err_msg=mode)
+        assert np.any(owners != 0) and np.any(applied != 0), mode
+    # The pieces' scales are their own: other bits than whole.
+    pieces = np.load(cluster / f"piece{k}.pieces.w0.npz")["out0_0"]
+    assert not np.array_equal(pieces, np.load(cluster / f"piece{k}.one.w0.npz")["out0_0"])
+
+
+def test_the_reduce_scatter_names_what_it_sends_as_it_is(cluster):
+    # The single-element kernel has fewer elements than the 2 workers: sent as it is,
+    # with the path's reason; the bias with the policy's.
+    with open(cluster / "piece0.pieces.w0.json") as f:
+        run = json.load(f)
+    names = run["names"]
+    listed = {e["variable"]: e for e in run["uncompressed"]}
+    assert set(listed) == {names[1], names[3]}
+    assert listed[names[3]]["reason"] == "fewer elements than workers (reduce-scatter)"
+    assert listed[names[1]]["reason"] == "a vector (compress_vectors=False)"
+    assert run["stats"]["uncompressed_tensors"] == 2
+    assert run["stats"]["uncompressed_bytes"] == 4 * (512 + 1)
 
 
 @pytest.mark.parametrize("k", range(len(worker.NONFINITE_SPECS)),

@@ -215,6 +215,32 @@ def test_terngrad_sums_codes_exactly(cluster):
                 assert len(np.unique(np.round(counts))) > 3
 
 
+@pytest.mark.parametrize("spec", ["fp16", "bf16"])
+def test_16_bit_casts_sum_in_float32_and_round_once(cluster, spec):
+    """Each worker's gradient rounded to 16 bits, the N of them summed in float32 in rank
+    order by the chunk's owner, the sum rounded to 16 bits once: bit for bit."""
+    import tensorflow as tf
+
+    n, _, runs = cluster
+    j = worker.SPECS.index(spec)
+    wire = tf.float16 if spec == "fp16" else tf.bfloat16
+
+    def rounded(x):
+        return tf.cast(tf.cast(tf.constant(x, tf.float32), wire), tf.float32).numpy()
+
+    for step in range(worker.STEPS):
+        grads = [worker.gradients(w, step) for w in range(n)]
+        for k in range(len(COMPRESSED)):
+            total = rounded(grads[0][k])
+            for w in range(1, n):
+                total = (total + rounded(grads[w][k])).astype(np.float32)
+            got = runs[0][f"{j}_out{step}_{k}"]
+            np.testing.assert_array_equal(got, rounded(total), err_msg=f"step {step}")
+            # Within half a 16-bit step of the exact sum of the rounded inputs.
+            eps = 2.0 ** (-11 if spec == "fp16" else -8)
+            assert np.all(np.abs(got - total) <= eps * np.abs(total) + 1e-7)
+
+
 @pytest.mark.parametrize("spec", EF_SPECS)
 def test_error_feedback_conserves_mass_at_both_stages(cluster, spec):
     """What was applied, plus every worker's two residuals, is every gradient ever sent."""
@@ -269,6 +295,8 @@ def chunk_words(spec, n):
             widths.append(1 + math.ceil(longest / 32))
         elif spec == "terngrad":
             widths.append(1 + math.ceil(2 * longest / 32))
+        elif spec in ("fp16", "bf16"):
+            widths.append(math.ceil(longest / 2))
         else:  # qsgd, 4 bits, buckets of 128
             widths.append(math.ceil(longest / 128) + math.ceil(4 * longest / 32))
     return widths
@@ -296,6 +324,9 @@ def test_bytes_are_two_compressed_stages(cluster, spec):
     assert stats["sent_bytes"] == sent
     dense = 4 * (16 * 32 + 3 * 10 + 40)
     assert stats["dense_sent_bytes"] == ring(dense)
+    # The vector alone goes as it is (the policy leaves vectors out).
+    assert stats["uncompressed_tensors"] == 1
+    assert stats["uncompressed_bytes"] == 4 * 40
     # At most the dense all-reduce of the same gradients, and well under it for
     # the large matrix (1 to 8 bits for 32): the small ones pay their scales.
     assert stats["sent_bytes"] < stats["dense_sent_bytes"]
@@ -306,8 +337,7 @@ def test_fit_ends_identical_on_every_worker(cluster):
     assert_fit_identical_and_learning(out, n)
 
 
-@pytest.mark.parametrize("spec", ["topk:ratio=0.01", "ef+topk:ratio=0.01", "randomk", "none",
-                                  "fp16"])
+@pytest.mark.parametrize("spec", ["topk:ratio=0.01", "ef+topk:ratio=0.01", "randomk", "none"])
 def test_refused_for_compressors_that_cannot_recompress(spec):
     from tfgc.distribute.cross_device_ops import check_compression_args
     with pytest.raises(ValueError, match="`communication`='reduce_scatter'"):

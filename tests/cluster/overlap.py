@@ -9,6 +9,10 @@ kernel in a bucket of its own (``overlap_bytes=1``) and once in one bucket
 (``overlap_bytes=0``). Writes each run's outputs and final compressor state to
 OUT_DIR/<i>.<mode>.w<rank>.npz.
 
+For ``PIECE_SPECS`` (the reduce-scatter), reduces ``PIECE_SHAPES``, whose first kernel
+is larger than ``MIN_PIECE_BYTES``, with pieces (``overlap_bytes=1``) and whole
+(``overlap_bytes=0``) to OUT_DIR/piece<i>.<mode>.w<rank>.npz.
+
 Then, for ``NONFINITE_SPECS``, with one bucket per kernel: at step ``BAD_STEP`` the
 last worker's first kernel (the last bucket to be reduced) holds a NaN; the state
 before and after that step, the outputs and the step counter are written to
@@ -38,14 +42,20 @@ SPECS = [
     ("randomk:ratio=0.2", "allreduce"),
     ("dgc:ratio=0.1,warmup_steps=2", "allgather"),
 ]
+# A kernel of 1.5 MiB (2 pieces of at least 1 MiB), a bias, a small kernel and one of
+# a single element (fewer than the workers: sent as it is).
+PIECE_SHAPES = [(768, 512), (512,), (64, 48), (1, 1)]
+PIECE_SPECS = [("signsgd", "reduce_scatter"), ("bf16", "reduce_scatter"),
+               ("qsgd:levels=7,bucket_size=32", "reduce_scatter"),
+               ("terngrad", "reduce_scatter"), ("efsignsgd", "reduce_scatter")]
 NONFINITE_SPECS = [("ef+topk:ratio=0.1", "allgather"), ("onebit", "reduce_scatter"),
                    ("powersgd:rank=2", "low_rank"), ("ef+topk:ratio=0.1", "sparse_allreduce")]
 BAD_STEP = 2
 
 
-def gradients(rank, step):
+def gradients(rank, step, shapes=SHAPES):
     rng = np.random.RandomState(100 * step + rank)
-    return [rng.randn(*shape).astype(np.float32) for shape in SHAPES]
+    return [rng.randn(*shape).astype(np.float32) for shape in shapes]
 
 
 def main():
@@ -60,19 +70,20 @@ def main():
         policy=tfgc.CompressionPolicy(min_elements=0))
     rank, n = worker_info(strategy)
 
-    def run(spec, communication, overlap_bytes):
+    def run(spec, communication, overlap_bytes, shapes=SHAPES):
         use(strategy, spec, communication, overlap_bytes)
         with strategy.scope():
-            variables = [tf.Variable(tf.zeros(shape)) for shape in SHAPES]
+            variables = [tf.Variable(tf.zeros(shape), name=f"g{j}")
+                         for j, shape in enumerate(shapes)]
         owner = tf.Module()
-        return make_reduce(strategy, variables, owner), owner
+        return make_reduce(strategy, variables, owner), owner, variables
 
     def state_of(owner):
         return [v.numpy() for v in strategy.compression_state(owner).variables()]
 
     for k, (spec, communication) in enumerate(SPECS):
         for mode, overlap_bytes in (("buckets", 1), ("one", 0)):
-            reduce, owner = run(spec, communication, overlap_bytes)
+            reduce, owner, _ = run(spec, communication, overlap_bytes)
             arrays = {}
             for step in range(STEPS):
                 for j, r in enumerate(reduce(gradients(rank, step))):
@@ -81,8 +92,27 @@ def main():
                 arrays[f"state{j}"] = v
             np.savez(os.path.join(out_dir, f"{k}.{mode}.w{rank}.npz"), **arrays)
 
+    for k, (spec, communication) in enumerate(PIECE_SPECS):
+        for mode, overlap_bytes in (("pieces", 1), ("one", 0)):
+            reduce, owner, variables = run(spec, communication, overlap_bytes, PIECE_SHAPES)
+            arrays = {}
+            for step in range(STEPS):
+                for j, r in enumerate(reduce(gradients(rank, step, PIECE_SHAPES))):
+                    arrays[f"out{step}_{j}"] = r
+            for j, v in enumerate(state_of(owner)):
+                arrays[f"state{j}"] = v
+            slot = strategy.compression_state(owner).slot(variables[0], 0)
+            for field, var in slot.items():
+                if field != "inner":
+                    arrays[f"slot_{field}"] = var.numpy()
+            np.savez(os.path.join(out_dir, f"piece{k}.{mode}.w{rank}.npz"), **arrays)
+            with open(os.path.join(out_dir, f"piece{k}.{mode}.w{rank}.json"), "w") as f:
+                json.dump({"uncompressed": strategy.uncompressed_gradients(),
+                           "stats": strategy.compression_stats(),
+                           "names": [v.name for v in variables]}, f)
+
     for k, (spec, communication) in enumerate(NONFINITE_SPECS):
-        reduce, owner = run(spec, communication, 1)
+        reduce, owner, _ = run(spec, communication, 1)
         arrays = {}
         skipped = strategy.compression_stats()["nonfinite_steps"]
         for step in range(BAD_STEP):

@@ -86,8 +86,9 @@ flags.DEFINE_enum("communication", "auto",
                   "powersgd only).")
 flags.DEFINE_float("overlap_mb", 25.0,
                    "Gradient MiB per bucket: each step's gradients are reduced in buckets, last "
-                   "layers first, while back-propagation goes on (0: one bucket after the "
-                   "whole backward pass).", lower_bound=0.0)
+                   "layers first, while back-propagation goes on; on the reduce-scatter a "
+                   "larger gradient is reduced in pieces of this size (0: one bucket after "
+                   "the whole backward pass).", lower_bound=0.0)
 flags.DEFINE_integer("steps_per_epoch", 0, "Cap on steps per epoch (0: a full shard).",
                      lower_bound=0)
 flags.DEFINE_string("save_weights", "", "If set, each worker saves its final weights to "

@@ -92,6 +92,10 @@ class Compressor(abc.ABC):
     # all others get one, so that a non-finite step leaves their state untouched
     # and reaches the optimizer as non-finite on every worker.
     passes_non_finite: bool = False
+    # True for identity: its gradients take the stock strategy's own all-reduce, as
+    # they are (no buckets, no guard; its state is the step counter), so it is the
+    # stock strategy bit for bit and collective for collective.
+    reduces_as_stock: bool = False
     # Gradient dtypes the kernels take. Others (float64) are sent dense, exactly.
     dtypes = (tf.float32, tf.float16, tf.bfloat16)
     # Compressors that keep their own residual (DGC) refuse an ErrorFeedback wrapper.

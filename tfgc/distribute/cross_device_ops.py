@@ -106,7 +106,8 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         of one message of the reduce-scatter.
       overlap_bytes: gradient bytes per bucket: a step's gradients are reduced in
         buckets of about this size, last layers first, each as soon as
-        back-propagation has produced it (``tfgc.distribute.buckets``); 0 reduces
+        back-propagation has produced it (``tfgc.distribute.buckets``), and on the
+        reduce-scatter a larger gradient in pieces of about this size; 0 reduces
         the whole step at once, after the backward pass.
       worker_rank: index of this worker's first replica among all replicas; seeds
         per-worker randomness.
@@ -141,6 +142,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         self._models = weakref.WeakSet()
         self._exchangers = {}
         self._auto_choice = None  # (generation, path) once auto has seen the gradients
+        self._uncompressed = []  # the last reduction's gradients sent as they are
         # Per replica, while a reduction is traced: kernel key -> its gradient's
         # per-sample second moment (variance-based compression).
         self._second_moments = {}
@@ -217,6 +219,13 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
     @property
     def worker_rank(self) -> int:
         return self._worker_rank
+
+    def uncompressed_gradients(self) -> List[dict]:
+        """The gradients the last traced (or eager) reduction sent as they are: one dict
+        each, ``variable`` (its name), ``bytes`` (None for embedding rows, whose number
+        changes by step) and ``reason``. Their count and bytes per step are also in
+        the statistics (``uncompressed_tensors``, ``uncompressed_bytes``)."""
+        return [dict(entry) for entry in self._uncompressed]
 
     def states(self):
         """The live ``CompressionState`` objects (one per optimizer that trained)."""
@@ -416,17 +425,31 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         if compressor.needs_second_moment:
             mask = self._with_moments(compressor, variables, mask, replica_id)
         wire = WireBytes(n)
+        for t, v, m in zip(tensors, variables, mask):
+            if not m or compressor.reduces_as_stock:
+                reason = (f"compressor {compressor.name}" if m else
+                          self._policy.reason(t, compressor) or
+                          "no per-sample second moment (not a MomentDense layer)")
+                wire.uncompressed_gradient(paths.base.name_of(v), paths.base.nbytes(t), reason)
 
         if compressor.applied_momentum:
             momentum.check_momentum(ctx.owner, compressor)
         state = None
-        if not any(mask):
-            # Nothing worth compressing (biases only, float64): the stock path.
+        if not any(mask) or compressor.reduces_as_stock:
+            # Nothing worth compressing (biases only, float64), or identity: the stock
+            # strategy's own all-reduce, as it is.
             reduced = super()._all_reduce(tf.distribute.ReduceOp.SUM, tensors, replica_id,
                                           options) if tensors else []
             for t in tensors:
                 wire.allreduce(paths.base.nbytes(t), dense=paths.base.nbytes(t))
             ok = None
+            if any(mask):
+                # Identity keeps a state as any compressor does (a slot per kernel, the
+                # step counter, advanced once a step), so checkpoints and a switch to
+                # another compressor find what they expect.
+                state = self._state_for(ctx.owner, compressor, variables, mask)
+                with tf.device(device):
+                    state.step(replica_id).assign_add(1)
         else:
             self._choose(tensors, mask)
             path = paths.PATHS[self._path()]
@@ -439,12 +462,11 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                     state=state, step_var=state.step(replica_id), launcher=launcher,
                     rank=rank, replica_id=replica_id, options=options, wire=wire,
                     num_workers=n, bucket_bytes=self._bucket_bytes, path=path.name,
+                    piece_bytes=self._overlap_bytes,
                     exchanger=lambda: self._exchanger(replica_id),
                     second_moments=self._second_moments.get(replica_id, {}))
                 unfuse = None
-                # Identity stays what the stock strategy does, bit for bit at any
-                # cluster size: one bucket, packed by bytes_per_pack as stock packs.
-                overlap = 0 if compressor.name == "none" else self._overlap_bytes
+                overlap = self._overlap_bytes
                 if compressor.fuses_gradients:
                     # One vector per dtype (gradient dropping's global threshold): one
                     # bucket, after the whole backward pass.
@@ -494,8 +516,15 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                 results[i] = r
                 dense = int(np.prod(ctx.variables[i].shape)) * s.values.dtype.size
                 wire.indexed_slices(s, dense)
+                wire.uncompressed_gradient(
+                    paths.base.name_of(ctx.variables[i]), wire.dynamic[-1],
+                    embeddings.stock_reason(compressor, self._policy, ctx.variables[i],
+                                            s.values.dtype))
 
         if replica_id == 0:
+            self._uncompressed = [
+                {"variable": name, "bytes": b if isinstance(b, int) else None, "reason": why}
+                for name, b, why in wire.uncompressed]
             self._stats.record(wire, ok)
             if not tf.executing_eagerly():
                 wire.log_trace(sum(mask) + len(rows_pos), len(flat), compressor,

@@ -78,11 +78,26 @@ def takes_rows(compressor, variable, dtype) -> bool:
 def mode(compressor, policy, variable, dtype) -> str:
     """How the gradient of the embedding ``variable`` (values of ``dtype``) travels."""
     shape = tf.TensorShape(variable.shape)
-    if (compressor.name == "none" or compressor.needs_second_moment
+    if (compressor.reduces_as_stock or compressor.needs_second_moment
             or not shape.is_fully_defined() or shape.rank < 1 or shape[0] >= 2 ** 31
             or not policy.should_compress(tf.TensorSpec(shape, dtype), compressor)):
         return STOCK
     return ROWS if takes_rows(compressor, variable, dtype) else DENSE
+
+
+def stock_reason(compressor, policy, variable, dtype) -> str:
+    """Why the gradient of the embedding ``variable`` takes the stock gather (``STOCK``)."""
+    if compressor.reduces_as_stock:
+        return f"compressor {compressor.name}"
+    shape = tf.TensorShape(variable.shape)
+    why = None
+    if compressor.needs_second_moment:
+        why = f"{compressor.name} needs per-sample second moments"
+    elif not shape.is_fully_defined() or shape.rank < 1 or shape[0] >= 2 ** 31:
+        why = "table shape"
+    else:
+        why = policy.reason(tf.TensorSpec(shape, dtype), compressor)
+    return "embedding rows on the stock gather" + (f": {why}" if why else "")
 
 
 def densify(slices: tf.IndexedSlices, variable) -> tf.Tensor:

@@ -1,5 +1,7 @@
 """Which gradients are worth compressing."""
 
+from typing import Optional
+
 import tensorflow as tf
 
 
@@ -27,14 +29,25 @@ class CompressionPolicy:
         return {"min_elements": self.min_elements, "compress_vectors": self.compress_vectors}
 
     def should_compress(self, tensor: tf.Tensor, compressor) -> bool:
-        shape = tensor.shape
-        if not shape.is_fully_defined() or not tensor.dtype.is_floating:
-            return False
+        return self.reason(tensor, compressor) is None
+
+    def reason(self, tensor: tf.Tensor, compressor) -> Optional[str]:
+        """Why ``tensor`` goes uncompressed, one of a few fixed phrases (so gradients
+        group by it), or None when it is compressed."""
+        shape, dtype = tensor.shape, tensor.dtype
+        if not shape.is_fully_defined():
+            return "shape known only at run time"
+        if not dtype.is_floating:
+            return "not floating point"
         if shape.rank < 2 and not self.compress_vectors:
-            return False
+            return "a vector (compress_vectors=False)"
         if shape.num_elements() < max(self.min_elements, 1):
-            return False
-        return compressor.supports(shape, tensor.dtype)
+            return f"fewer than min_elements={self.min_elements} elements"
+        if dtype.base_dtype not in compressor.dtypes:
+            return f"{dtype.name}, which {compressor.name} does not take"
+        if not compressor.supports(shape, dtype):
+            return f"a shape {compressor.name} does not take"
+        return None
 
     def __repr__(self):
         return f"CompressionPolicy(min_elements={self.min_elements}, compress_vectors={self.compress_vectors})"

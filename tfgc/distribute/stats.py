@@ -10,7 +10,12 @@ Figures per worker and per gradient reduction:
   sends and receives 2(N-1)/N * B per worker (reduce-scatter, then all-gather), an
   all-gather of P bytes per worker sends and receives (N-1) * P;
 * ``dense_sent_bytes``: what the stock dense ring all-reduce of the same gradients
-  would send, 2(N-1)/N * dense_bytes, the figure to compare ``sent_bytes`` with.
+  would send, 2(N-1)/N * dense_bytes, the figure to compare ``sent_bytes`` with;
+* ``uncompressed_tensors`` / ``uncompressed_bytes``: the gradients of the last
+  reduction sent as they are (small, 1-D, float64, a shape the compressor declines,
+  identity, embedding rows on the stock gather, too few elements for the
+  reduce-scatter), and their bytes; ``CompressedAllReduce.uncompressed_gradients()``
+  names each with its reason.
 
 ``ratio`` is dense_bytes / payload_bytes (the compression of the payload) and
 ``wire_ratio`` is dense_sent_bytes / sent_bytes (the saving on the wire; 0 for a
@@ -28,7 +33,8 @@ from tensorflow.python.ops import resource_variable_ops
 
 _BYTE_FIELDS = ("dense_bytes", "payload_bytes", "sent_bytes", "received_bytes",
                 "dense_sent_bytes")
-_FIELDS = ("steps", "nonfinite_steps") + _BYTE_FIELDS + tuple(f"total_{f}" for f in _BYTE_FIELDS)
+_FIELDS = (("steps", "nonfinite_steps") + _BYTE_FIELDS + tuple(f"total_{f}" for f in _BYTE_FIELDS)
+           + ("uncompressed_tensors", "uncompressed_bytes"))
 
 
 class WireBytes:
@@ -45,6 +51,20 @@ class WireBytes:
         self.dynamic_sent = []  # bytes sent by exchanges whose sizes are known at run time
         self.dynamic_payload = []  # payload bytes known at run time, already counted in sent
         self.dynamic_allreduce = []  # bytes of dense tensors whose static shape is unknown
+        # The gradients sent as they are: (variable name, bytes, why), bytes an int or
+        # an int64 tensor.
+        self.uncompressed = []
+
+    def uncompressed_gradient(self, name: str, nbytes, reason: str):
+        """A gradient sent as it is (its bytes counted where it is sent), and why."""
+        self.uncompressed.append((name, nbytes, reason))
+
+    def uncompressed_reasons(self) -> str:
+        """``"reason (count), ..."`` over the gradients sent as they are."""
+        counts = {}
+        for _, _, reason in self.uncompressed:
+            counts[reason] = counts.get(reason, 0) + 1
+        return ", ".join(f"{reason} ({count})" for reason, count in counts.items())
 
     def ring_allreduce(self, nbytes):
         """What a ring all-reduce of ``nbytes`` (an int or an int64 tensor) sends per worker."""
@@ -97,6 +117,9 @@ class WireBytes:
 
     def log_trace(self, compressed: int, total: int, compressor, path: str):
         """Logs (a few times) what a traced reduction sends, per worker and step."""
+        if self.uncompressed:
+            logging.log_first_n(logging.INFO, "tfgc: %d gradients sent uncompressed: %s", 4,
+                                len(self.uncompressed), self.uncompressed_reasons())
         if self.dynamic_payload or self.dynamic or self.dynamic_allreduce:
             logging.log_first_n(
                 logging.INFO, "tfgc: %d of %d gradients compressed with %r over %s; per "
@@ -157,7 +180,12 @@ class CompressionStats:
                 "received_bytes": sent,
                 "dense_sent_bytes": wire.dense_sent + wire.ring_allreduce(unknown),
             }
-            updates = [v["steps"].assign_add(1)]
+            uncompressed = [b for _, b, _ in wire.uncompressed]
+            updates = [v["steps"].assign_add(1),
+                       v["uncompressed_tensors"].assign(len(uncompressed)),
+                       v["uncompressed_bytes"].assign(
+                           tf.add_n([tf.cast(b, tf.int64) for b in uncompressed])
+                           if uncompressed else tf.constant(0, tf.int64))]
             if ok is not None:
                 updates.append(v["nonfinite_steps"].assign_add(1 - tf.cast(ok, tf.int64)))
             for f, value in values.items():

@@ -126,7 +126,9 @@ class CompressedMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStr
         reduced and decoded in buckets of about this size, last layers first, each
         as soon as back-propagation has produced it, so communication overlaps the
         rest of the backward pass; one decision (all finite on every worker) still
-        holds for the whole step. 0: one bucket, after the whole backward pass.
+        holds for the whole step. On the reduce-scatter a larger gradient is also
+        cut into pieces of about this size (at least 1 MiB), each compressed, sent
+        and decoded on its own. 0: one bucket, after the whole backward pass.
 
     Invalid arguments raise ``ValueError`` here, before any worker connects.
     """
@@ -221,6 +223,11 @@ class CompressedMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStr
     def compression_stats(self):
         """Bytes of the last reduction and totals, as a dict of Python numbers."""
         return self.cross_device_ops.stats.result()
+
+    def uncompressed_gradients(self):
+        """The gradients the last reduction sent as they are, each with its reason
+        (``CompressedAllReduce.uncompressed_gradients``)."""
+        return self.cross_device_ops.uncompressed_gradients()
 
     def compression_state(self, owner=None):
         """This worker's compressor state (residuals, counters).

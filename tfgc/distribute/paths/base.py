@@ -55,7 +55,9 @@ class ReductionStep:
     ``first_index`` is the place of the bucket's first compressed gradient among the
     whole step's (it seeds the compressors' draws, so a gradient draws the same in any
     bucket), and ``commit`` the step's ``guard.StepCommit``, which makes one decision
-    for all the buckets (None: the path decides for itself).
+    for all the buckets (None: the path decides for itself). A path that can reduce a
+    gradient in pieces (the reduce-scatter) cuts those larger than ``piece_bytes``
+    (0: none).
     """
 
     compressor: Any
@@ -76,6 +78,7 @@ class ReductionStep:
     second_moments: Dict[Any, tf.Tensor] = dataclasses.field(default_factory=dict)
     first_index: int = 0
     commit: Any = None
+    piece_bytes: int = 0
 
     @property
     def compressed(self) -> List[int]:
@@ -95,6 +98,11 @@ class ReductionStep:
         if variable is None or not self.compressor.needs_second_moment:
             return None
         return self.second_moments[state_lib.var_key(variable)]
+
+
+def name_of(variable) -> str:
+    """A gradient's name in statistics and logs: its variable's, or "?" without one."""
+    return getattr(variable, "name", None) or "?"
 
 
 def nbytes(t):
