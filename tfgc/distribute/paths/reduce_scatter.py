@@ -56,11 +56,12 @@ def pieces_of(recompression, plan, nbytes_: int, piece_bytes: int):
 
     A gradient of more than ``piece_bytes`` bytes (at least ``MIN_PIECE_BYTES``) is
     cut, where the compressor views its chunks flat (QSGD, TernGrad, signSGD, the
-    casts; not 1-bit SGD), into ceil(bytes / ``piece_bytes``) pieces, at most as many as its smallest chunk has elements; piece
-    k is the k-th part of every owner's chunk, so an owner still owns its whole
-    chunk (its second residual keeps its layout) and each piece is reduced on its
-    own (its own messages, its own decoding): the wire carries one piece while the
-    CPU compresses the next and decodes the last.
+    casts; not 1-bit SGD), into ceil(bytes / ``piece_bytes``) pieces, at most as
+    many as its smallest chunk has elements. Piece k is the k-th part of every
+    owner's chunk, so an owner still owns its whole chunk (its second residual
+    keeps its layout) and each piece is reduced on its own (its own messages, its
+    own decoding): the wire carries one piece while the CPU compresses the next
+    and decodes the last.
     """
     if piece_bytes <= 0:
         return None
