@@ -4,9 +4,10 @@ Dense tensors and summable payloads (``compressor.summable``: casts, random-k wi
 shared seed) go through one fused all-reduce per dtype; every other payload is packed
 into int32 words and all-gathered, a few tensors per collective, then combined in rank
 order with the compressor's ``aggregate`` (bit-identical on every worker). The control
-words ride on the all-reduce (summed) or on the first gather (gathered). Identity over
-``"allreduce"`` is bit-identical to the stock strategy: the fused all-reduce packs in
-the stock implementation's order.
+words ride on the all-reduce (summed) or on the first gather (gathered). The fused
+all-reduce packs in the stock implementation's order, so the dense tensors add as the
+stock strategy adds them. (Identity itself never comes here: it takes the stock
+all-reduce, ``Compressor.reduces_as_stock``.)
 """
 
 import tensorflow as tf
@@ -50,7 +51,7 @@ def reduce(rs: base.ReductionStep):
         control = guard.control_words(local_bad, step, tf.float32)
         to_reduce.append((-1, control))
         wire.allreduce(base.nbytes(control))
-    # Reversed, as the stock implementation packs, so identity matches it bit for bit.
+    # Reversed, as the stock implementation packs: dense tensors add as stock adds them.
     reduced = collectives.fused_all_reduce(launcher, [t for _, t in to_reduce][::-1],
                                            options)[::-1]
     reduced = {i: r for (i, _), r in zip(to_reduce, reduced)}
