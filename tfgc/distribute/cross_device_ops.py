@@ -421,15 +421,15 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         variables = [ctx.variables[i] for i in tensor_pos]
         tensors = [gradients.with_variable_shape(tf.convert_to_tensor(flat[i]), v)
                    for i, v in zip(tensor_pos, variables)]
-        mask = [self._policy.should_compress(t, compressor) for t in tensors]
+        reasons = [self._policy.reason(t, compressor) for t in tensors]
+        mask = [reason is None for reason in reasons]
         if compressor.needs_second_moment:
             mask = self._with_moments(compressor, variables, mask, replica_id)
         wire = WireBytes(n)
-        for t, v, m in zip(tensors, variables, mask):
+        for t, v, m, reason in zip(tensors, variables, mask, reasons):
             if not m or compressor.reduces_as_stock:
                 reason = (f"compressor {compressor.name}" if m else
-                          self._policy.reason(t, compressor) or
-                          "no per-sample second moment (not a MomentDense layer)")
+                          reason or "no per-sample second moment (not a MomentDense layer)")
                 wire.uncompressed_gradient(paths.base.name_of(v), paths.base.nbytes(t), reason)
 
         if compressor.applied_momentum:

@@ -30,7 +30,7 @@ three modes (``mode``):
   ``dense_layers``): the stock gather.
 """
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -75,12 +75,21 @@ def takes_rows(compressor, variable, dtype) -> bool:
             and compressor.supports(shape, dtype))
 
 
+def _stock_cause(compressor, policy, variable, dtype) -> Optional[str]:
+    """Why the gradient of the embedding ``variable`` takes the stock gather, or None."""
+    if compressor.reduces_as_stock:
+        return f"compressor {compressor.name}"
+    if compressor.needs_second_moment:
+        return f"{compressor.name} needs per-sample second moments"
+    shape = tf.TensorShape(variable.shape)
+    if not shape.is_fully_defined() or shape.rank < 1 or shape[0] >= 2 ** 31:
+        return "table shape"
+    return policy.reason(tf.TensorSpec(shape, dtype), compressor)
+
+
 def mode(compressor, policy, variable, dtype) -> str:
     """How the gradient of the embedding ``variable`` (values of ``dtype``) travels."""
-    shape = tf.TensorShape(variable.shape)
-    if (compressor.reduces_as_stock or compressor.needs_second_moment
-            or not shape.is_fully_defined() or shape.rank < 1 or shape[0] >= 2 ** 31
-            or not policy.should_compress(tf.TensorSpec(shape, dtype), compressor)):
+    if _stock_cause(compressor, policy, variable, dtype) is not None:
         return STOCK
     return ROWS if takes_rows(compressor, variable, dtype) else DENSE
 
@@ -89,15 +98,8 @@ def stock_reason(compressor, policy, variable, dtype) -> str:
     """Why the gradient of the embedding ``variable`` takes the stock gather (``STOCK``)."""
     if compressor.reduces_as_stock:
         return f"compressor {compressor.name}"
-    shape = tf.TensorShape(variable.shape)
-    why = None
-    if compressor.needs_second_moment:
-        why = f"{compressor.name} needs per-sample second moments"
-    elif not shape.is_fully_defined() or shape.rank < 1 or shape[0] >= 2 ** 31:
-        why = "table shape"
-    else:
-        why = policy.reason(tf.TensorSpec(shape, dtype), compressor)
-    return "embedding rows on the stock gather" + (f": {why}" if why else "")
+    return ("embedding rows on the stock gather: "
+            + _stock_cause(compressor, policy, variable, dtype))
 
 
 def densify(slices: tf.IndexedSlices, variable) -> tf.Tensor:
