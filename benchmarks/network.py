@@ -350,6 +350,11 @@ def _worker(args, prefix, phase):
         result["strategy_sent_per_step"] = ring
         result["dense_sent_per_step"] = ring
         result["strategy_sent_source"] = "ring formula 2(N-1)/N x gradient bytes"
+    plan = strategy.compression_plan() if hasattr(strategy, "compression_plan") else None
+    if plan is not None:
+        # compressor="auto": what it chose for each gradient, and from what figures.
+        result["plan"] = [f"{e.name}={e.label}@{e.path}" for e in plan.entries]
+        result["plan_figures"] = plan.figures.describe()
     with open(prefix + ".json", "w") as f:
         json.dump(result, f)
 
@@ -525,6 +530,8 @@ def summarize_run(run, workers):
         "durations_ms": w0["durations_ms"],
         "warmup_ms": w0["warmup_ms"],
     })
+    if "plan" in w0:
+        run["plan"], run["plan_figures"] = w0["plan"], w0["plan_figures"]
     if "compression_stats" in w0:
         run["compression_stats"] = w0["compression_stats"]
         run["strategy_reductions"] = w0["strategy_reductions"]

@@ -36,14 +36,16 @@ SPECS = [
     "none", "fp16", "bf16", "topk", "ef+topk", "randomk", "ef+randomk", "onebit", "signsgd",
     "efsignsgd", "scaledsign", "qsgd", "terngrad", "dgc", "importance", "powersgd",
     "graddrop", "threshold", "adaptive", "fft", "gradiveq:learn_steps=4,compress_steps=8",
+    # A link this slow makes the plan compress every gradient it can.
+    "auto:link_gbps=0.01",
 ]
 # Under mixed precision, one method per path and kind of state: the summable all-reduce
 # (none), error feedback on the all-gather, the quantized all-gather, worker-side
 # momentum (DGC), the low-rank path and GradiVeQ's stages (the other compressors meet
 # the same paths; each precision adds about a minute).
 MIXED_SPECS = ["none", "ef+topk", "qsgd", "dgc", "powersgd",
-               "gradiveq:learn_steps=4,compress_steps=8"]
-KERAS3_SPECS = ["none", "ef+topk", "qsgd", "dgc"]
+               "gradiveq:learn_steps=4,compress_steps=8", "auto:link_gbps=0.01"]
+KERAS3_SPECS = ["none", "ef+topk", "qsgd", "dgc", "auto:link_gbps=0.01"]
 PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
 
 

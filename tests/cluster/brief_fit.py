@@ -10,8 +10,9 @@ import os
 import numpy as np
 
 
-def brief_fit(strategy, rank, num_workers, out_dir, steps_per_epoch, epochs=2):
-    """Returns the per-epoch training losses."""
+def brief_fit(strategy, rank, num_workers, out_dir, steps_per_epoch, epochs=2, callbacks=(),
+              name="fit"):
+    """Returns the per-epoch training losses; the weights go to OUT_DIR/<name>.w<rank>.npz."""
     import tf_keras as keras
 
     from tfgc.apps import data as data_lib
@@ -24,6 +25,6 @@ def brief_fit(strategy, rank, num_workers, out_dir, steps_per_epoch, epochs=2):
         net.compile(optimizer=keras.optimizers.SGD(0.05),
                     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     history = net.fit(data_lib.make_tf_dataset(x, y, 32, repeat=True), epochs=epochs,
-                      steps_per_epoch=steps_per_epoch, verbose=0)
-    np.savez(os.path.join(out_dir, f"fit.w{rank}.npz"), *[w.numpy() for w in net.weights])
+                      steps_per_epoch=steps_per_epoch, verbose=0, callbacks=list(callbacks))
+    np.savez(os.path.join(out_dir, f"{name}.w{rank}.npz"), *[w.numpy() for w in net.weights])
     return [float(v) for v in history.history["loss"]]

@@ -395,6 +395,10 @@ def train_and_evaluate(strategy, *, model="mlp", dataset="mnist5k", epochs=1, ba
         from tfgc.keras import CompressionStatsCallback
         stats_cb = CompressionStatsCallback(strategy, log_dir=tensorboard or None)
         all_callbacks.append(stats_cb)
+        if getattr(strategy.compressor, "plans_per_tensor", False):
+            # compressor="auto": the plan follows the link and the critical regimes.
+            from tfgc.keras import AutoPlanCallback
+            all_callbacks.append(AutoPlanCallback(strategy))
     elif tensorboard:
         raise ValueError("`tensorboard` writes tfgc's compression statistics; the stock "
                          "strategy has none (leave it out with the baseline)")

@@ -1,5 +1,6 @@
 """Gradient compressors: one algorithm per module, built by name through the registry."""
 
+from tfgc.compressors.auto import Auto
 from tfgc.compressors.base import CompressContext, Compressor
 from tfgc.compressors.casts import BF16, FP16, Identity
 from tfgc.compressors.dgc import DGC
@@ -16,7 +17,7 @@ from tfgc.compressors.thresholds import Adaptive, GradientDropping, Threshold
 from tfgc.compressors.variance import Variance
 
 __all__ = [
-    "Adaptive", "BF16", "CompressContext", "Compressor", "DGC", "describe", "ErrorFeedback", "FFT", "FP16",
+    "Adaptive", "Auto", "BF16", "CompressContext", "Compressor", "DGC", "describe", "ErrorFeedback", "FFT", "FP16",
     "GradiVeQ", "GradientDropping", "Identity", "Importance", "OneBit",
     "PowerSGD", "QSGD", "RandomK", "Recommendation", "recommended", "recommended_settings", "ScaledSign", "SignSGD", "TernGrad", "Threshold", "TopK", "Variance", "get", "names", "register",
     "serialize", "serialize_config",

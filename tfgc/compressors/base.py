@@ -96,6 +96,9 @@ class Compressor(abc.ABC):
     # they are (no buckets, no guard; its state is the step counter), so it is the
     # stock strategy bit for bit and collective for collective.
     reduces_as_stock: bool = False
+    # True for ``auto``: not an encoding but a plan, one compressor per gradient, made by
+    # the cross-device ops (``tfgc.distribute.planner``).
+    plans_per_tensor: bool = False
     # Gradient dtypes the kernels take. Others (float64) are sent dense, exactly.
     dtypes = (tf.float32, tf.float16, tf.bfloat16)
     # Compressors that keep their own residual (DGC) refuse an ErrorFeedback wrapper.

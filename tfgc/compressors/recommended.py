@@ -127,7 +127,7 @@ class Recommendation:
 # PowerSGD needed 1.8-1.9 x stock's steps to reach its final accuracy less 0.5 point
 # (benchmarks/results/time_to_accuracy.md), and on the MLP, top-k 0.1 % with error
 # feedback at 12 epochs ends level with dense at 4 (ablation_long_mlp.md).
-_DENSE_SCHEDULE = ("none", "fp16", "bf16", "qsgd")
+_DENSE_SCHEDULE = ("none", "fp16", "bf16", "qsgd", "auto")
 
 
 def _rec(name, compressor, optimizer, source, **kw):
@@ -142,6 +142,10 @@ _HEAVY_BALL = ("heavy-ball momentum in the optimizer, as the dense reference: th
 _TABLE = [
     _rec("none", "none", "momentum",
          "the dense reference: momentum SGD (0.9), the baseline of every paper here"),
+    _rec("auto", "auto", "momentum",
+         "its candidates (float32, bf16, 8-bit QSGD; 4-bit QSGD on about 1 % of the "
+         "elements at the default budget) keep no residual and train with the dense "
+         "optimizer, as bf16 and QSGD do"),
     _rec("fp16", "fp16", "momentum", _HEAVY_BALL),
     _rec("bf16", "bf16", "momentum", _HEAVY_BALL),
     _rec("topk", "topk:ratio=0.01", "momentum",

@@ -18,6 +18,7 @@ import difflib
 import inspect
 from typing import Any, Dict, Type
 
+from tfgc.compressors.auto import Auto
 from tfgc.compressors.base import Compressor
 from tfgc.compressors.casts import BF16, FP16, Identity
 from tfgc.compressors.dgc import DGC
@@ -46,7 +47,7 @@ def register(cls: Type[Compressor]) -> Type[Compressor]:
     return cls
 
 
-for _cls in (Identity, FP16, BF16, TopK, RandomK, OneBit, SignSGD, ScaledSign, QSGD, TernGrad,
+for _cls in (Auto, Identity, FP16, BF16, TopK, RandomK, OneBit, SignSGD, ScaledSign, QSGD, TernGrad,
              ErrorFeedback, DGC, PowerSGD, Importance, GradientDropping, Threshold, Adaptive, FFT, Variance,
              GradiVeQ):
     register(_cls)

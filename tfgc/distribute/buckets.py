@@ -60,6 +60,17 @@ def plan(tensors, mask, overlap_bytes: int) -> List[List[int]]:
     return [sorted(b) for b in buckets]
 
 
+def _bucket_step(step, bucket, commit):
+    """The ``ReductionStep`` of one bucket (positions into ``step.tensors``)."""
+    # A bucket's compressed gradients are consecutive among the step's: those
+    # before its first give its first index.
+    start = min(i for i in bucket if step.mask[i])
+    first = step.first_index + sum(1 for i in range(start) if step.mask[i])
+    return step.replace(tensors=[step.tensors[i] for i in bucket],
+                        variables=[step.variables[i] for i in bucket],
+                        mask=[step.mask[i] for i in bucket], first_index=first, commit=commit)
+
+
 def reduce(path, step, overlap_bytes: int):
     """``path.reduce(step)``, one bucket at a time (see the module docstring).
 
@@ -71,16 +82,43 @@ def reduce(path, step, overlap_bytes: int):
     commit = guard.StepCommit()
     outputs = [None] * len(step.tensors)
     for bucket in buckets:
-        # A bucket's compressed gradients are consecutive among the step's: those
-        # before its first give its first index.
-        start = min(i for i in bucket if step.mask[i])
-        first = step.first_index + sum(1 for i in range(start) if step.mask[i])
-        sub = step.replace(tensors=[step.tensors[i] for i in bucket],
-                           variables=[step.variables[i] for i in bucket],
-                           mask=[step.mask[i] for i in bucket], first_index=first,
-                           commit=commit)
         # The path hands its ok to the commit (guard.commit_or_skip).
-        outs, _ = path.reduce(sub)
+        outs, _ = path.reduce(_bucket_step(step, bucket, commit))
         for i, out in zip(bucket, outs):
             outputs[i] = out
     return commit.finish(step.step_var, outputs)
+
+
+def reduce_groups(groups, overlap_bytes: int, dense):
+    """Several groups of compressed gradients, each with its own compressor and path
+    (``compressor="auto"``'s plan), in buckets, one step.
+
+    ``groups``: ``(path, step, positions)``, ``step`` holding the group's gradients
+    (all compressed) with the whole step's ``StepCommit`` in ``step.commit``, and
+    ``positions`` their places in the whole step; ``dense``: ``(place, tensor,
+    variable)`` of the tensors sent as they are. Every group is cut into buckets as
+    ``plan`` cuts one, and the buckets of all groups are reduced together from the last
+    layer's to the first's (by the last gradient each holds), so a group's collectives
+    do not wait behind another's that back-propagation reaches later; the dense tensors
+    go with the last bucket, as ``plan`` puts them. Returns the outputs by place,
+    undecided: the caller settles them with ``step.commit.finish``.
+    """
+    work = []
+    for path, step, positions in groups:
+        for bucket in plan(step.tensors, step.mask, overlap_bytes):
+            work.append((max(positions[i] for i in bucket), path, step, positions, bucket))
+    work.sort(key=lambda item: -item[0])
+    outputs = {}
+    for k, (_, path, step, positions, bucket) in enumerate(work):
+        sub = _bucket_step(step, bucket, step.commit)
+        extra = dense if k == len(work) - 1 else []
+        if extra:
+            sub = sub.replace(tensors=sub.tensors + [t for _, t, _ in extra],
+                              variables=sub.variables + [v for _, _, v in extra],
+                              mask=sub.mask + [False] * len(extra))
+        outs, _ = path.reduce(sub)
+        for i, out in zip(bucket, outs):
+            outputs[positions[i]] = out
+        for (place, _, _), out in zip(extra, outs[len(bucket):]):
+            outputs[place] = out
+    return outputs

@@ -48,6 +48,7 @@ from tfgc import collectives
 from tfgc.compressors import get as get_compressor, serialize_config
 from tfgc.compressors.base import check_int
 from tfgc.distribute import buckets, embeddings, fusion, gradients, moments, momentum, paths
+from tfgc.distribute import autoplan, planner
 from tfgc.distribute import settings as settings_lib
 from tfgc.distribute import state as state_lib
 from tfgc.distribute.policy import CompressionPolicy
@@ -142,6 +143,8 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         self._models = weakref.WeakSet()
         self._exchangers = {}
         self._auto_choice = None  # (generation, path) once auto has seen the gradients
+        # compressor="auto": its plan, measured, kept and adapted.
+        self._auto = autoplan.AutoPlanner(self, self._switched)
         self._uncompressed = []  # the last reduction's gradients sent as they are
         # Per replica, while a reduction is traced: kernel key -> its gradient's
         # per-sample second moment (variance-based compression).
@@ -165,6 +168,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         compressor = get_compressor(value)
         paths.check_communication(self._communication, compressor)
         self._compressor = compressor
+        self._auto.reset()
         self._switched()
 
     @property
@@ -226,6 +230,12 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         changes by step) and ``reason``. Their count and bytes per step are also in
         the statistics (``uncompressed_tensors``, ``uncompressed_bytes``)."""
         return [dict(entry) for entry in self._uncompressed]
+
+    def plan(self):
+        """Under ``compressor="auto"``, the plan the next step runs with
+        (``tfgc.distribute.planner.Plan``: ``table()``, ``as_dicts()``); None before the
+        first step, or under another compressor."""
+        return self._auto.plan
 
     def states(self):
         """The live ``CompressionState`` objects (one per optimizer that trained)."""
@@ -295,6 +305,26 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                 # Several local replicas must join the collective at once.
                 gathered = tf.function(gather_all, autograph=False)()[0]
             return tf.reshape(gathered, [self._num_replicas, words])
+
+    def time_all_reduce(self, nbytes: int) -> float:
+        """Median seconds of an all-reduce of ``nbytes`` of float32 across the cluster,
+        after a warm-up (``planner.REPEATS`` runs). Eager; every worker must call it at the
+        same point with the same size."""
+        with tf.init_scope():
+            options = self._exchange_options()
+            values = []
+            for device in self._replica_devices:
+                with tf.device(device):
+                    values.append(tf.ones([max(nbytes // 4, 1)], tf.float32))
+
+            def reduce_all():
+                return [collectives.fused_all_reduce(launcher, [value], options)[0]
+                        for launcher, value in zip(self._launchers, values)]
+
+            if len(self._launchers) > 1:
+                # Several local replicas must join the collective at once.
+                reduce_all = tf.function(reduce_all, autograph=False)
+            return planner.median_seconds(lambda: [r.numpy() for r in reduce_all()])
 
     def _exchange_settings(self):
         """Stops with a clear error if the workers' compression settings differ."""
@@ -435,6 +465,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         if compressor.applied_momentum:
             momentum.check_momentum(ctx.owner, compressor)
         state = None
+        planned = 0
         if not any(mask) or compressor.reduces_as_stock:
             # Nothing worth compressing (biases only, float64), or identity: the stock
             # strategy's own all-reduce, as it is.
@@ -450,6 +481,9 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                 state = self._state_for(ctx.owner, compressor, variables, mask)
                 with tf.device(device):
                     state.step(replica_id).assign_add(1)
+        elif compressor.plans_per_tensor:
+            reduced, ok, state, planned = self._planned_reduce(
+                ctx.owner, tensors, variables, mask, replica_id, options, wire)
         else:
             self._choose(tensors, mask)
             path = paths.PATHS[self._path()]
@@ -492,13 +526,21 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             results[i] = r
 
         rows_pos = [i for i in slices_pos if modes[i] == embeddings.ROWS]
+        row_compressor, planned_stock = compressor, set()
+        if rows_pos and compressor.plans_per_tensor:
+            row_compressor = self._auto.row_compressor() if any(mask) else None
+            if row_compressor is None:
+                # Everything planned as float32 (or nothing else to plan): the rows too.
+                for i in rows_pos:
+                    modes[i] = embeddings.STOCK
+                planned_stock, rows_pos = set(rows_pos), []
         if rows_pos:
             if state is None:
                 state = self._state_for(ctx.owner, compressor, variables, mask)
             step_var = state.step(replica_id)
             with tf.device(device):
                 reduced_rows, rows_ok = embeddings.reduce_rows(
-                    compressor, [flat[i] for i in rows_pos],
+                    row_compressor, [flat[i] for i in rows_pos],
                     [ctx.variables[i] for i in rows_pos], step_var.read_value(), launcher,
                     rank, n, options, wire)
                 if not any(mask):
@@ -516,10 +558,12 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                 results[i] = r
                 dense = int(np.prod(ctx.variables[i].shape)) * s.values.dtype.size
                 wire.indexed_slices(s, dense)
-                wire.uncompressed_gradient(
-                    paths.base.name_of(ctx.variables[i]), wire.dynamic[-1],
-                    embeddings.stock_reason(compressor, self._policy, ctx.variables[i],
-                                            s.values.dtype))
+                reason = ("auto's plan: float32, embedding rows on the stock gather"
+                          if i in planned_stock else
+                          embeddings.stock_reason(compressor, self._policy, ctx.variables[i],
+                                                  s.values.dtype))
+                wire.uncompressed_gradient(paths.base.name_of(ctx.variables[i]),
+                                           wire.dynamic[-1], reason)
 
         if replica_id == 0:
             self._uncompressed = [
@@ -527,9 +571,110 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                 for name, b, why in wire.uncompressed]
             self._stats.record(wire, ok)
             if not tf.executing_eagerly():
-                wire.log_trace(sum(mask) + len(rows_pos), len(flat), compressor,
-                               paths.PATHS[self._path()].describe)
+                compressed = planned if compressor.plans_per_tensor and any(mask) else sum(mask)
+                wire.log_trace(compressed + len(rows_pos), len(flat), compressor,
+                               "its planned paths" if compressor.plans_per_tensor
+                               else paths.PATHS[self._path()].describe)
         return results
+
+    # -- compressor="auto" ----------------------------------------------------------
+
+    @property
+    def generation(self) -> int:
+        """Goes up with every change of setting (each retraces the train functions)."""
+        return self._generation
+
+    def replan(self, margin: float = 0.25) -> bool:
+        """Under ``compressor="auto"``: measures the link again and, if the float32
+        all-reduce of the planned gradients that it predicts moved by more than
+        ``margin`` (relative) since the plan's measurement, plans again with the new
+        figures (the CPU's are kept). Every worker must call it at the same point, after
+        a step (``tfgc.keras.AutoPlanCallback`` does, at the end of each epoch).
+        Returns whether the plan changed; a new plan takes effect at the next step."""
+        return self._auto_planner("replan").replan(margin)
+
+    def track_regimes(self):
+        """Under ``compressor="auto"``: from the next step on, sums every planned
+        gradient over the interval (a variable of its shape each) and treats every
+        gradient as in a critical regime until ``adapt`` says otherwise."""
+        self._auto_planner("track_regimes").track_regimes()
+
+    def adapt(self, threshold: float = 0.5) -> frozenset:
+        """Under ``compressor="auto"`` after ``track_regimes``: ends an interval. The norm
+        of each planned gradient's sum over the interval is compared with the previous
+        interval's (``planner.critical_layers``: a change of ``threshold`` or more, or
+        no previous norm, is a critical regime), the sums restart, and if the critical
+        gradients changed the plan is made again, critical ones limited to bf16's error.
+        The norms are worker 0's (all-gathered), so every worker decides the same;
+        every worker must call it at the same point. Returns the critical names."""
+        return self._auto_planner("adapt").adapt(threshold)
+
+    def _auto_planner(self, what):
+        if not self._compressor.plans_per_tensor:
+            raise ValueError(f"{what}() is for compressor='auto', not {self._compressor!r}")
+        return self._auto
+
+    def _planned_reduce(self, owner, tensors, variables, mask, replica_id, options, wire):
+        """The gradients in ``mask`` as the plan says, in groups by candidate, each on its
+        path and in buckets, one decision for the whole step. Returns ``(reduced, ok,
+        state, how many gradients it compressed)``."""
+        n = self._num_replicas
+        plan = self._auto.plan_for(tensors, variables, mask)
+        planned = [i for i, m in enumerate(mask) if m]
+        entries = dict(zip(planned, plan.entries))
+        groups = {}
+        for i, entry in entries.items():
+            if entry.candidate.spec is None:
+                wire.uncompressed_gradient(paths.base.name_of(variables[i]),
+                                           paths.base.nbytes(tensors[i]),
+                                           f"auto's plan: {entry.reason}")
+            else:
+                groups.setdefault(entry.label, []).append(i)
+        compressors = {label: planner.BY_LABEL[label].compressor for label in groups}
+        layouts = [paths.PATHS[entries[i].path].state_layout(compressors[entries[i].label], n)
+                   if i in entries and entries[i].label in groups else None
+                   for i in range(len(tensors))]
+        state = state_lib.state_for(owner, self, layouts, plan.key(), variables,
+                                    [layout is not None for layout in layouts])
+        self._states.add(state)
+        step_var = state.step(replica_id)
+        device = self._replica_devices[replica_id]
+        guard_op = self._generation_guard()
+        with tf.device(device), \
+                tf.control_dependencies([guard_op] if guard_op is not None else []):
+            commit = paths.guard.StepCommit()
+            base = paths.ReductionStep(
+                compressor=None, tensors=tensors, variables=variables, mask=[False] * len(tensors),
+                state=state, step_var=step_var, launcher=self._launchers[replica_id],
+                rank=self._worker_rank + replica_id, replica_id=replica_id, options=options,
+                wire=wire, num_workers=n, bucket_bytes=self._bucket_bytes, path="allreduce",
+                piece_bytes=self._overlap_bytes, exchanger=lambda: self._exchanger(replica_id),
+                commit=commit)
+            work = []
+            # Candidates in their fixed order; each draws its randomness apart.
+            for g, label in enumerate(c.label for c in planner.CANDIDATES if c.label in groups):
+                positions = groups[label]
+                path = paths.PATHS[entries[positions[0]].path]
+                work.append((path, base.replace(
+                    compressor=compressors[label], tensors=[tensors[i] for i in positions],
+                    variables=[variables[i] for i in positions], mask=[True] * len(positions),
+                    path=path.name, first_index=g << 16), positions))
+            grouped = {i for _, _, positions in work for i in positions}
+            dense = [i for i in range(len(tensors)) if i not in grouped]
+            if work:
+                outputs = buckets.reduce_groups(
+                    work, self._overlap_bytes, [(i, tensors[i], variables[i]) for i in dense])
+            else:
+                outputs = paths.base.reduce_dense(base, dense)
+            reduced = [outputs[i] for i in range(len(tensors))]
+            if work:
+                reduced, ok = commit.finish(step_var, reduced)
+            else:
+                # All float32: the counter still counts the step, as identity's does.
+                step_var.assign_add(1)
+                ok = None
+            self._auto.track(tensors, mask, reduced, replica_id)
+        return reduced, ok, state, len(grouped)
 
     def _with_moments(self, compressor, variables, mask, replica_id):
         """The mask without the gradients that have no second moment (kernels of

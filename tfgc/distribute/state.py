@@ -58,7 +58,7 @@ def flatten_fields(structure, prefix="") -> List[Tuple[str, object]]:
     return [(prefix[:-1], structure)]
 
 
-def _local_variable(initial_value, name):
+def local_variable(initial_value, name):
     # Local to this worker and replica: not mirrored, not trainable, not synced.
     return resource_variable_ops.ResourceVariable(initial_value, trainable=False, name=name)
 
@@ -112,21 +112,34 @@ class CompressionState(trackable.Trackable):
     def register(self, compressor, compressor_key: str, variables, compress_mask):
         """Creates (or migrates) the state of ``variables`` for ``compressor``.
 
-        Runs at trace time under ``init_scope``. Variables whose gradients are not
-        compressed (``compress_mask`` False) get no state.
+        ``compressor`` is what ``init_state`` is asked of: one object for every
+        variable, or a list with one per variable (``compressor="auto"``'s plan: each
+        gradient its own candidate). Runs at trace time under ``init_scope``.
+        Variables whose gradients are not compressed (``compress_mask`` False) get no
+        state.
         """
         cdo = self._ops
+        planned = isinstance(compressor, (list, tuple))
+        per_variable = list(compressor) if planned else [compressor] * len(variables)
+        layouts = {var_key(v): c for v, c, m in zip(variables, per_variable, compress_mask)
+                   if m}
+
+        def layout_of(key):
+            # A variable this call does not name keeps the one compressor's layout
+            # (a plan names all of its variables: the others are sent dense).
+            return layouts.get(key, None if planned else compressor)
+
         with self._lock, tf.init_scope():
             if not self._steps:
                 for r, device in enumerate(cdo.local_devices):
                     with tf.device(device):
-                        self._steps.append(_local_variable(tf.constant(0, tf.int64),
+                        self._steps.append(local_variable(tf.constant(0, tf.int64),
                                                            f"tfgc_step_r{r}"))
                 self._apply_pending(_STEP_FIELD, "step", self._steps)
+            dense_momentum = bool(not planned and getattr(compressor, "applied_momentum", 0.0))
             if self._compressor_key is not None and self._compressor_key != compressor_key:
-                self._migrate(compressor, compressor_key)
+                self._migrate(layout_of, dense_momentum, compressor_key)
             self._compressor_key = compressor_key
-            dense_momentum = bool(getattr(compressor, "applied_momentum", 0.0))
             for var, compress in zip(variables, compress_mask):
                 key = var_key(var)
                 if key not in self._vars:
@@ -135,7 +148,7 @@ class CompressionState(trackable.Trackable):
                 if key in self._slots:
                     continue
                 if compress:
-                    self._slots[key] = self._create(compressor, key)
+                    self._slots[key] = self._create(layout_of(key), key)
                 elif dense_momentum and var.dtype.is_floating:
                     # A compressor that applies momentum applies it to the gradients
                     # sent dense too, after their all-reduce (``dense_momentum``).
@@ -154,19 +167,19 @@ class CompressionState(trackable.Trackable):
                             and carry[r][path].shape == value.shape \
                             and carry[r][path].dtype == value.dtype:
                         value = carry[r][path].read_value()
-                    fields[path] = _local_variable(value, f"tfgc_{path.replace('/', '_')}")
+                    fields[path] = local_variable(value, f"tfgc_{path.replace('/', '_')}")
                 per_replica.append((template, fields))
         for path in per_replica[0][1]:
             self._apply_pending(name, path, [fields[path] for _, fields in per_replica])
         return per_replica
 
-    def _migrate(self, compressor, compressor_key):
-        """Rebuilds every slot for a new compressor, carrying residuals over."""
+    def _migrate(self, layout_of, dense_momentum, compressor_key):
+        """Rebuilds every slot for a new compressor (``layout_of(key)``: what builds the
+        state of a variable, None for one now sent dense), carrying residuals over."""
         logging.info("tfgc: compressor changed from %s to %s; carrying residuals over",
                      self._compressor_key, compressor_key)
         old, old_dense = self._slots, self._dense
         self._slots, self._dense = {}, set()
-        dense_momentum = bool(getattr(compressor, "applied_momentum", 0.0))
         dropped = set()
         for key, per_replica in old.items():
             carry = [fields for _, fields in per_replica]
@@ -176,8 +189,11 @@ class CompressionState(trackable.Trackable):
                     continue
                 self._dense.add(key)
                 self._slots[key] = self._create(DENSE_MOMENTUM, key, carry=carry)
+            elif layout_of(key) is None:
+                dropped |= set(carry[0])
+                continue
             else:
-                self._slots[key] = self._create(compressor, key, carry=carry)
+                self._slots[key] = self._create(layout_of(key), key, carry=carry)
             dropped |= set(carry[0]) - set(self._slots[key][0][1])
         if dropped:
             # The new compressor keeps no such field: what it held is not sent.

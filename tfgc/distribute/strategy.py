@@ -110,6 +110,9 @@ class CompressedMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStr
     Args:
       compressor: a compressor, registry string (``"qsgd:levels=7"``,
         ``"ef+topk:ratio=0.001"``) or config dict. Default ``"none"`` (exact).
+        ``"auto"`` plans each gradient (float32, bf16, 8- or 4-bit QSGD) from the link
+        and CPU it measures at the first step, under an error budget
+        (``tfgc.compressors.Auto``); ``compression_plan()`` shows the plan.
       cluster_resolver: as for ``MultiWorkerMirroredStrategy``.
       communication_options: as for ``MultiWorkerMirroredStrategy``.
       policy: a ``tfgc.CompressionPolicy`` choosing which gradients to compress.
@@ -228,6 +231,12 @@ class CompressedMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStr
         """The gradients the last reduction sent as they are, each with its reason
         (``CompressedAllReduce.uncompressed_gradients``)."""
         return self.cross_device_ops.uncompressed_gradients()
+
+    def compression_plan(self):
+        """Under ``compressor="auto"``: what each gradient is sent as, and why
+        (``tfgc.distribute.planner.Plan``; ``table()`` prints it), or None before the
+        first step or under another compressor."""
+        return self.cross_device_ops.plan()
 
     def compression_state(self, owner=None):
         """This worker's compressor state (residuals, counters).

@@ -97,6 +97,7 @@ class CompressionStatsCallback(keras.callbacks.Callback):
         self._writer = None
         self._epoch_start_step = 0
         self._next_write = 0
+        self._plan_written = None
 
     # -- Keras logs -------------------------------------------------------------------
 
@@ -236,10 +237,87 @@ class CompressionStatsCallback(keras.callbacks.Callback):
         if self._writer is None:
             self._writer = tf.summary.create_file_writer(self.log_dir)
         values = self.scalars()
+        plan_of = getattr(self._strategy, "compression_plan", None)
+        plan = plan_of() if plan_of is not None else None
         with self._writer.as_default(step=int(step)):
             for tag, value in values.items():
                 tf.summary.write(f"{self._prefix}{tag}", tf.constant(value, tf.float32),
                                  metadata=_SCALAR_METADATA)
+            if plan is not None and plan.digest() != self._plan_written:
+                # compressor="auto": its plan as text, when it is new.
+                tf.summary.text(f"{self._prefix}compression/plan", plan.table())
+                self._plan_written = plan.digest()
+
+
+class AutoPlanCallback(keras.callbacks.Callback):
+    """Keeps ``compressor="auto"``'s plan fitted to the link and to the phase of training.
+
+    When training starts, every planned gradient is in a critical regime (ACCORDION,
+    Agarwal et al., MLSys 2021: early training is where small gradient errors cost
+    accuracy for good), so it is sent with no more error than bf16's. At the end of
+    every ``every_epochs`` epochs the callback
+
+    * ends an interval (``CompressedAllReduce.adapt``): a gradient stays critical when
+      the norm of its sum over the interval changed by ``threshold`` or more since the
+      previous interval, and leaves that regime (back to the budget's plan) otherwise;
+    * measures the link again (``CompressedAllReduce.replan``) and plans again when the
+      float32 all-reduce it predicts moved by more than ``link_margin``.
+
+    A new plan takes effect at the next step (a new train function, as a compressor
+    switch). Adds ``auto_critical`` (how many gradients are critical) and
+    ``auto_replanned`` (1 if the link changed the plan) to the epoch's logs. Every
+    worker must run it (Keras calls every worker's callbacks at the same point).
+
+    Args:
+      strategy: a ``tfgc.CompressedMultiWorkerMirroredStrategy`` with
+        ``compressor="auto"``.
+      threshold: ACCORDION's relative change of the norm (0.5, as in its paper's code);
+        None: no regimes, the budget's plan throughout.
+      link_margin: the relative change of the link that plans again; None: the link is
+        measured once.
+      every_epochs: the interval, in epochs.
+    """
+
+    def __init__(self, strategy, threshold=0.5, link_margin=0.25, every_epochs: int = 1):
+        super().__init__()
+        if not hasattr(strategy, "compression_plan"):
+            raise ValueError("`strategy` must be a tfgc.CompressedMultiWorkerMirroredStrategy, "
+                             f"got {type(strategy).__name__}")
+        if not getattr(strategy.compressor, "plans_per_tensor", False):
+            raise ValueError("AutoPlanCallback needs compressor='auto', the strategy has "
+                             f"{strategy.compressor!r}")
+        if threshold is not None and (isinstance(threshold, bool)
+                                      or not isinstance(threshold, (int, float))
+                                      or not threshold > 0):
+            raise ValueError(f"`threshold` must be a number > 0 or None, got {threshold!r}")
+        if link_margin is not None and (isinstance(link_margin, bool)
+                                        or not isinstance(link_margin, (int, float))
+                                        or not link_margin >= 0):
+            raise ValueError(f"`link_margin` must be a number >= 0 or None, got {link_margin!r}")
+        if isinstance(every_epochs, bool) or not isinstance(every_epochs, int) \
+                or every_epochs < 1:
+            raise ValueError(f"`every_epochs` must be an integer >= 1, got {every_epochs!r}")
+        self._strategy = strategy
+        self._threshold = threshold
+        self._margin = link_margin
+        self._every = every_epochs
+        # (epoch, critical names, whether the link changed the plan) per interval.
+        self.history = []
+
+    def on_train_begin(self, logs=None):
+        if self._threshold is not None:
+            self._strategy.cross_device_ops.track_regimes()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if (epoch + 1) % self._every:
+            return
+        cdo = self._strategy.cross_device_ops
+        critical = cdo.adapt(self._threshold) if self._threshold is not None else frozenset()
+        replanned = cdo.replan(self._margin) if self._margin is not None else False
+        self.history.append((epoch, sorted(critical), replanned))
+        if logs is not None:
+            logs.update({"auto_critical": float(len(critical)),
+                         "auto_replanned": float(replanned)})
 
 
 def _scalar_metadata():

@@ -28,6 +28,9 @@ def check_communication(communication, compressor):
     """Refuses a communication scheme that cannot carry ``compressor``'s payloads."""
     if communication not in COMMUNICATIONS:
         raise ValueError(f"`communication` must be one of {COMMUNICATIONS}, got {communication!r}")
+    if communication != "auto" and compressor.plans_per_tensor:
+        raise ValueError(f"compressor {compressor.name!r} chooses every gradient's path itself; "
+                         f"leave `communication`='auto', got {communication!r}")
     if communication != "auto" and not PATHS[communication].accepts(compressor):
         raise ValueError(PATHS[communication].requirement.format(compressor=compressor))
     return communication

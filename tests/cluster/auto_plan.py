@@ -1,0 +1,116 @@
+"""A cluster worker for ``compressor="auto"``.
+
+    auto_plan.py OUT_DIR
+
+1. For each setting of ``FIXED`` (a link rate given, so the plan does not depend on the
+   machine), reduces the same per-worker "gradients" of ``SHAPES`` for ``STEPS`` steps
+   over fresh variables and writes the outputs (``fixed<i>.w<rank>.npz``) and the
+   plan, the uncompressed list and the statistics (``fixed<i>.w<rank>.json``).
+2. With the link measured (``compressor="auto"``), trains the MLP for a few steps
+   (``brief_fit``), measures the link again (``replan`` with no margin) and writes the
+   plans, their digests and the uncompressed list (``results.w<rank>.json``, with
+   the losses).
+3. Trains the MLP for ``EPOCHS`` epochs under ``tfgc.keras.AutoPlanCallback`` and writes
+   each epoch's plan, interval norms and critical set (``regimes.w<rank>.json``).
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+
+# Kernels of 32768, 6144 and 1920 elements and a bias (sent dense by the policy).
+SHAPES = [(256, 128), (96, 64), (48, 40), (40,)]
+STEPS = 3
+EPOCHS = 4
+FIXED = [
+    # A link so slow that the wire decides, and a budget below 8-bit QSGD's bound on
+    # the largest kernel: that one in bf16, the others in 8-bit QSGD.
+    "auto:link_gbps=0.001,error=0.02",
+    # A fast link: every kernel as float32.
+    "auto:link_gbps=1000",
+]
+
+
+def gradients(rank, step):
+    rng = np.random.RandomState(100 * step + rank)
+    return [rng.randn(*shape).astype(np.float32) for shape in SHAPES]
+
+
+def main():
+    out_dir = sys.argv[1]
+    import tensorflow as tf
+
+    import tfgc
+    from brief_fit import brief_fit
+    from fixed_reduce import make_reduce
+    from tfgc.apps.train import worker_info
+
+    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor=FIXED[0])
+    rank, n = worker_info(strategy)
+    for k, spec in enumerate(FIXED):
+        strategy.compressor = spec
+        with strategy.scope():
+            variables = [tf.Variable(tf.zeros(shape), name=f"g{j}")
+                         for j, shape in enumerate(SHAPES)]
+        reduce = make_reduce(strategy, variables, tf.Module())
+        strategy.compression_stats()  # read before: the figures below are this run's
+        arrays = {}
+        for step in range(STEPS):
+            for j, r in enumerate(reduce(gradients(rank, step))):
+                arrays[f"out{step}_{j}"] = r
+        np.savez(os.path.join(out_dir, f"fixed{k}.w{rank}.npz"), **arrays)
+        plan = strategy.compression_plan()
+        with open(os.path.join(out_dir, f"fixed{k}.w{rank}.json"), "w") as f:
+            json.dump({"plan": plan.as_dicts(), "digest": plan.digest(),
+                       "mean_error": plan.mean_error, "table": plan.table(),
+                       "uncompressed": strategy.uncompressed_gradients(),
+                       "stats": strategy.compression_stats()}, f)
+
+    strategy.compressor = "auto"
+    losses = brief_fit(strategy, rank, n, out_dir, steps_per_epoch=8)
+    plan = strategy.compression_plan()
+    cdo = strategy.cross_device_ops
+    before = cdo._auto.figures.link_us  # pylint: disable=protected-access
+    changed = cdo.replan(margin=0.0)  # any change of the link plans again
+    after = cdo._auto.figures.link_us  # pylint: disable=protected-access
+    with open(os.path.join(out_dir, f"results.w{rank}.json"), "w") as f:
+        json.dump({"losses": losses, "plan": plan.as_dicts(), "digest": plan.digest(),
+                   "table": plan.table(), "link": [plan.link.a, plan.link.b],
+                   "uncompressed": strategy.uncompressed_gradients(),
+                   "replan": {"before": before, "after": after, "changed": changed,
+                              "plan": strategy.compression_plan().as_dicts()}}, f)
+    regimes(strategy, rank, n, out_dir)
+
+
+def regimes(strategy, rank, num_workers, out_dir):
+    """Trains the MLP for ``EPOCHS`` epochs with ``AutoPlanCallback`` on a slow given link
+    (so every gradient is worth compressing) and writes, per epoch, the plan it trained
+    with, the interval's norms and the critical set the callback chose."""
+    import tf_keras as keras
+
+    import tfgc
+    from brief_fit import brief_fit
+
+    strategy.compressor = "auto:link_gbps=0.01,error=2"
+    cdo = strategy.cross_device_ops
+    epochs = []
+
+    class Record(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            epochs.append({"plan": strategy.compression_plan().as_dicts()})
+
+    class Norms(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            epochs[-1]["norms"] = {str(k): v for k, v in cdo._auto.norms.items()}  # pylint: disable=protected-access
+
+    auto = tfgc.keras.AutoPlanCallback(strategy, threshold=0.5, link_margin=None)
+    brief_fit(strategy, rank, num_workers, out_dir, steps_per_epoch=6, epochs=EPOCHS,
+              callbacks=[Record(), auto, Norms()], name="regimes")
+    with open(os.path.join(out_dir, f"regimes.w{rank}.json"), "w") as f:
+        json.dump({"epochs": epochs, "history": auto.history}, f)
+
+
+if __name__ == "__main__":
+    main()

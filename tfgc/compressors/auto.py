@@ -1,0 +1,60 @@
+"""``compressor="auto"``: a compression plan per gradient, from the measured link and CPU.
+
+``Auto`` holds the plan's hyperparameters only; the plan itself is made by the
+cross-device ops at the first gradient reduction (``tfgc.distribute.planner``): every
+worker times an all-reduce probe of a few sizes and each candidate's encoding and
+decoding on its own CPU, the workers agree on the slowest figures, and each gradient
+takes the candidate with the smallest predicted time (CPU plus wire) that the error
+budget allows. The candidates, from the least error to the most:
+
+* ``none``: float32 on the all-reduce (error 0);
+* ``bf16``: 16 bits on the all-reduce (relative error per element at most 2**-8);
+* ``qsgd:levels=127,bucket_size=512``: 8 bits (QSGD's variance bound 0.032);
+* ``qsgd:levels=7,bucket_size=128``: 4 bits (bound 1.6),
+
+the QSGD ones over the reduce-scatter from 3 workers on (``paths.auto``). The error
+of a candidate on a gradient is the bound on E||C(g) - g||^2 / ||g||^2 that its
+paper proves (QSGD, Lemma 3.1: min(d/s^2, sqrt(d)/s) for buckets of d elements and s
+levels; a cast: its unit roundoff squared), and the budget bounds the mean of these
+over the compressed gradients' elements.
+"""
+
+from tfgc.compressors.base import Compressor, check_positive_float
+
+
+class Auto(Compressor):
+    """Plans each gradient's compression (see the module docstring).
+
+    Args:
+      error: the error budget: the largest mean, over the planned gradients'
+        elements, of the candidates' relative variance bounds. 0 sends everything
+        as float32; the default 0.05 allows 8-bit QSGD (0.032) on every gradient and
+        4-bit QSGD (1.6) on about 1 % of the elements besides; 2 allows 4 bits
+        everywhere.
+      link_gbps: the link rate in Gbit/s to plan for instead of measuring it (0: measure
+        with the probe). With it, ``latency_ms`` is the per-collective latency.
+      latency_ms: the latency of one collective, with ``link_gbps``.
+    """
+
+    name = "auto"
+    # Gradients are planned one by one by the cross-device ops (``planner``); this
+    # object is never asked to compress.
+    plans_per_tensor = True
+
+    def __init__(self, error: float = 0.05, link_gbps: float = 0.0, latency_ms: float = 0.1):
+        if isinstance(error, bool) or not isinstance(error, (int, float)) or not error >= 0:
+            raise ValueError(f"`error` must be a number >= 0, got {error!r}")
+        self.error = float(error)
+        if isinstance(link_gbps, bool) or not isinstance(link_gbps, (int, float)) \
+                or not link_gbps >= 0:
+            raise ValueError(f"`link_gbps` must be a number >= 0 (0: measure), got {link_gbps!r}")
+        self.link_gbps = float(link_gbps)
+        self.latency_ms = check_positive_float("latency_ms", latency_ms)
+
+    def compress(self, x, state, ctx):
+        raise NotImplementedError(
+            "compressor 'auto' is a plan, not an encoding: the cross-device ops compress each "
+            "gradient with the candidate its plan names")
+
+    def decompress(self, payload, shape, dtype, ctx):
+        raise NotImplementedError("compressor 'auto' has no payload of its own")

@@ -1,0 +1,588 @@
+"""``compressor="auto"``: what each gradient is sent as, from measured costs.
+
+At the first gradient reduction under ``tfgc.compressors.Auto`` the cross-device ops
+ask this module for a ``Plan``:
+
+1. **Measure** (``measure``). Every worker times, on its own CPU, each compressing
+   candidate's encoding and decoding of float32 vectors of ``CPU_SIZES`` elements,
+   and, together, an all-reduce of ``LINK_SIZES`` bytes (the link; skipped when the
+   user gives ``link_gbps``). The figures are medians of ``REPEATS`` runs after one
+   warm-up, in microseconds; the workers all-gather them and every worker keeps the
+   largest of each (the slowest worker's), so every worker holds the same numbers.
+2. **Model** (``Figures``, ``cpu_seconds``, ``sent_bytes``). A straight line through the all-reduce times against the bytes
+   each worker sent (2(N-1)/N of the vector on a ring) gives the link's latency and
+   seconds per byte; a line through each candidate's times against elements gives
+   its encoding and decoding cost. A gradient of n elements under a candidate then
+   costs CPU (the encodings and decodings its path runs, ``cpu_seconds``) plus wire
+   time (the bytes its path sends per worker, as ``paths.auto.sent_bytes`` counts
+   them, times seconds per byte).
+3. **Choose** (``make_plan``). Each gradient takes the candidate that minimises its
+   time + lambda * error, where error is the candidate's relative variance bound
+   times the gradient's share of the planned elements (``Candidate.variance_bound``),
+   and lambda is the smallest (found by bisection) that keeps the total within the
+   budget; what that leaves of the budget goes, gradient by gradient, to the moves
+   that save the most time per error added (``_fill``): L-GreCo's problem (Markov et
+   al., MLSys 2024: per-layer compression under a total error bound), solved by its
+   Lagrangian relaxation and a greedy completion instead of its dynamic program. The
+   same numbers give the same plan on every worker (Python floats, the same
+   operations in the same order); ``autoplan`` checks it anyway, by an all-gather of
+   its digest.
+
+Latency: a candidate's group waits on its own collectives (``rounds``), which the
+per-gradient choice does not see; ``_consolidate`` then merges a group into another
+(or into float32, which rides with the biases' all-reduce) where that saves time.
+What the model leaves out, knowingly: a group cut into several buckets pays that
+latency once per bucket; the overlap of the wire with back-propagation (so it leans
+toward compressing); and the error that the ring's 16-bit partial sums add for bf16
+beyond the rounding of each worker's gradient.
+
+Over training (``CompressedAllReduce.replan`` and ``adapt``, which
+``tfgc.keras.AutoPlanCallback`` calls at the end of each epoch): the link is measured
+again and the plan made again when the predicted float32 all-reduce of the planned
+gradients moves by more than a margin (``link_changed``); and gradients in a critical
+regime (ACCORDION, Agarwal et al., MLSys 2021: the norm of a layer's gradient summed
+over the interval changed by half or more since the previous one; every layer until
+two intervals can be compared) take no candidate with more error than bf16
+(``critical``).
+"""
+
+import dataclasses
+import json
+import math
+import time
+import zlib
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+from tfgc.compressors import CompressContext, get as get_compressor
+from tfgc.distribute.paths import auto as auto_paths
+
+# Bytes of the float32 vectors the link probe all-reduces, and elements of the vectors
+# each candidate encodes and decodes: a line through three sizes, from a few kilobytes
+# (where the fixed costs show) to a layer of a few megabytes.
+LINK_SIZES = (16 << 10, 512 << 10, 4 << 20)
+CPU_SIZES = (1 << 12, 1 << 16, 1 << 20)
+REPEATS = 3
+# Vectors encoded (decoded) per timed call (``_cpu_seconds``).
+COPIES = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One way to send a gradient: ``label`` for tables, ``spec`` for the registry
+    (None: float32, as it is)."""
+
+    label: str
+    spec: Optional[str]
+
+    @property
+    def compressor(self):
+        return None if self.spec is None else get_compressor(self.spec)
+
+    def variance_bound(self, num_elements: int) -> float:
+        """The bound on E||C(g) - g||^2 / ||g||^2 for a gradient of ``num_elements``.
+
+        A cast rounds to nearest with p significant bits, a relative error of at
+        most 2**-p per element (bf16: p = 8). QSGD with s levels and buckets of d
+        elements: min(d/s^2, sqrt(d)/s) (Alistarh et al., NIPS 2017, Lemma 3.1),
+        with d no larger than the gradient.
+        """
+        compressor = self.compressor
+        if compressor is None:
+            return 0.0
+        if compressor.name == "bf16":
+            return 2.0 ** -16
+        if compressor.name == "qsgd":
+            d = min(compressor.bucket_size, num_elements)
+            s = compressor.levels
+            return min(d / s ** 2, math.sqrt(d) / s)
+        raise ValueError(f"no variance bound for candidate {self.spec!r}")
+
+
+# From the least error to the most; the order also breaks ties.
+CANDIDATES = (
+    Candidate("fp32", None),
+    Candidate("bf16", "bf16"),
+    Candidate("qsgd8", "qsgd:levels=127,bucket_size=512"),
+    Candidate("qsgd4", "qsgd:levels=7,bucket_size=128"),
+)
+BY_LABEL = {c.label: c for c in CANDIDATES}
+
+
+def path_of(candidate: Candidate, num_workers: int) -> str:
+    """The path a candidate's gradients take: auto's choice for its compressor."""
+    if candidate.spec is None:
+        return "allreduce"
+    return auto_paths.choose_communication(candidate.compressor, num_workers)[0]
+
+
+# -- measuring ----------------------------------------------------------------------
+
+def median_seconds(fn, repeats: int = REPEATS) -> float:
+    fn()  # warm-up: traces, allocates, and lines the workers up at a collective
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def _cpu_seconds(candidate: Candidate, n: int, num_workers: int) -> Tuple[float, float]:
+    """Median seconds of one encoding and one decoding of a float32 vector of ``n``.
+
+    Each call of the timed function encodes (decodes) ``COPIES`` vectors, and the time
+    is divided by them: what is left of the call's own overhead is what a gradient's
+    encoding costs inside a training step's graph, where there is no call per gradient.
+    """
+    compressor = candidate.compressor
+    shape = tf.TensorShape([n])
+    xs = [tf.random.stateless_normal([n], seed=[7, n + k]) for k in range(COPIES)]
+    state = compressor.init_state(shape, tf.float32)
+    contexts = [CompressContext(rank=0, num_workers=num_workers, index=k,
+                                step=tf.constant(0, tf.int64)) for k in range(COPIES)]
+    encode = tf.function(
+        lambda vs: [tuple(compressor.compress(v, state, c)[0]) for v, c in zip(vs, contexts)],
+        autograph=False)
+    payloads = encode(xs)
+    decode = tf.function(
+        lambda ps: [compressor.decompress(p, shape, tf.float32, c)
+                    for p, c in zip(ps, contexts)], autograph=False)
+    return (median_seconds(lambda: [p[0].numpy() for p in encode(xs)]) / COPIES,
+            median_seconds(lambda: [d.numpy() for d in decode(payloads)]) / COPIES)
+
+
+def measure(cross_device_ops, link_gbps: float, latency_ms: float) -> "Figures":
+    """This worker's figures, then the slowest worker's of each (the same everywhere).
+
+    Runs eagerly (under ``init_scope``); every worker must call it at the same point.
+    """
+    n = cross_device_ops.group_size
+    with tf.init_scope():
+        words = list(_link_us(cross_device_ops, link_gbps))
+        for candidate in CANDIDATES[1:]:
+            for size in CPU_SIZES:
+                words.extend(_microseconds(s) for s in _cpu_seconds(candidate, size, n))
+        agreed = _slowest(cross_device_ops, words)
+    return Figures.from_words(agreed, n, link_gbps, latency_ms)
+
+
+def measure_link(cross_device_ops, figures: "Figures") -> "Figures":
+    """``figures`` with the link measured again (every worker at once, as ``measure``)."""
+    if figures.link_gbps or figures.num_workers < 2:
+        return figures
+    with tf.init_scope():
+        agreed = _slowest(cross_device_ops, list(_link_us(cross_device_ops, 0.0)))
+    return dataclasses.replace(figures, link_us=tuple(agreed))
+
+
+def _link_us(cross_device_ops, link_gbps):
+    """The all-reduce probe's times in microseconds (zeros when the link is given)."""
+    measured = cross_device_ops.group_size > 1 and not link_gbps
+    return [_microseconds(cross_device_ops.time_all_reduce(size) if measured else 0.0)
+            for size in LINK_SIZES]
+
+
+def _slowest(cross_device_ops, words):
+    """Every worker's ``words`` all-gathered; the largest of each, as Python ints."""
+    rows = []
+    for device in cross_device_ops.local_devices:
+        with tf.device(device):
+            rows.append(tf.constant(words, tf.int32))
+    return [int(w) for w in np.max(cross_device_ops.gather_rows(rows).numpy(), axis=0)]
+
+
+def link_changed(old: "Figures", new: "Figures", plan: "Plan", margin: float) -> bool:
+    """Whether the float32 all-reduce of the planned gradients, as each link predicts
+    it, moved by more than ``margin`` (relative) between ``old`` and ``new``."""
+    nbytes = sum(ring_sent(e.dense_bytes, plan.num_workers) for e in plan.entries)
+    before, after = old.link()(nbytes), new.link()(nbytes)
+    return abs(after - before) > margin * before
+
+
+def critical_layers(previous: Dict[str, float], current: Dict[str, float],
+                    threshold: float) -> frozenset:
+    """ACCORDION's test per layer: the norm of its gradient summed over the interval
+    moved by ``threshold`` or more (relative) since the previous interval; a layer
+    without a previous norm (the first interval), or with a previous norm of 0 or not
+    finite, is critical."""
+    out = set()
+    for name, norm in current.items():
+        before = previous.get(name)
+        if before is None or not before > 0 or not math.isfinite(before) \
+                or not math.isfinite(norm) or abs(before - norm) / before >= threshold:
+            out.add(name)
+    return frozenset(out)
+
+
+def _microseconds(seconds: float) -> int:
+    return int(min(max(round(seconds * 1e6), 0), 2 ** 31 - 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class Line:
+    """y = a + b x, a and b at least 0."""
+
+    a: float
+    b: float
+
+    def __call__(self, x: float) -> float:
+        return self.a + self.b * x
+
+
+def fit(xs: Sequence[float], ys: Sequence[float]) -> Line:
+    """The least-squares line through the points, with a non-negative intercept and
+    slope (noise on a fast link can tilt it either way)."""
+    x, y = np.asarray(xs, np.float64), np.asarray(ys, np.float64)
+    b = float(np.sum((x - x.mean()) * (y - y.mean())) / np.sum((x - x.mean()) ** 2))
+    b = max(b, 0.0)
+    a = float(y.mean() - b * x.mean())
+    if a < 0.0:
+        a, b = 0.0, max(float(np.sum(x * y) / np.sum(x * x)), 0.0)
+    return Line(a, b)
+
+
+def ring_sent(nbytes: float, num_workers: int) -> float:
+    """Bytes each worker sends in a ring all-reduce of ``nbytes``."""
+    return 2.0 * (num_workers - 1) / num_workers * nbytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Figures:
+    """The agreed measurements, in microseconds (``measure``), and the lines through them.
+
+    ``link_us[i]``: the all-reduce of ``LINK_SIZES[i]`` bytes (zeros when not
+    measured); ``encode_us[label][i]`` and ``decode_us[label][i]``: a vector of
+    ``CPU_SIZES[i]`` elements.
+    """
+
+    num_workers: int
+    link_us: Tuple[int, ...]
+    encode_us: Dict[str, Tuple[int, ...]]
+    decode_us: Dict[str, Tuple[int, ...]]
+    link_gbps: float = 0.0
+    latency_ms: float = 0.1
+
+    @classmethod
+    def from_words(cls, words: List[int], num_workers: int, link_gbps: float = 0.0,
+                   latency_ms: float = 0.1) -> "Figures":
+        k = len(LINK_SIZES)
+        link, rest = tuple(words[:k]), words[k:]
+        encode, decode = {}, {}
+        m = len(CPU_SIZES)
+        for j, candidate in enumerate(CANDIDATES[1:]):
+            block = rest[2 * m * j:2 * m * (j + 1)]
+            encode[candidate.label] = tuple(block[0::2])
+            decode[candidate.label] = tuple(block[1::2])
+        return cls(num_workers, link, encode, decode, link_gbps, latency_ms)
+
+    def link(self) -> Line:
+        """Seconds against bytes sent per worker: (latency, seconds per byte)."""
+        if self.link_gbps:
+            return Line(self.latency_ms / 1e3, 8.0 / (self.link_gbps * 1e9))
+        if self.num_workers < 2:
+            return Line(0.0, 0.0)
+        return fit([ring_sent(s, self.num_workers) for s in LINK_SIZES],
+                   [us / 1e6 for us in self.link_us])
+
+    def encode(self, label: str) -> Line:
+        return fit(CPU_SIZES, [us / 1e6 for us in self.encode_us[label]])
+
+    def decode(self, label: str) -> Line:
+        return fit(CPU_SIZES, [us / 1e6 for us in self.decode_us[label]])
+
+    def describe(self) -> str:
+        link = self.link()
+        rate = 8.0 / link.b / 1e9 if link.b > 0 else float("inf")
+        source = "given" if self.link_gbps else "measured"
+        return (f"link ({source}): {link.a * 1e3:.3f} ms + bytes at {rate:.3g} Gbit/s per "
+                f"worker; " + ", ".join(
+                    f"{label} {self.encode(label).b * 1e9:.2f}+{self.decode(label).b * 1e9:.2f} "
+                    "ns/element" for label in self.encode_us))
+
+
+# -- choosing -----------------------------------------------------------------------
+
+def cpu_seconds(figures: Figures, candidate: Candidate, path: str, n: int) -> float:
+    """The encodings and decodings ``path`` runs for a gradient of ``n`` elements:
+
+    * all-reduce: one encoding, one decoding of the sum;
+    * all-gather: one encoding, N decodings (every worker's payload);
+    * reduce-scatter: the encoding of every chunk, N-1 received chunks decoded, the
+      owner's sum encoded again, and the N chunks of the all-gather decoded.
+    """
+    if candidate.spec is None:
+        return 0.0
+    w = figures.num_workers
+    enc, dec = figures.encode(candidate.label), figures.decode(candidate.label)
+    if path == "allreduce":
+        return enc(n) + dec(n)
+    if path == "allgather":
+        return enc(n) + w * dec(n)
+    if path == "reduce_scatter":
+        chunk = n / w
+        return enc(n) + (w - 1) * dec(chunk) + enc(chunk) + w * dec(chunk)
+    raise ValueError(f"no CPU model for path {path!r}")
+
+
+def sent_bytes(candidate: Candidate, path: str, shape, dtype, num_workers: int) -> int:
+    """Bytes one worker sends per step for one gradient under ``candidate``."""
+    if num_workers < 2:
+        return 0
+    n = int(np.prod(shape, dtype=np.int64))
+    if candidate.spec is None:
+        return int(ring_sent(n * tf.as_dtype(dtype).size, num_workers))
+    if path == "allreduce":
+        return int(ring_sent(n * 2, num_workers))  # the casts: 16 bits per element
+    return auto_paths.sent_bytes(path, candidate.compressor,
+                                 [(tf.TensorShape(shape), tf.as_dtype(dtype))], num_workers)
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One gradient's line of the plan."""
+
+    name: str
+    shape: Tuple[int, ...]
+    dtype: str
+    label: str
+    path: str
+    dense_bytes: int
+    sent_bytes: int
+    cpu_s: float
+    wire_s: float
+    error: float  # the candidate's relative variance bound on this gradient
+    reason: str = ""  # for float32: why
+    critical: bool = False  # in a critical regime: candidates of bf16's bound at most
+
+    @property
+    def candidate(self) -> Candidate:
+        return BY_LABEL[self.label]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What every planned gradient is sent as, and what the model predicted."""
+
+    entries: Tuple[Entry, ...]
+    error_budget: float
+    num_workers: int
+    link: Line
+    figures: Figures
+    lam: float = 0.0
+
+    @property
+    def mean_error(self) -> float:
+        total = sum(int(np.prod(e.shape)) for e in self.entries)
+        if not total:
+            return 0.0
+        return sum(e.error * int(np.prod(e.shape)) for e in self.entries) / total
+
+    def key(self) -> str:
+        """One line that names the plan: the compression state's compressor key."""
+        return "auto:" + ";".join(f"{e.name}={e.label}@{e.path}" for e in self.entries)
+
+    def digest(self) -> int:
+        """A 31-bit checksum of the plan (workers compare theirs)."""
+        return zlib.crc32(self.key().encode()) & 0x7FFFFFFF
+
+    def predicted(self) -> Dict[str, float]:
+        """Seconds per step the model predicts for the planned gradients: the plan's
+        (CPU, wire, and the latency of each compressed group's collectives, one bucket
+        each) and the wire and latency of all of them as float32."""
+        groups = {e.label: e.path for e in self.entries if e.label != "fp32"}
+        plan = {"cpu_s": sum(e.cpu_s for e in self.entries),
+                "wire_s": sum(e.wire_s for e in self.entries),
+                "latency_s": sum(self.link.a * rounds(path, self.num_workers)
+                                 for path in groups.values())}
+        fp32 = sum(ring_sent(e.dense_bytes, self.num_workers) for e in self.entries)
+        return {**plan, "fp32_wire_s": fp32 * self.link.b, "fp32_latency_s": self.link.a}
+
+    def as_dicts(self) -> List[dict]:
+        return [dataclasses.asdict(e) for e in self.entries]
+
+    def table(self) -> str:
+        """The plan as a text table, one line per gradient."""
+        head = (f"tfgc: compressor='auto' plan for {len(self.entries)} gradients on "
+                f"{self.num_workers} workers (error budget {self.error_budget:g}, mean bound "
+                f"{self.mean_error:.3g}); {self.figures.describe()}")
+        rows = [("variable", "shape", "as", "path", "dense", "sent", "cpu ms", "wire ms")]
+        for e in self.entries:
+            rows.append((e.name, "x".join(map(str, e.shape)) or "()", e.label, e.path,
+                         _size(e.dense_bytes), _size(e.sent_bytes), f"{e.cpu_s * 1e3:.2f}",
+                         f"{e.wire_s * 1e3:.2f}"))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        p = self.predicted()
+        tail = (f"predicted per step: cpu {p['cpu_s'] * 1e3:.1f} ms + wire "
+                f"{p['wire_s'] * 1e3:.1f} ms + latency {p['latency_s'] * 1e3:.1f} ms; "
+                f"all float32: wire {p['fp32_wire_s'] * 1e3:.1f} ms")
+        return "\n".join([head] + lines + [tail])
+
+    def to_json(self) -> str:
+        return json.dumps({"entries": self.as_dicts(), "error_budget": self.error_budget,
+                           "num_workers": self.num_workers, "lambda": self.lam,
+                           "link": dataclasses.asdict(self.link)})
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("MB", 1e6), ("KB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} B"
+
+
+def _lagrangian(pick, mass, budget):
+    """The smallest multiplier whose choice keeps within the budget (bisection), and
+    that choice. The choice at a large enough multiplier is the least error of every
+    gradient, so the search ends."""
+    hi = 1.0
+    for _ in range(200):
+        if mass(pick(hi)) <= budget:
+            break
+        hi *= 2.0
+    lo = 0.0
+    for _ in range(64):
+        mid = (lo + hi) / 2.0
+        if mass(pick(mid)) <= budget:
+            hi = mid
+        else:
+            lo = mid
+    return hi, pick(hi)
+
+
+def _fill(choice, options, left):
+    """Spends what the Lagrangian choice left of the budget: gradients whose time saved
+    per error added is the same switch together there (a model of equal layers), so it
+    can stop short. Moves one gradient at a time to a faster option that still fits,
+    the most time saved per error first."""
+    choice = list(choice)
+    while True:
+        best = None
+        for i, mine in enumerate(options):
+            current = choice[i]
+            now = current["cpu"] + current["wire"]
+            for o in mine:
+                saved = now - (o["cpu"] + o["wire"])
+                added = o["mass"] - current["mass"]
+                if saved <= 0 or added <= 0 or added > left:
+                    continue
+                rank = (saved / added, saved, -i, -o["order"])
+                if best is None or rank > best[0]:
+                    best = (rank, i, o, added)
+        if best is None:
+            return choice
+        _, i, o, added = best
+        choice[i] = o
+        left -= added
+
+
+def rounds(path: str, num_workers: int) -> int:
+    """Collectives one bucket of a path waits on one after the other: an all-reduce
+    or an all-gather is one; the reduce-scatter's N-1 exchanges and its all-gather, N."""
+    return num_workers if path == "reduce_scatter" else 1
+
+
+def _consolidate(choice, options, budget, link, num_workers):
+    """Merges a candidate's group into another where the latency of its own collectives
+    costs more than the group saves: the per-gradient choice does not see that a
+    candidate chosen for one small gradient adds a round of collectives to the step.
+    Float32 gradients join the dense all-reduce that the biases take anyway, so they
+    add none. Moves a whole group at a time, the move that saves the most first."""
+    choice = list(choice)
+
+    def step_time(c):
+        used = {o["candidate"].label: o["path"] for o in c if o["candidate"].spec is not None}
+        return (sum(o["cpu"] + o["wire"] for o in c)
+                + sum(link.a * rounds(path, num_workers) for path in used.values()))
+
+    while True:
+        now = step_time(choice)
+        used = [c.label for c in CANDIDATES[1:]
+                if any(o["candidate"].label == c.label for o in choice)]
+        best = None
+        for label in used:
+            for target in ["fp32"] + used:
+                if target == label:
+                    continue
+                moved = list(choice)
+                for i, o in enumerate(choice):
+                    if o["candidate"].label == label:
+                        alt = [x for x in options[i] if x["candidate"].label == target]
+                        moved[i] = alt[0] if alt else None
+                if any(o is None for o in moved) or sum(o["mass"] for o in moved) > budget:
+                    continue
+                saved = now - step_time(moved)
+                if saved > 0 and (best is None or saved > best[0]):
+                    best = (saved, moved)
+        if best is None:
+            return choice
+        choice = best[1]
+
+
+def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figures,
+              error_budget: float, critical=(), critical_bound: float = 2.0 ** -16) -> Plan:
+    """The plan for ``gradients`` (name, static shape, dtype name), in their order.
+
+    Every candidate's cost and error for every gradient, then the Lagrangian choice
+    under the budget, and groups merged where their own collectives cost more than they
+    save (see the module docstring). Gradients named in ``critical`` (in a critical
+    regime of training, ``CompressedAllReduce.adapt``) take only candidates whose bound
+    is at most ``critical_bound`` (bf16's). Deterministic in its arguments.
+    """
+    w = figures.num_workers
+    link = figures.link()
+    total = sum(int(np.prod(shape, dtype=np.int64)) for _, shape, _ in gradients) or 1
+    options = []
+    for name, shape, dtype in gradients:
+        n = int(np.prod(shape, dtype=np.int64))
+        mine = []
+        for order, candidate in enumerate(CANDIDATES):
+            compressor = candidate.compressor
+            tf_shape, tf_dtype = tf.TensorShape(shape), tf.as_dtype(dtype)
+            if compressor is not None and not compressor.supports(tf_shape, tf_dtype):
+                continue
+            bound = candidate.variance_bound(n)
+            if name in critical and bound > critical_bound:
+                continue
+            path = path_of(candidate, w)
+            sent = sent_bytes(candidate, path, shape, dtype, w)
+            cpu = cpu_seconds(figures, candidate, path, n)
+            mine.append(dict(order=order, candidate=candidate, path=path, sent=sent, cpu=cpu,
+                             wire=sent * link.b, bound=bound, mass=bound * n / total,
+                             dense=n * tf_dtype.size))
+        options.append((name, tuple(shape), dtype, mine))
+
+    def pick(lam):
+        return [min(mine, key=lambda o: (o["cpu"] + o["wire"] + lam * o["mass"], o["mass"],
+                                         o["order"])) for _, _, _, mine in options]
+
+    def mass(choice):
+        return sum(o["mass"] for o in choice)
+
+    lam = 0.0
+    choice = pick(0.0)
+    if mass(choice) > error_budget:
+        lam, choice = _lagrangian(pick, mass, error_budget)
+        choice = _fill(choice, [mine for _, _, _, mine in options], error_budget - mass(choice))
+    budgeted = choice
+    choice = _consolidate(choice, [mine for _, _, _, mine in options],
+                          max(error_budget, mass(choice)), link, w)
+    fastest = pick(0.0)
+    entries = []
+    for (name, shape, dtype, _), o, before, quick in zip(options, choice, budgeted, fastest):
+        reason = ""
+        if o["candidate"].spec is None:
+            if before["candidate"].spec is not None:
+                reason = "too few bytes for a collective of its own"
+            elif quick["candidate"].spec is None:
+                reason = "float32 is the fastest on this link"
+            else:
+                reason = "the error budget"
+        entries.append(Entry(name=name, shape=shape, dtype=dtype, label=o["candidate"].label,
+                             path=o["path"], dense_bytes=o["dense"], sent_bytes=o["sent"],
+                             cpu_s=o["cpu"], wire_s=o["wire"], error=o["bound"],
+                             reason=reason, critical=name in critical))
+    return Plan(tuple(entries), error_budget, w, link, figures, lam)
