@@ -301,3 +301,20 @@ def test_variance_reports_what_waits():
     assert float(out["held_norm"]) == pytest.approx(5.0)
     assert float(out["send_rate"]) == pytest.approx(0.25)
     assert var.diagnostics(None, step=1) == {}
+
+
+def test_auto_writes_its_plan_as_text_once_per_plan(make_strategy, tmp_path):
+    strategy = make_strategy("auto")
+    model = dense_model(strategy)
+    cb = CompressionStatsCallback(strategy, log_dir=str(tmp_path))
+    x, y = data()
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[cb])
+    texts = []
+    for path in glob.glob(os.path.join(tmp_path, "worker0", "events.out.tfevents.*")):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for value in event.summary.value:
+                if value.metadata.plugin_data.plugin_name == "text":
+                    texts.append((value.tag, event.step,
+                                  tf.make_ndarray(value.tensor).item().decode()))
+    # One plan for both epochs: written once, at the first write, as plan.table() says.
+    assert texts == [("compression/plan", 0, strategy.compression_plan().table())]

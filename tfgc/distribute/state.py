@@ -134,7 +134,7 @@ class CompressionState(trackable.Trackable):
                 for r, device in enumerate(cdo.local_devices):
                     with tf.device(device):
                         self._steps.append(local_variable(tf.constant(0, tf.int64),
-                                                           f"tfgc_step_r{r}"))
+                                                          f"tfgc_step_r{r}"))
                 self._apply_pending(_STEP_FIELD, "step", self._steps)
             dense_momentum = bool(not planned and getattr(compressor, "applied_momentum", 0.0))
             if self._compressor_key is not None and self._compressor_key != compressor_key:

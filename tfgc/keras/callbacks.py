@@ -46,7 +46,9 @@ class CompressionStatsCallback(keras.callbacks.Callback):
       ``server_residual``) get ``residual_norm/<variable>/<field>``;
     * ``compressor/<name>`` and ``compressor/<name>/<variable>``: what the
       compressor's ``diagnostics`` reports for itself and per gradient (DGC's
-      warm-up density and velocity norms, GradiVeQ's d, ...).
+      warm-up density and velocity norms, GradiVeQ's d, ...);
+    * ``compression/plan`` (text, under ``compressor="auto"``): the plan's table, at
+      the first write after each new plan.
 
     Residuals and diagnostics are this worker's first local replica's, read from
     the state that the model's optimizer owns. Values are stored as float32 (as
@@ -245,7 +247,8 @@ class CompressionStatsCallback(keras.callbacks.Callback):
                                  metadata=_SCALAR_METADATA)
             if plan is not None and plan.digest() != self._plan_written:
                 # compressor="auto": its plan as text, when it is new.
-                tf.summary.text(f"{self._prefix}compression/plan", plan.table())
+                tf.summary.write(f"{self._prefix}compression/plan", tf.constant(plan.table()),
+                                 metadata=_TEXT_METADATA)
                 self._plan_written = plan.digest()
 
 
@@ -320,15 +323,17 @@ class AutoPlanCallback(keras.callbacks.Callback):
                          "auto_replanned": float(replanned)})
 
 
-def _scalar_metadata():
-    """What marks a summary as a scalar for TensorBoard's scalars dashboard.
+def _plugin_metadata(plugin_name):
+    """What marks a summary for one of TensorBoard's dashboards ("scalars", "text").
 
-    ``tf.summary.scalar`` needs the tensorboard package; writing the float32 tensor
-    with this metadata records the same event without it.
+    ``tf.summary.scalar`` and ``tf.summary.text`` need the tensorboard package; writing
+    the tensor (a float32 scalar, a string) with this metadata records the same event
+    without it.
     """
     from tensorflow.core.framework import summary_pb2
     return summary_pb2.SummaryMetadata(
-        plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars"))
+        plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name=plugin_name))
 
 
-_SCALAR_METADATA = _scalar_metadata()
+_SCALAR_METADATA = _plugin_metadata("scalars")
+_TEXT_METADATA = _plugin_metadata("text")
