@@ -7,7 +7,7 @@ up with every change of setting, and each change retraces the train functions):
 the first trace of a generation measures (every worker at once: the figures need
 collectives) and plans, later traces of the same gradients reuse the plan. Between
 steps, ``replan`` (the link measured again) and ``adapt`` (the end of an interval of
-training: ACCORDION's critical regimes) may make a new plan, which ``adopt`` hands to
+training: ACCORDION's critical regimes) may make a new plan, which ``_adopt`` hands to
 the next step by starting a new generation with the plan and figures ready, so that
 trace measures nothing.
 """

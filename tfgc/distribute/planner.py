@@ -47,7 +47,6 @@ two intervals can be compared) take no candidate with more error than bf16
 """
 
 import dataclasses
-import json
 import math
 import time
 import zlib
@@ -121,6 +120,7 @@ def path_of(candidate: Candidate, num_workers: int) -> str:
 # -- measuring ----------------------------------------------------------------------
 
 def median_seconds(fn, repeats: int = REPEATS) -> float:
+    """The median of ``repeats`` timed calls of ``fn``, after one untimed."""
     fn()  # warm-up: traces, allocates, and lines the workers up at a collective
     times = []
     for _ in range(repeats):
@@ -420,11 +420,6 @@ class Plan:
                 f"{p['wire_s'] * 1e3:.1f} ms + latency {p['latency_s'] * 1e3:.1f} ms; "
                 f"all float32: wire {p['fp32_wire_s'] * 1e3:.1f} ms")
         return "\n".join([head] + lines + [tail])
-
-    def to_json(self) -> str:
-        return json.dumps({"entries": self.as_dicts(), "error_budget": self.error_budget,
-                           "num_workers": self.num_workers, "lambda": self.lam,
-                           "link": dataclasses.asdict(self.link)})
 
 
 def _size(nbytes: int) -> str:
