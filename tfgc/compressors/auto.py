@@ -5,12 +5,13 @@ cross-device ops at the first gradient reduction (``tfgc.distribute.planner``): 
 worker times an all-reduce probe of a few sizes and each candidate's encoding and
 decoding on its own CPU, the workers agree on the slowest figures, and each gradient
 takes the candidate with the smallest predicted time (CPU plus wire) that the error
-budget allows. The candidates, from the least error to the most:
+budget allows. The candidates, from the least error to the most, as the plan's table
+names them:
 
-* ``none``: float32 on the all-reduce (error 0);
+* ``fp32``: the gradient as it is, on the all-reduce (error 0);
 * ``bf16``: 16 bits on the all-reduce (relative error per element at most 2**-8);
-* ``qsgd:levels=127,bucket_size=512``: 8 bits (QSGD's variance bound 0.032);
-* ``qsgd:levels=7,bucket_size=128``: 4 bits (bound 1.6),
+* ``qsgd8``, ``qsgd:levels=127,bucket_size=512``: 8 bits (QSGD's variance bound 0.032);
+* ``qsgd4``, ``qsgd:levels=7,bucket_size=128``: 4 bits (bound 1.6),
 
 the QSGD ones over the reduce-scatter from 3 workers on (``paths.auto``). The error
 of a candidate on a gradient is the bound on E||C(g) - g||^2 / ||g||^2 that its
