@@ -20,7 +20,7 @@ levels; a cast: its unit roundoff squared), and the budget bounds the mean of th
 over the compressed gradients' elements.
 """
 
-from tfgc.compressors.base import Compressor, check_positive_float
+from tfgc.compressors.base import Compressor, check_number, check_positive_float
 
 
 class Auto(Compressor):
@@ -43,13 +43,8 @@ class Auto(Compressor):
     plans_per_tensor = True
 
     def __init__(self, error: float = 0.05, link_gbps: float = 0.0, latency_ms: float = 0.1):
-        if isinstance(error, bool) or not isinstance(error, (int, float)) or not error >= 0:
-            raise ValueError(f"`error` must be a number >= 0, got {error!r}")
-        self.error = float(error)
-        if isinstance(link_gbps, bool) or not isinstance(link_gbps, (int, float)) \
-                or not link_gbps >= 0:
-            raise ValueError(f"`link_gbps` must be a number >= 0 (0: measure), got {link_gbps!r}")
-        self.link_gbps = float(link_gbps)
+        self.error = float(check_number("error", error, 0))
+        self.link_gbps = float(check_number("link_gbps", link_gbps, 0, also=" (0: measure)"))
         self.latency_ms = check_positive_float("latency_ms", latency_ms)
 
     def compress(self, x, state, ctx):

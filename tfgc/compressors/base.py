@@ -344,6 +344,16 @@ def check_int(name: str, value: int, minimum: int, maximum: int = None) -> int:
     return value
 
 
+def check_number(name: str, value, minimum: float, strict: bool = False, also: str = ""):
+    """Validates a real number (not a bool) above ``minimum`` (``strict``) or at least it;
+    ``also`` ends the message (" or None", " (0: measure)")."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            value > minimum if strict else value >= minimum):
+        bound = f"> {minimum:g}" if strict else f">= {minimum:g}"
+        raise ValueError(f"`{name}` must be a number {bound}{also}, got {value!r}")
+    return value
+
+
 def check_positive_float(name: str, value: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not float(value) > 0.0:
         raise ValueError(f"`{name}` must be a positive number, got {value!r}")

@@ -18,23 +18,16 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from tfgc.compressors.base import check_number
 from tfgc.distribute import planner
 from tfgc.distribute import state as state_lib
 from tfgc.distribute.paths import base
 
 
-def _check_number(name, value, minimum, strict):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-            value > minimum if strict else value >= minimum):
-        bound = f"> {minimum}" if strict else f">= {minimum}"
-        raise ValueError(f"`{name}` must be a number {bound}, got {value!r}")
-    return value
-
-
 class AutoPlanner:
     """The plan of one ``CompressedAllReduce`` under ``compressor="auto"``.
 
-    ``ops`` gives the collectives (``gather_rows``, ``time_all_reduce``), the cluster
+    ``ops`` gives the collectives (``gather_words``, ``time_all_reduce``), the cluster
     (``group_size``, ``local_devices``), the current ``generation`` and ``compressor``;
     ``new_generation()`` starts a new generation (new train functions).
     """
@@ -123,23 +116,13 @@ class AutoPlanner:
     def _check_agree(self, plan):
         """Stops with a message if any worker derived another plan (a bug, or workers
         that build different models)."""
-        digests = self._gather_first([plan.digest()], every=True)
+        digests = self._ops.gather_words([plan.digest()])[:, 0]
         if len(set(digests.tolist())) > 1:
             raise ValueError(
                 "tfgc: the workers' compressor='auto' plans differ (digest by replica: "
                 f"{digests.tolist()}); every worker must build the same model. This "
                 f"worker's plan:\n{plan.table()}")
 
-    def _gather_first(self, words, every=False):
-        """``words`` (int32) all-gathered: worker 0's row, or with ``every`` the first
-        word of every row."""
-        with tf.init_scope():
-            rows = []
-            for device in self._ops.local_devices:
-                with tf.device(device):
-                    rows.append(tf.constant(words, tf.int32))
-            gathered = self._ops.gather_rows(rows).numpy()
-        return gathered[:, 0] if every else gathered[0]
 
     def track(self, tensors, mask, reduced, replica_id):
         """Adds this step's reduced planned gradients to their interval sums (replica 0;
@@ -167,7 +150,7 @@ class AutoPlanner:
 
     def replan(self, margin: float) -> bool:
         """See ``CompressedAllReduce.replan``."""
-        _check_number("margin", margin, 0, strict=False)
+        check_number("margin", margin, 0)
         current = self.plan
         if current is None:
             return False
@@ -196,7 +179,7 @@ class AutoPlanner:
 
     def adapt(self, threshold: float) -> frozenset:
         """See ``CompressedAllReduce.adapt``."""
-        _check_number("threshold", threshold, 0, strict=True)
+        check_number("threshold", threshold, 0, strict=True)
         current = self.plan
         if self._sums is None or current is None:
             raise ValueError("adapt() needs track_regimes() and a step under "
@@ -209,7 +192,7 @@ class AutoPlanner:
                 total.assign(tf.zeros_like(total))
         # Worker 0's norms (as the bits of float32 words), so every worker decides alike.
         bits = np.asarray(norms, np.float32).view(np.int32)
-        first = self._gather_first(bits).astype(np.int32).view(np.float32)
+        first = self._ops.gather_words(bits)[0].astype(np.int32).view(np.float32)
         now = {j: float(v) for j, v in enumerate(first)}
         critical = frozenset(gradients[j][0] for j in
                              planner.critical_layers(self._norms, now, threshold))

@@ -306,6 +306,17 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                 gathered = tf.function(gather_all, autograph=False)()[0]
             return tf.reshape(gathered, [self._num_replicas, words])
 
+    def gather_words(self, words) -> np.ndarray:
+        """All-gathers the same int32 ``words`` from every local replica (``gather_rows``);
+        returns ``[group_size, len(words)]`` as NumPy. Eager; every worker must call it
+        at the same point with as many words."""
+        with tf.init_scope():
+            rows = []
+            for device in self._replica_devices:
+                with tf.device(device):
+                    rows.append(tf.constant(words, tf.int32))
+            return self.gather_rows(rows).numpy()
+
     def time_all_reduce(self, nbytes: int) -> float:
         """Median seconds of an all-reduce of ``nbytes`` of float32 across the cluster,
         after a warm-up (``planner.REPEATS`` runs). Eager; every worker must call it at the
@@ -331,13 +342,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         with self._settings_lock:
             if self._settings_checked == self._generation:
                 return
-            words = settings_lib.encode(self.settings())
-            with tf.init_scope():
-                rows = []
-                for device in self._replica_devices:
-                    with tf.device(device):
-                        rows.append(tf.constant(words))
-                settings_lib.check_agree(self.gather_rows(rows).numpy())
+            settings_lib.check_agree(self.gather_words(settings_lib.encode(self.settings())))
             self._settings_checked = self._generation
 
     def _check_settings_from_replica(self):
@@ -571,7 +576,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                 for name, b, why in wire.uncompressed]
             self._stats.record(wire, ok)
             if not tf.executing_eagerly():
-                compressed = planned if compressor.plans_per_tensor and any(mask) else sum(mask)
+                compressed = planned if compressor.plans_per_tensor else sum(mask)
                 wire.log_trace(compressed + len(rows_pos), len(flat), compressor,
                                "its planned paths" if compressor.plans_per_tensor
                                else paths.PATHS[self._path()].describe)
@@ -634,9 +639,8 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         layouts = [paths.PATHS[entries[i].path].state_layout(compressors[entries[i].label], n)
                    if i in entries and entries[i].label in groups else None
                    for i in range(len(tensors))]
-        state = state_lib.state_for(owner, self, layouts, plan.key(), variables,
-                                    [layout is not None for layout in layouts])
-        self._states.add(state)
+        state = self._register_state(owner, layouts, plan.key(), variables,
+                                     [layout is not None for layout in layouts])
         step_var = state.step(replica_id)
         device = self._replica_devices[replica_id]
         guard_op = self._generation_guard()
@@ -664,12 +668,10 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             if work:
                 outputs = buckets.reduce_groups(
                     work, self._overlap_bytes, [(i, tensors[i], variables[i]) for i in dense])
+                reduced, ok = commit.finish(step_var, [outputs[i] for i in range(len(tensors))])
             else:
                 outputs = paths.base.reduce_dense(base, dense)
-            reduced = [outputs[i] for i in range(len(tensors))]
-            if work:
-                reduced, ok = commit.finish(step_var, reduced)
-            else:
+                reduced = [outputs[i] for i in range(len(tensors))]
                 # All float32: the counter still counts the step, as identity's does.
                 step_var.assign_add(1)
                 ok = None
@@ -695,8 +697,13 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
     def _state_for(self, owner, compressor, variables, mask):
         """The owner's compression state, registered for ``variables`` on this path."""
         layout = paths.PATHS[self._path()].state_layout(compressor, self._num_replicas)
-        state = state_lib.state_for(owner, self, layout, repr(serialize_config(compressor)),
+        return self._register_state(owner, layout, repr(serialize_config(compressor)),
                                     variables, mask)
+
+    def _register_state(self, owner, layouts, key, variables, mask):
+        """``state_lib.state_for`` (one layout, or one per variable), kept among the live
+        states."""
+        state = state_lib.state_for(owner, self, layouts, key, variables, mask)
         self._states.add(state)
         return state
 

@@ -187,11 +187,7 @@ def _link_us(cross_device_ops, link_gbps):
 
 def _slowest(cross_device_ops, words):
     """Every worker's ``words`` all-gathered; the largest of each, as Python ints."""
-    rows = []
-    for device in cross_device_ops.local_devices:
-        with tf.device(device):
-            rows.append(tf.constant(words, tf.int32))
-    return [int(w) for w in np.max(cross_device_ops.gather_rows(rows).numpy(), axis=0)]
+    return [int(w) for w in np.max(cross_device_ops.gather_words(words), axis=0)]
 
 
 def link_changed(old: "Figures", new: "Figures", plan: "Plan", margin: float) -> bool:

@@ -8,6 +8,7 @@ import tensorflow as tf
 import tf_keras as keras
 
 from tfgc.compressors import serialize_config
+from tfgc.compressors.base import check_int, check_number
 from tfgc.distribute import state as state_lib
 from tfgc.distribute.state import flatten_fields
 
@@ -289,17 +290,11 @@ class AutoPlanCallback(keras.callbacks.Callback):
         if not getattr(strategy.compressor, "plans_per_tensor", False):
             raise ValueError("AutoPlanCallback needs compressor='auto', the strategy has "
                              f"{strategy.compressor!r}")
-        if threshold is not None and (isinstance(threshold, bool)
-                                      or not isinstance(threshold, (int, float))
-                                      or not threshold > 0):
-            raise ValueError(f"`threshold` must be a number > 0 or None, got {threshold!r}")
-        if link_margin is not None and (isinstance(link_margin, bool)
-                                        or not isinstance(link_margin, (int, float))
-                                        or not link_margin >= 0):
-            raise ValueError(f"`link_margin` must be a number >= 0 or None, got {link_margin!r}")
-        if isinstance(every_epochs, bool) or not isinstance(every_epochs, int) \
-                or every_epochs < 1:
-            raise ValueError(f"`every_epochs` must be an integer >= 1, got {every_epochs!r}")
+        if threshold is not None:
+            check_number("threshold", threshold, 0, strict=True, also=" or None")
+        if link_margin is not None:
+            check_number("link_margin", link_margin, 0, also=" or None")
+        check_int("every_epochs", every_epochs, 1)
         self._strategy = strategy
         self._threshold = threshold
         self._margin = link_margin
