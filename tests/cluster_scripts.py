@@ -4,6 +4,7 @@ the benchmark scripts as modules."""
 import importlib.util
 import json
 import os
+import sys
 
 import numpy as np
 
@@ -23,6 +24,20 @@ def cluster_script(name):
     """``(path, module)`` of ``tests/cluster/<name>.py``; the module gives its constants."""
     path = os.path.join(REPO, "tests", "cluster", f"{name}.py")
     return path, _load(path, f"cluster_{name}")
+
+
+def run_cluster(tmp_path_factory, name, script, num_workers=2, args=(), timeout=900,
+                env=None):
+    """Runs ``script`` (with OUT_DIR and ``args``) on a local cluster of ``num_workers``
+    real workers, its output discarded; asserts every worker succeeded and returns
+    OUT_DIR, a fresh directory named after ``name``."""
+    from tfgc.apps.launch import launch
+
+    out = tmp_path_factory.mktemp(name)
+    result = launch([sys.executable, script, str(out)] + [str(a) for a in args], num_workers,
+                    env={**ENV, **(env or {})}, timeout=timeout, output=open(os.devnull, "w"))
+    assert result.ok, result.message
+    return out
 
 
 def benchmark_module(name):

@@ -14,16 +14,13 @@
 """
 
 import json
-import os
-import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import tfgc
-from cluster_scripts import ENV, assert_fit_identical_and_learning, cluster_script
-from tfgc.apps.launch import launch
+from cluster_scripts import assert_fit_identical_and_learning, cluster_script, run_cluster
 from tfgc.distribute import planner
 
 SCRIPT, worker = cluster_script("auto_plan")
@@ -275,11 +272,7 @@ def test_a_single_worker_plans_everything_as_float32():
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    out = tmp_path_factory.mktemp("auto")
-    result = launch([sys.executable, SCRIPT, str(out)], 2, env=ENV, timeout=900,
-                    output=open(os.devnull, "w"))
-    assert result.ok, result.message
-    return out
+    return run_cluster(tmp_path_factory, "auto", SCRIPT)
 
 
 def _load(cluster, k, rank):

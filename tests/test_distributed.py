@@ -23,12 +23,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfgc.apps.launch import launch
+import cluster_scripts
+from cluster_scripts import ENV, REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SWEEP = os.path.join(REPO, "tests", "cluster", "fit_sweep.py")
-ENV = {"PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-       "TF_CPP_MIN_LOG_LEVEL": "2"}
 
 # Accuracy is compared with the dense run ("none") of the same sweep: each compressor
 # may lose at most MAX_LOSS[spec] of test accuracy against it (MLP on MNIST-5k, 2 epochs
@@ -176,11 +174,8 @@ DENSE_BYTES = 4 * sum(r * c for r, c in KERNELS) + 4 * sum(BIASES)
 
 
 def run_cluster(tmp_path_factory, name, num_workers, args, timeout=900, env=None):
-    out = tmp_path_factory.mktemp(name)
-    result = launch([sys.executable, SWEEP, str(out)] + args, num_workers, env={**ENV, **(env or {})},
-                    timeout=timeout, output=open(os.devnull, "w"))
-    assert result.ok, result.message
-    return out
+    return cluster_scripts.run_cluster(tmp_path_factory, name, SWEEP, num_workers, args,
+                                       timeout, env)
 
 
 def load(out, name, rank):

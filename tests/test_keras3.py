@@ -17,14 +17,13 @@ The single-process tests check the strategy's ``reduce`` for what Keras 3 asks o
 import importlib.util
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfgc.apps.launch import launch
-from test_distributed import DENSE_BYTES, ENV, REPO, expected_bytes
+from cluster_scripts import run_cluster
+from test_distributed import DENSE_BYTES, REPO, expected_bytes
 
 keras = pytest.importorskip("keras")
 if int(keras.__version__.split(".")[0]) < 3:  # pragma: no cover - tf-keras-only installs
@@ -42,11 +41,7 @@ def _script():
 
 @pytest.fixture(scope="module")
 def keras3_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("keras3")
-    result = launch([sys.executable, SCRIPT, str(out)], 2, env=ENV, timeout=600,
-                    output=open(os.devnull, "w"))
-    assert result.ok, result.message
-    return out
+    return run_cluster(tmp_path_factory, "keras3", SCRIPT, timeout=600)
 
 
 def _load(out, name, rank):

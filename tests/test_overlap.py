@@ -15,21 +15,18 @@
 """
 
 import json
-import os
 import re
-import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import tfgc
-from tfgc.apps.launch import launch
 from tfgc import collectives
 from tfgc.distribute import buckets
 from tfgc.distribute.paths import reduce_scatter
 
-from cluster_scripts import ENV, cluster_script
+from cluster_scripts import cluster_script, run_cluster
 
 SCRIPT, worker = cluster_script("overlap")
 _, fixed_reduce = cluster_script("fixed_reduce")
@@ -227,11 +224,7 @@ def test_identity_stays_one_bucket_as_the_stock_strategy_packs(traced):
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    out = tmp_path_factory.mktemp("overlap")
-    result = launch([sys.executable, SCRIPT, str(out)], 2, env=ENV, timeout=900,
-                    output=open(os.devnull, "w"))
-    assert result.ok, result.message
-    return out
+    return run_cluster(tmp_path_factory, "overlap", SCRIPT)
 
 
 @pytest.mark.parametrize("k", range(len(worker.SPECS)),

@@ -11,15 +11,11 @@ SGD and signSGD's majority vote, and against the byte model of the two stages.
 
 import json
 import math
-import os
-import sys
 
 import numpy as np
 import pytest
 
-from tfgc.apps.launch import launch
-
-from cluster_scripts import ENV, assert_fit_identical_and_learning, cluster_script
+from cluster_scripts import assert_fit_identical_and_learning, cluster_script, run_cluster
 
 SCRIPT, worker = cluster_script("reduce_scatter")
 
@@ -31,10 +27,7 @@ MOMENTUM = {"onebit:momentum=0.9": 0.9}
 @pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"{n}workers")
 def cluster(request, tmp_path_factory):
     n = request.param
-    out = tmp_path_factory.mktemp(f"rs{n}")
-    result = launch([sys.executable, SCRIPT, str(out)], n, env=ENV, timeout=600,
-                    output=open(os.devnull, "w"))
-    assert result.ok, result.message
+    out = run_cluster(tmp_path_factory, f"rs{n}", SCRIPT, n, timeout=600)
     runs = [dict(np.load(out / f"reduce.w{r}.npz")) for r in range(n)]
     return n, out, runs
 

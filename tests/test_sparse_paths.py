@@ -10,15 +10,11 @@ One launch per path and cluster size runs ``tests/cluster/sparse_paths.py``.
 """
 
 import json
-import os
-import sys
 
 import numpy as np
 import pytest
 
-from tfgc.apps.launch import launch
-
-from cluster_scripts import ENV, assert_fit_identical_and_learning, cluster_script
+from cluster_scripts import assert_fit_identical_and_learning, cluster_script, run_cluster
 
 SCRIPT, worker = cluster_script("sparse_paths")
 
@@ -64,10 +60,7 @@ PATHS = [(path, n) for path in ("shared_index", "sparse_allreduce") for n in (2,
 @pytest.fixture(scope="module", params=PATHS, ids=[f"{p}-{n}" for p, n in PATHS])
 def cluster(request, tmp_path_factory):
     path, n = request.param
-    out = tmp_path_factory.mktemp(f"{path}{n}")
-    result = launch([sys.executable, SCRIPT, str(out), path], n, env=ENV, timeout=600,
-                    output=open(os.devnull, "w"))
-    assert result.ok, result.message
+    out = run_cluster(tmp_path_factory, f"{path}{n}", SCRIPT, n, [path], timeout=600)
     return path, n, out
 
 

@@ -21,12 +21,9 @@ import sys
 import numpy as np
 import pytest
 
-from tfgc.apps.launch import launch
+from cluster_scripts import REPO, run_cluster
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "tests", "cluster", "user_models.py")
-ENV = {"PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-       "TF_CPP_MIN_LOG_LEVEL": "2"}
 MODELS = ("transformer", "resnet")
 # Every registry method with its defaults, and the variants that change what travels:
 # error feedback, the learning stages of GradiVeQ (short here so that its compressed
@@ -49,25 +46,17 @@ KERAS3_SPECS = ["none", "ef+topk", "qsgd", "dgc", "auto:link_gbps=0.01"]
 PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
 
 
-def run_cluster(tmp_path_factory, name, args):
-    out = tmp_path_factory.mktemp(name)
-    result = launch([sys.executable, SCRIPT, str(out)] + args, 2, env=ENV, timeout=1200,
-                    output=open(os.devnull, "w"))
-    assert result.ok, result.message
-    return out
-
-
 @pytest.fixture(scope="module")
 def tf_keras_runs(tmp_path_factory):
-    return run_cluster(tmp_path_factory, "user_models", [
+    return run_cluster(tmp_path_factory, "user_models", SCRIPT, timeout=1200, args=[
         "--precisions", *PRECISIONS, "--specs", *SPECS, "--mixed_specs", *MIXED_SPECS,
         "--savedmodel"])
 
 
 @pytest.fixture(scope="module")
 def keras3_runs(tmp_path_factory):
-    return run_cluster(tmp_path_factory, "user_models_keras3",
-                       ["--keras", "3", "--specs", *KERAS3_SPECS])
+    return run_cluster(tmp_path_factory, "user_models_keras3", SCRIPT, timeout=1200,
+                       args=["--keras", "3", "--specs", *KERAS3_SPECS])
 
 
 def load(out, model, precision, i, rank):
