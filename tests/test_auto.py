@@ -31,14 +31,18 @@ GRADIENTS = [("embed", (4096, 512), "float32"), ("fc1", (2048, 2048), "float32")
              ("head", (512, 10), "float32")]
 
 
-def figures(num_workers=4, link_gbps=1.0, latency_ms=0.1, ns_per_element=2.0):
+def figures(num_workers=4, link_gbps=1.0, latency_ms=0.1, ns_per_element=2.0, rotation=1.0):
     """Figures as ``measure`` would agree on: every candidate encodes and decodes at
-    ``ns_per_element`` plus 50 us; the link as given."""
-    cpu = tuple(int(50 + ns_per_element * size / 1e3) for size in planner.CPU_SIZES)
+    ``ns_per_element`` (the rotated ones ``rotation`` times that) plus 50 us; the link
+    as given."""
+    def cpu(label):
+        ns = ns_per_element * (rotation if label.startswith("r") else 1.0)
+        return tuple(int(50 + ns * size / 1e3) for size in planner.CPU_SIZES)
+
     labels = [c.label for c in planner.CANDIDATES[1:]]
     return planner.Figures(num_workers, (0,) * len(planner.LINK_SIZES),
-                           {label: cpu for label in labels}, {label: cpu for label in labels},
-                           link_gbps, latency_ms)
+                           {label: cpu(label) for label in labels},
+                           {label: cpu(label) for label in labels}, link_gbps, latency_ms)
 
 
 def compressed_share(plan):
@@ -59,11 +63,15 @@ def test_a_slow_link_compresses_more_and_a_fast_one_less():
     assert shares[0] == 1.0  # at 100 Mbit/s every kernel is worth compressing
     assert shares[-1] == 0.0  # at 1 Tbit/s the CPU costs more than the wire saves
     assert all(a >= b for a, b in zip(shares, shares[1:])), shares
-    # 4 bits need a budget over 8-bit QSGD's bound (0.0317): more budget, fewer bytes.
-    tight = planner.make_plan(GRADIENTS, figures(link_gbps=0.1), 0.032)
-    loose = planner.make_plan(GRADIENTS, figures(link_gbps=0.1), 2.0)
-    assert {e.label for e in tight.entries} == {"qsgd8"}
-    assert {e.label for e in loose.entries} == {"qsgd4"}
+    # 4 bits everywhere need a budget over the rotated 4-bit bound (0.068): more
+    # budget, fewer bytes. At equal CPU costs rotated 8 bits beat plain 8 bits (the
+    # same bytes, less error).
+    tight = planner.make_plan(GRADIENTS, figures(link_gbps=0.1), 0.001)
+    loose = planner.make_plan(GRADIENTS, figures(link_gbps=0.1), 0.07)
+    assert {e.label for e in tight.entries} <= {"rqsgd8", "rqsgd4"}
+    assert sum(int(np.prod(e.shape)) for e in tight.entries if e.label == "rqsgd8") > \
+        0.9 * sum(int(np.prod(e.shape)) for e in tight.entries)
+    assert {e.label for e in loose.entries} == {"rqsgd4"}
     assert sum(e.sent_bytes for e in loose.entries) < sum(e.sent_bytes for e in tight.entries)
 
 
@@ -80,25 +88,57 @@ def test_the_error_budget_holds_and_more_budget_is_never_slower(budget):
 
 def test_equal_layers_share_a_budget_that_fits_only_some_of_them():
     # Four equal kernels: each saves the same time per error, so the Lagrangian
-    # multiplier switches all or none; the budget fits 8 bits on two of them.
+    # multiplier switches all or none; the budget fits 4 bits on two of them, and
+    # rotated 8 bits on the others.
     layers = [(f"fc{i}", (1024, 1024), "float32") for i in range(4)]
-    bound = planner.BY_LABEL["qsgd8"].variance_bound(1 << 20)
+    bound = planner.BY_LABEL["rqsgd4"].variance_bound(1 << 20)
     plan = planner.make_plan(layers, figures(link_gbps=0.1), 2.5 * bound / 4)
-    assert sorted(e.label for e in plan.entries) == ["bf16", "bf16", "qsgd8", "qsgd8"]
+    assert sorted(e.label for e in plan.entries) == ["rqsgd4", "rqsgd4", "rqsgd8", "rqsgd8"]
     assert plan.mean_error <= 2.5 * bound / 4
 
 
+@pytest.mark.parametrize("budget", [0.0005, 0.02, 0.05, 0.06])
+@pytest.mark.parametrize("ns, rotation", [(0.5, 1.0), (3.0, 1.0), (1.0, 2.0), (10.0, 2.0)])
+def test_the_plan_is_the_fastest_assignment_within_the_budget(budget, ns, rotation):
+    # Every assignment of candidates to three gradients, by brute force: the plan is
+    # no slower than the fastest that fits the budget (less the program's rounding of
+    # errors up to whole bins), though the per-gradient relaxation alone can miss it
+    # (4 bits on the middle kernel while the large one takes 8, or the other way).
+    import itertools
+
+    layers = [("a", (784, 2048), "float32"), ("b", (2048, 2048), "float32"),
+              ("c", (2048, 10), "float32")]
+    fig = figures(num_workers=2, link_gbps=0.1, latency_ms=1e-9, ns_per_element=ns,
+                  rotation=rotation)
+    plan = planner.make_plan(layers, fig, budget)
+    total = sum(int(np.prod(shape)) for _, shape, _ in layers)
+    costs = []
+    for name, shape, dtype in layers:
+        n = int(np.prod(shape))
+        mine = []
+        for c in planner.CANDIDATES:
+            path = planner.path_of(c, 2)
+            mine.append((planner.cpu_seconds(fig, c, path, n) + planner.sent_bytes(
+                c, path, shape, dtype, 2) * fig.link().b, c.variance_bound(n) * n / total))
+        costs.append(mine)
+    slack = len(layers) / 4096 * budget
+    best = min(sum(t for t, _ in combo) for combo in itertools.product(*costs)
+               if sum(e for _, e in combo) <= budget - slack)
+    assert plan.mean_error <= budget + 1e-12
+    assert predicted_seconds(plan) <= best + 1e-12
+
+
 def test_a_group_that_saves_less_than_its_collectives_cost_joins_another():
-    # A large kernel best in 8 bits and a small one best in 4 (cheaper to decode): with
+    # A large kernel best in 8 bits and a small one best in 4 (fewer bytes): with
     # no latency each takes its own; when a round of collectives costs more than what
     # 4 bits save on the small one, it goes with the large one.
     layers = [("big", (2048, 2048), "float32"), ("small", (512, 10), "float32")]
-    # 8 bits on the big one (0.0317 of nearly all the elements) and 4 on the small one
-    # (1.6 of 0.12 % of them) fit within 0.034; 4 bits on the big one do not.
-    apart = planner.make_plan(layers, figures(link_gbps=0.1, latency_ms=1e-9), 0.034)
-    assert [e.label for e in apart.entries] == ["qsgd8", "qsgd4"]
-    together = planner.make_plan(layers, figures(link_gbps=0.1, latency_ms=20.0), 0.034)
-    assert [e.label for e in together.entries] == ["qsgd8", "qsgd8"]
+    # Rotated 8 bits on the big one (0.00025 of nearly all the elements) and 4 on the
+    # small one (0.068 of 0.12 % of them) fit within 0.0004; 4 bits on the big one do not.
+    apart = planner.make_plan(layers, figures(link_gbps=0.1, latency_ms=1e-9), 0.0004)
+    assert [e.label for e in apart.entries] == ["rqsgd8", "rqsgd4"]
+    together = planner.make_plan(layers, figures(link_gbps=0.1, latency_ms=20.0), 0.0004)
+    assert [e.label for e in together.entries] == ["rqsgd8", "rqsgd8"]
     p = together.predicted()
     assert p["latency_s"] == pytest.approx(4 * 20e-3)  # one group, N = 4 rounds
 
@@ -111,7 +151,7 @@ def test_critical_gradients_take_no_more_error_than_bf16():
         if e.critical:
             assert e.label in ("fp32", "bf16")
         else:
-            assert e.label == "qsgd4"
+            assert e.label == "rqsgd4"
 
 
 def test_the_same_figures_give_the_same_plan_and_others_another():
@@ -140,7 +180,7 @@ def test_the_bytes_each_path_sends_are_counted_as_the_path_counts_them():
     fig = figures(num_workers=4, link_gbps=0.1)
     plan = planner.make_plan([("k", (1024, 256), "float32")], fig, 0.05)
     (entry,) = plan.entries
-    assert (entry.label, entry.path) == ("qsgd8", "reduce_scatter")
+    assert (entry.label, entry.path) == ("rqsgd8", "reduce_scatter")
     n = 1024 * 256
     # 8 bits per element and a float32 per 512 elements, in 2(N-1)/N of it, plus the
     # per-chunk headers and control words: within 1 % of the ideal.
@@ -183,23 +223,32 @@ def test_accordions_rule_marks_a_layer_whose_norm_moved_by_half():
 
 
 def test_figures_round_trip_through_the_words_the_workers_gather():
-    words = list(range(1, len(planner.LINK_SIZES) + 2 * len(planner.CPU_SIZES) * 3 + 1))
+    compressing = len(planner.CANDIDATES) - 1
+    words = list(range(1, len(planner.LINK_SIZES) + 2 * len(planner.CPU_SIZES) * compressing + 1))
     fig = planner.Figures.from_words(words, 3)
     assert fig.link_us == tuple(words[:3])
     assert fig.encode_us["bf16"] == (4, 6, 8) and fig.decode_us["bf16"] == (5, 7, 9)
-    assert fig.encode_us["qsgd4"] == tuple(words[15:21:2])
+    assert fig.encode_us["rqsgd4"] == tuple(words[-6::2])
+    assert fig.decode_us["rqsgd4"] == tuple(words[-5::2])
 
 
 # -- the candidates' bounds -------------------------------------------------------------
 
-@pytest.mark.parametrize("label", ["bf16", "qsgd8", "qsgd4"])
-def test_each_candidates_error_stays_within_the_bound_the_budget_uses(label):
+@pytest.mark.parametrize("kind", ["heavy", "spikes", "equal"])
+@pytest.mark.parametrize("label", [c.label for c in planner.CANDIDATES[1:]])
+def test_each_candidates_error_stays_within_the_bound_the_budget_uses(label, kind):
     candidate = planner.BY_LABEL[label]
     compressor = candidate.compressor
     shape = tf.TensorShape([300, 70])
     rng = np.random.default_rng(0)
-    # Heavy-tailed values, as gradients are.
-    g = tf.constant(rng.standard_t(3, size=shape.as_list()).astype(np.float32))
+    if kind == "heavy":  # heavy-tailed values, as gradients are
+        values = rng.standard_t(3, size=shape.as_list())
+    elif kind == "spikes":  # one large element per 128 (the max-normed levels' worst)
+        values = rng.normal(size=shape.as_list()) * 1e-3
+        values.reshape(-1)[::128] = 1.0
+    else:  # every element alike (the l2-normed levels' worst)
+        values = np.ones(shape.as_list())
+    g = tf.constant(values.astype(np.float32))
     errors = []
     for step in range(20):
         ctx = tfgc.compressors.CompressContext(step=tf.constant(step, tf.int64))
@@ -268,6 +317,36 @@ def test_a_single_worker_plans_everything_as_float32():
     assert "dense/kernel" in plan.table()
 
 
+def test_a_checkpoint_for_other_gradients_is_measured_again(tmp_path):
+    # One worker: the record's figures are reused for the same gradients (no measuring)
+    # and not for a model of other shapes.
+    import tf_keras as keras
+    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
+    auto = strategy.cross_device_ops._auto  # pylint: disable=protected-access
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 40)).astype(np.float32), rng.normal(size=(32, 4))
+
+    def fit(width, path=None):
+        with strategy.scope():
+            model = keras.Sequential([keras.layers.Dense(width, input_shape=(40,), name="a"),
+                                      keras.layers.Dense(4, name="b")])
+            model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+        if path is not None:
+            tf.train.Checkpoint(optimizer=model.optimizer).restore(path)
+        model.fit(x, y, batch_size=16, verbose=0)
+        return model
+
+    model = fit(64)
+    path = tf.train.Checkpoint(optimizer=model.optimizer).save(str(tmp_path / "ckpt"))
+    assert auto.measurements == 1
+    strategy.compressor = "auto"
+    fit(64, path)
+    assert auto.measurements == 1
+    strategy.compressor = "auto"
+    fit(32, path)
+    assert auto.measurements == 2
+
+
 # -- a real cluster ----------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -303,12 +382,28 @@ def test_every_worker_derives_the_same_plan(cluster):
 def test_a_mixed_plan_sends_each_gradient_as_its_candidate_does(cluster):
     meta, outs = _load(cluster, 0, 0)
     labels = [e["label"] for e in meta["plan"]]
-    # 8-bit QSGD on the largest kernel alone would exceed the budget (0.0317 x 80 % of
+    # Rotated 8 bits on the largest kernel would exceed the budget (0.00025 x 80 % of
     # the elements); on the two others it fits.
-    assert labels == ["bf16", "qsgd8", "qsgd8"], meta["table"]
+    assert labels == ["bf16", "rqsgd8", "rqsgd8"], meta["table"]
+    assert meta["mean_error"] <= 0.00015
+    _check_outputs(cluster, 0)
+
+
+def test_rotated_4_bits_where_the_budget_has_room_for_them(cluster):
+    meta, _ = _load(cluster, 2, 0)
+    labels = [e["label"] for e in meta["plan"]]
+    # 0.068 on the small kernels' 20 % of the elements and 0.00025 on the rest.
+    assert labels == ["rqsgd8", "rqsgd4", "rqsgd4"], meta["table"]
     assert meta["mean_error"] <= 0.02
+    _check_outputs(cluster, 2)
+
+
+def _check_outputs(cluster, k):
+    """Fixed plan ``k``'s outputs: the same bits on both workers; the bias exact, bf16
+    as the bf16 ring sums, the quantizers unbiased within the bound the plan counted."""
+    meta, outs = _load(cluster, k, 0)
     by_shape = {tuple(e["shape"]): e for e in meta["plan"]}
-    other = _load(cluster, 0, 1)[1]
+    other = _load(cluster, k, 1)[1]
     for step in range(worker.STEPS):
         inputs = [worker.gradients(r, step) for r in range(2)]
         for j, shape in enumerate(worker.SHAPES):
@@ -385,7 +480,21 @@ def test_critical_regimes_follow_accordions_rule_on_every_worker(cluster):
             # with a budget of 2 the others take 4 bits.
             for e in epochs[k + 1]["plan"]:
                 assert e["critical"] == (e["name"] in critical)
-                assert e["label"] in (("fp32", "bf16") if e["critical"] else ("qsgd4",))
+                assert e["label"] in (("fp32", "bf16") if e["critical"] else ("rqsgd4",))
+
+
+def test_a_restored_checkpoint_brings_the_plan_back_without_measuring(cluster):
+    runs = []
+    for r in range(2):
+        with open(cluster / f"restart.w{r}.json") as f:
+            runs.append(json.load(f))
+    assert runs[0] == runs[1]
+    run = runs[0]
+    assert run["restored"] == run["saved"]
+    # The saved figures, not a new measurement (whose medians would differ).
+    assert run["link_us"][1] == run["link_us"][0]
+    first, after = run["measurements"]
+    assert first >= 1 and after == first
 
 
 def test_a_model_learns_under_a_measured_plan(cluster):

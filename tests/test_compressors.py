@@ -18,7 +18,8 @@ from tfgc.ops import packing
 pytestmark = pytest.mark.usefixtures("mode")
 
 ALL_SPECS = ["none", "fp16", "bf16", "topk:ratio=0.05", "ef+topk:ratio=0.05", "randomk:ratio=0.1",
-             "onebit", "signsgd", "efsignsgd", "qsgd", "qsgd:levels=7,bucket_size=128", "terngrad"]
+             "onebit", "signsgd", "efsignsgd", "qsgd", "qsgd:levels=7,bucket_size=128", "terngrad",
+             "qsgd:levels=7,bucket_size=128,norm=max,rotate=true"]
 
 
 def ctx(step=0, rank=0, index=0, num_workers=2):

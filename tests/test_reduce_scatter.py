@@ -290,6 +290,10 @@ def chunk_words(spec, n):
             widths.append(1 + math.ceil(2 * longest / 32))
         elif spec in ("fp16", "bf16"):
             widths.append(math.ceil(longest / 2))
+        elif "rotate=true" in spec:  # 4 bits, buckets of 16, over the rotated length
+            from tfgc.ops.rotation import padded_length
+            coded = padded_length(longest, 16)
+            widths.append(math.ceil(coded / 16) + math.ceil(4 * coded / 32))
         else:  # qsgd, 4 bits, buckets of 128
             widths.append(math.ceil(longest / 128) + math.ceil(4 * longest / 32))
     return widths

@@ -11,8 +11,9 @@ import numpy as np
 
 
 def brief_fit(strategy, rank, num_workers, out_dir, steps_per_epoch, epochs=2, callbacks=(),
-              name="fit"):
-    """Returns the per-epoch training losses; the weights go to OUT_DIR/<name>.w<rank>.npz."""
+              name="fit", before_fit=None):
+    """Returns the per-epoch training losses; the weights go to OUT_DIR/<name>.w<rank>.npz.
+    ``before_fit(model)``, if given, runs on the compiled model before it trains."""
     import tf_keras as keras
 
     from tfgc.apps import data as data_lib
@@ -24,6 +25,8 @@ def brief_fit(strategy, rank, num_workers, out_dir, steps_per_epoch, epochs=2, c
         net = models.build_model("mlp", seed=0)
         net.compile(optimizer=keras.optimizers.SGD(0.05),
                     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    if before_fit is not None:
+        before_fit(net)
     history = net.fit(data_lib.make_tf_dataset(x, y, 32, repeat=True), epochs=epochs,
                       steps_per_epoch=steps_per_epoch, verbose=0, callbacks=list(callbacks))
     np.savez(os.path.join(out_dir, f"{name}.w{rank}.npz"), *[w.numpy() for w in net.weights])

@@ -20,7 +20,9 @@ import numpy as np
 
 STEPS = 4
 SPECS = ["onebit", "efsignsgd", "signsgd", "qsgd:levels=7,bucket_size=128", "terngrad",
-         "onebit:momentum=0.9", "fp16", "bf16"]
+         "onebit:momentum=0.9", "fp16", "bf16",
+         # Rotated: chunks of whole blocks, and a tail block (30 elements) padded.
+         "qsgd:levels=7,bucket_size=16,norm=max,rotate=true"]
 SHAPES = [(16, 32), (3, 10), (40,)]
 # Smaller than any message: each gradient takes a bucket of its own (two rounds of
 # exchanges and two all-gathers per step, the control words on the last).

@@ -10,13 +10,18 @@ names them:
 
 * ``fp32``: the gradient as it is, on the all-reduce (error 0);
 * ``bf16``: 16 bits on the all-reduce (relative error per element at most 2**-8);
+* ``rqsgd8``, ``qsgd:levels=127,bucket_size=512,norm=max,rotate=true``: 8 bits after a
+  randomized Hadamard rotation (bound 0.00025);
 * ``qsgd8``, ``qsgd:levels=127,bucket_size=512``: 8 bits (QSGD's variance bound 0.032);
-* ``qsgd4``, ``qsgd:levels=7,bucket_size=128``: 4 bits (bound 1.6),
+* ``rqsgd4``, ``qsgd:levels=7,bucket_size=128,norm=max,rotate=true``: 4 bits, rotated
+  (bound 0.068),
 
 the QSGD ones over the reduce-scatter from 3 workers on (``paths.auto``). The error
-of a candidate on a gradient is the bound on E||C(g) - g||^2 / ||g||^2 that its
-paper proves (QSGD, Lemma 3.1: min(d/s^2, sqrt(d)/s) for buckets of d elements and s
-levels; a cast: its unit roundoff squared), and the budget bounds the mean of these
+of a candidate on a gradient is the bound on E||C(g) - g||^2 / ||g||^2 that holds for
+every gradient (``QSGD.variance_bound``: Lemma 3.1 of the QSGD paper, min(d/s^2,
+sqrt(d)/s) for buckets of d elements and s levels; for the rotated ones a bound through
+the rotation's sub-Gaussian coordinates; a cast: its unit roundoff squared), and the
+budget bounds the mean of these
 over the compressed gradients' elements.
 """
 
@@ -29,9 +34,8 @@ class Auto(Compressor):
     Args:
       error: the error budget: the largest mean, over the planned gradients'
         elements, of the candidates' relative variance bounds. 0 sends everything
-        as float32; the default 0.05 allows 8-bit QSGD (0.032) on every gradient and
-        4-bit QSGD (1.6) on about 1 % of the elements besides; 2 allows 4 bits
-        everywhere.
+        as float32; the default 0.05 allows rotated 4 bits (0.068) on about 73 % of
+        the elements and rotated 8 bits on the rest; 0.068 allows 4 bits everywhere.
       link_gbps: the link rate in Gbit/s to plan for instead of measuring it (0: measure
         with the probe). With it, ``latency_ms`` is the per-collective latency.
       latency_ms: the latency of one collective, with ``link_gbps``.

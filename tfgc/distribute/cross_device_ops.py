@@ -624,7 +624,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         path and in buckets, one decision for the whole step. Returns ``(reduced, ok,
         state, how many gradients it compressed)``."""
         n = self._num_replicas
-        plan = self._auto.plan_for(tensors, variables, mask)
+        plan = self._auto.plan_for(tensors, variables, mask, owner)
         planned = [i for i, m in enumerate(mask) if m]
         entries = dict(zip(planned, plan.entries))
         groups = {}
