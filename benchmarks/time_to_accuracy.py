@@ -107,6 +107,9 @@ def parse_args(argv=None):
     p.add_argument("--eval_every", type=float, default=10.0,
                    help="seconds of training between evaluations (default 10)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--auto_every_steps", type=int, default=0,
+                   help="compressor='auto': AutoPlanCallback's interval in steps (default 0: "
+                        "one epoch, as tfgc-train)")
     p.add_argument("--timeout", type=float, default=0,
                    help="seconds per run before its workers are killed (0: budget x 3 + 300)")
     p.add_argument("--resume", action="store_true", help="keep the runs already in PREFIX.json")
@@ -330,7 +333,12 @@ def _worker(args, rank, prefix, phase):
     clock = Clock()
     phase[0] = "train"
     t_fit = time.perf_counter()
-    net.fit(train_ds, epochs=args.run_epochs, steps_per_epoch=steps, callbacks=[clock],
+    callbacks = [clock]
+    if getattr(compressor, "plans_per_tensor", False):
+        # compressor="auto": the plan follows the link and the critical regimes.
+        callbacks.append(tfgc.keras.AutoPlanCallback(
+            strategy, every_steps=args.auto_every_steps or None))
+    net.fit(train_ds, epochs=args.run_epochs, steps_per_epoch=steps, callbacks=callbacks,
             verbose=0)
     fit_s = time.perf_counter() - t_fit
     if rank != 0:
@@ -386,7 +394,7 @@ def run_once(cluster, run, args, run_dir, port):
            "--result_prefix", prefix, "--stop_file", stop_file,
            "--batch_size", str(args.batch_size), "--learning_rate", str(args.learning_rate),
            "--seed", str(args.seed), "--eval_every", str(args.eval_every),
-           "--budget", str(run["budget"])]
+           "--budget", str(run["budget"]), "--auto_every_steps", str(args.auto_every_steps)]
     logs = [os.path.join(run_dir, f"w{i}.log") for i in range(cluster.n)]
     procs, files = [], []
     timeout = args.timeout or run["budget"] * 3 + 300
@@ -645,7 +653,7 @@ def _drive(args, argv, holder):
                   "models", "rates", "floor_rate", "settings", "workers", "epochs",
                   "compressed_epochs",
                   "batch_size", "learning_rate", "margin", "target", "budget", "eval_every",
-                  "seed")},
+                  "seed", "auto_every_steps")},
               "runs": runs, "complete": False}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     scratch = _common.scratch_dir("tfgc_tta_")

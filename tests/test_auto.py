@@ -282,11 +282,44 @@ def test_the_plan_callback_refuses_what_it_cannot_use():
         strategy.cross_device_ops.replan()
     strategy.compressor = "auto"
     for kwargs, argument in [({"threshold": 0}, "threshold"), ({"link_margin": -1}, "link_margin"),
-                             ({"every_epochs": 0}, "every_epochs")]:
+                             ({"every_epochs": 0}, "every_epochs"),
+                             ({"every_steps": 0}, "every_steps"),
+                             ({"every_steps": 2.5}, "every_steps")]:
         with pytest.raises(ValueError, match=f"`{argument}`"):
             tfgc.keras.AutoPlanCallback(strategy, **kwargs)
     with pytest.raises(ValueError, match="needs track_regimes"):
         strategy.cross_device_ops.adapt()
+
+
+def small_model(strategy, width=64, outputs=4):
+    """A compiled 40-``width``-``outputs`` model under ``strategy``: one kernel large enough
+    for the policy to plan (``width`` >= 26), the rest sent dense."""
+    import tf_keras as keras
+    with strategy.scope():
+        model = keras.Sequential([keras.layers.Dense(width, input_shape=(40,), name="a"),
+                                  keras.layers.Dense(outputs, name="b")])
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    return model
+
+
+def small_data(rows, outputs=4):
+    rng = np.random.default_rng(0)
+    return (rng.normal(size=(rows, 40)).astype(np.float32),
+            rng.normal(size=(rows, outputs)).astype(np.float32))
+
+
+def test_the_plan_callback_ends_an_interval_every_so_many_steps():
+    # One worker (nothing to compress, but the intervals run as on a cluster): 12 steps
+    # in three epochs, intervals of 5 steps end after steps 5 and 10.
+    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
+    model = small_model(strategy)
+    callback = tfgc.keras.AutoPlanCallback(strategy, every_steps=5, link_margin=None)
+    model.fit(*small_data(32), batch_size=8, epochs=3, verbose=0, callbacks=[callback])
+    # 4 steps per epoch: steps 5 and 10 are in epochs 1 and 2, and no epoch's end counts.
+    assert [epoch for epoch, _, _ in callback.history] == [1, 2]
+    # The first interval has no previous one: every planned gradient critical.
+    names = [e.name for e in strategy.compression_plan().entries]
+    assert callback.history[0][1] == sorted(names)
 
 
 def test_auto_chooses_the_paths_itself():
@@ -300,40 +333,28 @@ def test_auto_chooses_the_paths_itself():
 
 def test_a_single_worker_plans_everything_as_float32():
     # Nothing crosses a network: no candidate can pay for its CPU.
-    import tf_keras as keras
     strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
-    with strategy.scope():
-        model = keras.Sequential([keras.layers.Dense(64, input_shape=(40,)),
-                                  keras.layers.Dense(4)])
-        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    model = small_model(strategy)
     assert strategy.compression_plan() is None
-    rng = np.random.default_rng(0)
-    model.fit(rng.normal(size=(32, 40)).astype(np.float32),
-              rng.normal(size=(32, 4)).astype(np.float32), batch_size=16, verbose=0)
+    model.fit(*small_data(32), batch_size=16, verbose=0)
     plan = strategy.compression_plan()
     assert [e.label for e in plan.entries] == ["fp32"]  # the 40x64 kernel; the rest is small
     reasons = {u["reason"] for u in strategy.uncompressed_gradients()}
     assert "auto's plan: float32 is the fastest on this link" in reasons
-    assert "dense/kernel" in plan.table()
+    assert "a/kernel" in plan.table()
 
 
 def test_a_checkpoint_for_other_gradients_is_measured_again(tmp_path):
     # One worker: the record's figures are reused for the same gradients (no measuring)
     # and not for a model of other shapes.
-    import tf_keras as keras
     strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
     auto = strategy.cross_device_ops._auto  # pylint: disable=protected-access
-    rng = np.random.default_rng(0)
-    x, y = rng.normal(size=(32, 40)).astype(np.float32), rng.normal(size=(32, 4))
 
     def fit(width, path=None):
-        with strategy.scope():
-            model = keras.Sequential([keras.layers.Dense(width, input_shape=(40,), name="a"),
-                                      keras.layers.Dense(4, name="b")])
-            model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+        model = small_model(strategy, width)
         if path is not None:
             tf.train.Checkpoint(optimizer=model.optimizer).restore(path)
-        model.fit(x, y, batch_size=16, verbose=0)
+        model.fit(*small_data(32), batch_size=16, verbose=0)
         return model
 
     model = fit(64)

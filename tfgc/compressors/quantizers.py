@@ -5,6 +5,7 @@ per-worker scales (column means, norms, maxima), so they are not summable: worke
 all-gather them and decode each one.
 """
 
+import functools
 import math
 
 import tensorflow as tf
@@ -295,6 +296,7 @@ class QSGD(Recompressible):
         return self._restore(total, shape, dtype, ctx)
 
 
+@functools.lru_cache(maxsize=None)
 def rotated_bound(d: int, s: int) -> float:
     """A bound on E||Q(y) - y||^2 / ||v||^2 for a bucket v of d elements rotated to y
     (randomized Hadamard, random signs) and quantized with max-normed levels s.

@@ -26,6 +26,7 @@ for _module, _names in {
                  "quantize_bucketed", "quantize_bucketed_reference"),
     "threshold": ("ThresholdEncoded", "threshold_decode", "threshold_decode_reference",
                   "threshold_encode", "threshold_encode_reference"),
+    "rotation": ("block_hadamard", "block_hadamard_reference"),
 }.items():
     _EXPORTS.update({_name: _module for _name in _names})
 
