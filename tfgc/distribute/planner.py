@@ -21,9 +21,10 @@ ask this module for a ``Plan``:
    times the gradient's share of the planned elements (``Candidate.variance_bound``),
    and lambda is the smallest (found by bisection) that keeps the total within the
    budget; what that leaves of the budget goes, gradient by gradient, to the moves
-   that save the most time per error added (``_fill``): L-GreCo's problem (Markov et
-   al., MLSys 2024: per-layer compression under a total error bound), solved by its
-   Lagrangian relaxation and a greedy completion instead of its dynamic program. The
+   that save the most time per error added (``_fill``); a dynamic program over the
+   budget cut into bins (``_knapsack``) finds the exchanges that one move at a time
+   cannot, and the faster answer is kept: L-GreCo's problem (Markov et al., MLSys
+   2024: per-layer compression under a total error bound) and its program. The
    same numbers give the same plan on every worker (Python floats, the same
    operations in the same order); ``autoplan`` checks it anyway, by an all-gather of
    its digest.
@@ -479,6 +480,10 @@ def _knapsack(options, budget):
     ``_fill`` cannot make (4 bits moved from a small gradient to a large one while the
     small one takes 8). None when nothing fits."""
     bins = max(4096, 32 * len(options))
+
+    def width(o):  # the option's error in bins, rounded up
+        return min(int(math.ceil(o["mass"] / budget * bins - 1e-9)), bins) if o["mass"] > 0 else 0
+
     best = np.zeros(bins + 1)  # best[b]: least time with b bins of error used
     best[1:] = np.inf
     picks = []
@@ -488,8 +493,7 @@ def _knapsack(options, budget):
         for k, o in enumerate(mine):  # from the least error: ties keep the first
             if o["mass"] > budget:
                 continue
-            w = int(math.ceil(o["mass"] / budget * bins - 1e-9)) if o["mass"] > 0 else 0
-            w = min(w, bins)
+            w = width(o)
             shifted = np.full(bins + 1, np.inf)
             shifted[w:] = best[:bins + 1 - w] + (o["cpu"] + o["wire"])
             better = shifted < new
@@ -503,8 +507,7 @@ def _knapsack(options, budget):
     for mine, pick in zip(reversed(options), reversed(picks)):
         o = mine[int(pick[b])]
         choice.append(o)
-        if o["mass"] > 0:
-            b -= min(int(math.ceil(o["mass"] / budget * bins - 1e-9)), bins)
+        b -= width(o)
     return choice[::-1]
 
 
