@@ -480,7 +480,9 @@ def add_projections(runs):
         if run.get("status") != "ok" or run["role"] != "run":
             continue
         run.pop("projected_s", None)
-        if not run["reached"]:
+        # compressor="auto" changes its plan, and so its step time, during a run (the
+        # critical intervals in bf16 first): one median step time cannot project it.
+        if not run["reached"] and run["setting"].split(":")[0] != "auto":
             other = [r for r in runs if r.get("status") == "ok" and r is not run
                      and r["model"] == run["model"] and r["setting"] == run["setting"]
                      and r.get("reached") and r["role"] != "floor"]

@@ -375,6 +375,15 @@ def cluster(tmp_path_factory):
     return run_cluster(tmp_path_factory, "auto", SCRIPT)
 
 
+def _per_worker(cluster, name):
+    """Both workers' ``<name>.w<rank>.json``."""
+    out = []
+    for r in range(2):
+        with open(cluster / f"{name}.w{r}.json") as f:
+            out.append(json.load(f))
+    return out
+
+
 def _load(cluster, k, rank):
     with open(cluster / f"fixed{k}.w{rank}.json") as f:
         meta = json.load(f)
@@ -391,10 +400,7 @@ def test_every_worker_derives_the_same_plan(cluster):
         plans = [_load(cluster, k, r)[0] for r in range(2)]
         assert plans[0]["plan"] == plans[1]["plan"]
         assert plans[0]["digest"] == plans[1]["digest"]
-    measured = []
-    for r in range(2):
-        with open(cluster / f"results.w{r}.json") as f:
-            measured.append(json.load(f))
+    measured = _per_worker(cluster, "results")
     assert measured[0]["plan"] == measured[1]["plan"]
     assert measured[0]["link"] == measured[1]["link"]
     assert measured[0]["link"][1] > 0  # a measured link has a rate
@@ -465,10 +471,7 @@ def test_a_fast_link_sends_every_gradient_as_float32_exactly(cluster):
 
 
 def test_replanning_measures_the_link_again_and_every_worker_agrees(cluster):
-    runs = []
-    for r in range(2):
-        with open(cluster / f"results.w{r}.json") as f:
-            runs.append(json.load(f)["replan"])
+    runs = [run["replan"] for run in _per_worker(cluster, "results")]
     assert runs[0]["after"] == runs[1]["after"]  # the slowest worker's, everywhere
     assert runs[0]["plan"] == runs[1]["plan"]
     # Three medians in microseconds do not all come back the same.
@@ -476,10 +479,7 @@ def test_replanning_measures_the_link_again_and_every_worker_agrees(cluster):
 
 
 def test_critical_regimes_follow_accordions_rule_on_every_worker(cluster):
-    runs = []
-    for r in range(2):
-        with open(cluster / f"regimes.w{r}.json") as f:
-            runs.append(json.load(f))
+    runs = _per_worker(cluster, "regimes")
     assert runs[0] == runs[1]
     epochs, history = runs[0]["epochs"], runs[0]["history"]
     assert len(epochs) == len(history) == worker.EPOCHS
@@ -505,10 +505,7 @@ def test_critical_regimes_follow_accordions_rule_on_every_worker(cluster):
 
 
 def test_a_restored_checkpoint_brings_the_plan_back_without_measuring(cluster):
-    runs = []
-    for r in range(2):
-        with open(cluster / f"restart.w{r}.json") as f:
-            runs.append(json.load(f))
+    runs = _per_worker(cluster, "restart")
     assert runs[0] == runs[1]
     run = runs[0]
     assert run["restored"] == run["saved"]
