@@ -3,8 +3,8 @@
 At the first gradient reduction under ``tfgc.compressors.Auto`` the cross-device ops
 ask this module for a ``Plan``:
 
-1. **Measure** (``measure``). Every worker times, on its own CPU, each compressing
-   candidate's encoding and decoding of float32 vectors of ``CPU_SIZES`` elements,
+1. **Measure** (``measure``). Every worker times, on its own CPU (once per process),
+   each compressing candidate's encoding and decoding of float32 vectors of ``CPU_SIZES`` elements,
    and, together, an all-reduce of ``LINK_SIZES`` bytes (the link; skipped when the
    user gives ``link_gbps``). The figures are medians of ``REPEATS`` runs after one
    warm-up, in microseconds; the workers all-gather them and every worker keeps the
@@ -157,17 +157,27 @@ def _cpu_seconds(candidate: Candidate, n: int, num_workers: int) -> Tuple[float,
             median_seconds(lambda: [d.numpy() for d in decode(payloads)]) / COPIES)
 
 
+# This process's own CPU timings by cluster size: the CPU does not change when a new
+# plan is made (another compressor, another model), so only the first plan pays for them.
+_CPU_WORDS: Dict[int, List[int]] = {}
+
+
 def measure(cross_device_ops, link_gbps: float, latency_ms: float) -> "Figures":
     """This worker's figures, then the slowest worker's of each (the same everywhere).
 
-    Runs eagerly (under ``init_scope``); every worker must call it at the same point.
+    The CPU timings are taken once per process (and cluster size) and kept; the link
+    is timed at every call. Runs eagerly (under ``init_scope``); every worker must call
+    it at the same point.
     """
     n = cross_device_ops.group_size
     with tf.init_scope():
-        words = list(_link_us(cross_device_ops, link_gbps))
-        for candidate in CANDIDATES[1:]:
-            for size in CPU_SIZES:
-                words.extend(_microseconds(s) for s in _cpu_seconds(candidate, size, n))
+        if n not in _CPU_WORDS:
+            cpu = []
+            for candidate in CANDIDATES[1:]:
+                for size in CPU_SIZES:
+                    cpu.extend(_microseconds(s) for s in _cpu_seconds(candidate, size, n))
+            _CPU_WORDS[n] = cpu
+        words = list(_link_us(cross_device_ops, link_gbps)) + _CPU_WORDS[n]
         agreed = _slowest(cross_device_ops, words)
     return Figures.from_words(agreed, n, link_gbps, latency_ms)
 
