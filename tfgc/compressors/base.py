@@ -355,8 +355,7 @@ def check_number(name: str, value, minimum: float, strict: bool = False, also: s
 
 
 def check_positive_float(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not float(value) > 0.0:
-        raise ValueError(f"`{name}` must be a positive number, got {value!r}")
+    check_number(name, value, 0, strict=True)
     if float(value) == float("inf"):
         raise ValueError(f"`{name}` must be finite, got {value!r}")
     return float(value)

@@ -211,7 +211,7 @@ class QSGD(Recompressible):
                 # that makes the l2 norm's levels coarsest (QSGD's sqrt(d)/s bound).
                 raise ValueError("`rotate=True` needs `norm='max'`: a rotation spreads "
                                  "a bucket evenly, which the l2-normed levels resolve worst")
-            if bucket_size & (bucket_size - 1) or bucket_size > rotation.MAX_BLOCK:
+            if not rotation.is_power_of_two(bucket_size) or bucket_size > rotation.MAX_BLOCK:
                 raise ValueError("`bucket_size` must be a power of two up to "
                                  f"{rotation.MAX_BLOCK} with `rotate=True`, got {bucket_size!r}")
         self.rotate = rotate

@@ -42,14 +42,14 @@ except KeyError:  # already registered, e.g. on module reload
     pass
 
 
-def _is_power_of_two(m: int) -> bool:
+def is_power_of_two(m: int) -> bool:
     return m >= 1 and m & (m - 1) == 0
 
 
 def check_block(block) -> int:
     """``block`` as an int; InvalidArgumentError unless a power of two up to 2^20."""
     if isinstance(block, bool) or not isinstance(block, (int, np.integer)) \
-            or not _is_power_of_two(int(block)) or block > MAX_BLOCK:
+            or not is_power_of_two(int(block)) or block > MAX_BLOCK:
         invalid(f"block must be a power of two from 1 to {MAX_BLOCK}, got {block!r}")
     return int(block)
 
@@ -96,7 +96,7 @@ def block_hadamard_reference(x, signs, block: int, inverse: bool = False) -> tf.
     x, signs = _check_vector(x, signs, block)
     n = _static_length(x)
     tail = n % block
-    if tail and not _is_power_of_two(tail):
+    if tail and not is_power_of_two(tail):
         invalid(f"the last block of x must have a power-of-two length: {n} elements in "
                 f"blocks of {block} leave {tail}")
     tf.debugging.assert_equal(tf.abs(signs), tf.ones_like(signs),

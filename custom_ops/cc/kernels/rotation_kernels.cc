@@ -117,13 +117,20 @@ TFGC_R_INLINE void RotateBlock(const float* __restrict in, float* __restrict out
   }
 }
 
-void RotateBlocks(const float* in, float* out, float* buf, const float* s,
-                  int64_t n, int64_t block, int64_t first, int64_t last,
-                  bool inverse) {
+// Blocks [first, last) of the n elements (the last block may be shorter).
+TFGC_R_INLINE void RotateRange(const float* in, float* out, float* buf, const float* s,
+                               int64_t n, int64_t block, int64_t first, int64_t last,
+                               bool inverse) {
   for (int64_t b = first; b < last; ++b) {
     const int64_t start = b * block;
     RotateBlock(in + start, out + start, buf, s, std::min(block, n - start), inverse);
   }
+}
+
+void RotateBlocks(const float* in, float* out, float* buf, const float* s,
+                  int64_t n, int64_t block, int64_t first, int64_t last,
+                  bool inverse) {
+  RotateRange(in, out, buf, s, n, block, first, last, inverse);
 }
 
 #if TFGC_CPU_X86
@@ -132,10 +139,7 @@ void RotateBlocks(const float* in, float* out, float* buf, const float* s,
 __attribute__((target("avx2"))) void RotateBlocksAvx2(
     const float* in, float* out, float* buf, const float* s, int64_t n,
     int64_t block, int64_t first, int64_t last, bool inverse) {
-  for (int64_t b = first; b < last; ++b) {
-    const int64_t start = b * block;
-    RotateBlock(in + start, out + start, buf, s, std::min(block, n - start), inverse);
-  }
+  RotateRange(in, out, buf, s, n, block, first, last, inverse);
 }
 #endif
 
