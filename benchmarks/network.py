@@ -443,7 +443,6 @@ def _failure_reason(run_dir, index, code, logs):
 
 def run_once(cluster, run, args, run_dir, port):
     """Runs one configuration on ``cluster``; returns per-worker results or raises."""
-    os.makedirs(run_dir, exist_ok=True)
     prefix = os.path.join(run_dir, "result")
     threads = args.threads if args.threads >= 0 else max(1, (os.cpu_count() or 1) // cluster.n)
     cmd = [sys.executable, os.path.abspath(__file__), "--worker",
@@ -452,6 +451,23 @@ def run_once(cluster, run, args, run_dir, port):
            "--steps", str(run["steps"]), "--warmup", str(run["warmup"]),
            "--threads", str(threads), "--min_elements", str(args.min_elements),
            "--learning_rate", str(args.learning_rate)]
+    supervise(cluster, cmd, run_dir, port, args.timeout, "--timeout")
+    results = []
+    for i in range(cluster.n):
+        path = f"{prefix}.w{i}.json"
+        if not os.path.exists(path):
+            raise RunFailed(f"worker {i} exited 0 but wrote no result", None)
+        with open(path) as f:
+            results.append(json.load(f))
+    return results
+
+
+def supervise(cluster, cmd, run_dir, port, timeout, timeout_flag=""):
+    """Runs ``cmd`` once per worker of ``cluster``, each in its namespace with its
+    TF_CONFIG (logs ``run_dir/w<i>.log``), until all exit 0; raises RunFailed with the
+    first failing worker's reason (or on timeout, after ``timeout`` seconds, named by
+    the driver's ``timeout_flag``), and kills whatever is left either way."""
+    os.makedirs(run_dir, exist_ok=True)
     logs = [os.path.join(run_dir, f"w{i}.log") for i in range(cluster.n)]
     procs = []
     files = []
@@ -463,7 +479,7 @@ def run_once(cluster, run, args, run_dir, port):
                 ["ip", "netns", "exec", ns] + cmd, env=worker_env(cluster, i, port),
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True, cwd=_common.REPO_ROOT))
-        deadline = time.monotonic() + args.timeout
+        deadline = time.monotonic() + timeout
         while True:
             codes = [p.poll() for p in procs]
             bad = [i for i, c in enumerate(codes) if c not in (None, 0)]
@@ -473,24 +489,17 @@ def run_once(cluster, run, args, run_dir, port):
                 reason, phase = _failure_reason(run_dir, bad[0], codes[bad[0]], logs)
                 raise RunFailed(reason, phase)
             if all(c == 0 for c in codes):
-                break
+                return
             if time.monotonic() > deadline:
-                raise RunFailed(f"timed out after {args.timeout:g} s (--timeout); "
-                                "killed all workers", "timeout")
+                flag = f" ({timeout_flag})" if timeout_flag else ""
+                raise RunFailed(f"timed out after {timeout:g} s{flag}; killed all workers",
+                                "timeout")
             time.sleep(0.2)
     finally:
         _kill_groups(procs)
         for f in files:
             f.close()
         cluster.reap()
-    results = []
-    for i in range(cluster.n):
-        path = f"{prefix}.w{i}.json"
-        if not os.path.exists(path):
-            raise RunFailed(f"worker {i} exited 0 but wrote no result", None)
-        with open(path) as f:
-            results.append(json.load(f))
-    return results
 
 
 class RunFailed(Exception):

@@ -52,7 +52,6 @@ import os
 import re
 import signal
 import statistics
-import subprocess
 import sys
 import time
 
@@ -383,7 +382,6 @@ def _worker(args, rank, prefix, phase):
 
 def run_once(cluster, run, args, run_dir, port):
     """Starts one cluster for ``run``; returns worker 0's result or raises RunFailed."""
-    os.makedirs(run_dir, exist_ok=True)
     prefix = os.path.join(run_dir, "result")
     stop_file = os.path.join(run_dir, "stop")
     if os.path.exists(stop_file):
@@ -395,36 +393,8 @@ def run_once(cluster, run, args, run_dir, port):
            "--batch_size", str(args.batch_size), "--learning_rate", str(args.learning_rate),
            "--seed", str(args.seed), "--eval_every", str(args.eval_every),
            "--budget", str(run["budget"]), "--auto_every_steps", str(args.auto_every_steps)]
-    logs = [os.path.join(run_dir, f"w{i}.log") for i in range(cluster.n)]
-    procs, files = [], []
-    timeout = args.timeout or run["budget"] * 3 + 300
-    try:
-        for i, ns in enumerate(cluster.workers):
-            log = open(logs[i], "w")
-            files.append(log)
-            procs.append(subprocess.Popen(
-                ["ip", "netns", "exec", ns] + cmd, env=network.worker_env(cluster, i, port),
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True, cwd=_common.REPO_ROOT))
-        deadline = time.monotonic() + timeout
-        while True:
-            codes = [p.poll() for p in procs]
-            bad = [i for i, c in enumerate(codes) if c not in (None, 0)]
-            if bad:
-                time.sleep(0.5)
-                reason, phase = network._failure_reason(run_dir, bad[0], codes[bad[0]], logs)
-                raise network.RunFailed(reason, phase)
-            if all(c == 0 for c in codes):
-                break
-            if time.monotonic() > deadline:
-                raise network.RunFailed(f"timed out after {timeout:g} s; killed all workers",
-                                        "timeout")
-            time.sleep(0.5)
-    finally:
-        network._kill_groups(procs)
-        for f in files:
-            f.close()
-        cluster.reap()
+    network.supervise(cluster, cmd, run_dir, port, args.timeout or run["budget"] * 3 + 300,
+                      "--timeout")
     with open(f"{prefix}.w0.json") as f:
         return json.load(f)
 

@@ -119,7 +119,7 @@ def test_the_plan_is_the_fastest_assignment_within_the_budget(budget, ns, rotati
         for c in planner.CANDIDATES:
             path = planner.path_of(c, 2)
             mine.append((planner.cpu_seconds(fig, c, path, n) + planner.sent_bytes(
-                c, path, shape, dtype, 2) * fig.link().b, c.variance_bound(n) * n / total))
+                c, path, shape, dtype, 2) * fig.link().beta, c.variance_bound(n) * n / total))
         costs.append(mine)
     slack = len(layers) / 4096 * budget
     best = min(sum(t for t, _ in combo) for combo in itertools.product(*costs)
@@ -130,8 +130,8 @@ def test_the_plan_is_the_fastest_assignment_within_the_budget(budget, ns, rotati
 
 def test_a_group_that_saves_less_than_its_collectives_cost_joins_another():
     # A large kernel best in 8 bits and a small one best in 4 (fewer bytes): with
-    # no latency each takes its own; when a round of collectives costs more than what
-    # 4 bits save on the small one, it goes with the large one.
+    # no latency each takes its own; when the hops of its collectives cost more than
+    # what 4 bits save on the small one, it goes with the large one.
     layers = [("big", (2048, 2048), "float32"), ("small", (512, 10), "float32")]
     # Rotated 8 bits on the big one (0.00025 of nearly all the elements) and 4 on the
     # small one (0.068 of 0.12 % of them) fit within 0.0004; 4 bits on the big one do not.
@@ -140,7 +140,9 @@ def test_a_group_that_saves_less_than_its_collectives_cost_joins_another():
     together = planner.make_plan(layers, figures(link_gbps=0.1, latency_ms=20.0), 0.0004)
     assert [e.label for e in together.entries] == ["rqsgd8", "rqsgd8"]
     p = together.predicted()
-    assert p["latency_s"] == pytest.approx(4 * 20e-3)  # one group, N = 4 rounds
+    # One group on the reduce-scatter: 3 rounds of pairwise exchanges and a ring
+    # all-gather's 3 hops on 4 workers.
+    assert p["latency_s"] == pytest.approx(6 * 20e-3)
 
 
 def test_critical_gradients_take_no_more_error_than_bf16():
@@ -172,7 +174,7 @@ def test_each_gradient_takes_its_cheapest_candidate_when_the_budget_allows():
             path = planner.path_of(candidate, 4)
             times[candidate.label] = planner.cpu_seconds(
                 fig, candidate, path, int(np.prod(entry.shape))) + planner.sent_bytes(
-                    candidate, path, entry.shape, entry.dtype, 4) * plan.link.b
+                    candidate, path, entry.shape, entry.dtype, 4) * plan.link.beta
         assert times[entry.label] == min(times.values()), (entry, times)
 
 
@@ -195,9 +197,10 @@ def test_the_link_line_comes_back_from_exact_timings():
     us = tuple(int(round((2e-3 + planner.ring_sent(s, 4) * 8 / 1e9) * 1e6))
                for s in planner.LINK_SIZES)
     fig = planner.Figures(4, us, {}, {})
-    line = fig.link()
-    assert line.a == pytest.approx(2e-3, rel=0.01)
-    assert line.b == pytest.approx(8e-9, rel=0.01)
+    link = fig.link()
+    # The all-reduce's latency is its 2(N-1) = 6 hops'.
+    assert link.alpha == pytest.approx(2e-3 / 6, rel=0.01)
+    assert link.beta == pytest.approx(8e-9, rel=0.01)
     # A noisy fast link cannot give a negative latency or rate.
     flat = planner.fit([1, 2, 3], [5.0, 1.0, 0.5])
     assert flat.a >= 0 and flat.b >= 0

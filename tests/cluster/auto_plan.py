@@ -83,7 +83,7 @@ def main():
     after = cdo._auto.figures.link_us  # pylint: disable=protected-access
     with open(os.path.join(out_dir, f"results.w{rank}.json"), "w") as f:
         json.dump({"losses": losses, "plan": plan.as_dicts(), "digest": plan.digest(),
-                   "table": plan.table(), "link": [plan.link.a, plan.link.b],
+                   "table": plan.table(), "link": [plan.link.alpha, plan.link.beta],
                    "uncompressed": strategy.uncompressed_gradients(),
                    "replan": {"before": before, "after": after, "changed": changed,
                               "plan": strategy.compression_plan().as_dicts()}}, f)

@@ -37,8 +37,9 @@ class Auto(Compressor):
         as float32; the default 0.05 allows rotated 4 bits (0.068) on about 73 % of
         the elements and rotated 8 bits on the rest; 0.068 allows 4 bits everywhere.
       link_gbps: the link rate in Gbit/s to plan for instead of measuring it (0: measure
-        with the probe). With it, ``latency_ms`` is the per-collective latency.
-      latency_ms: the latency of one collective, with ``link_gbps``.
+        with the probe). With it, ``latency_ms`` is the link's latency.
+      latency_ms: with ``link_gbps``, the latency of one hop (a message that waits for
+        the previous one: a ring all-reduce on N workers takes 2(N-1) of them).
     """
 
     name = "auto"

@@ -9,13 +9,14 @@ ask this module for a ``Plan``:
    user gives ``link_gbps``). The figures are medians of ``REPEATS`` runs after one
    warm-up, in microseconds; the workers all-gather them and every worker keeps the
    largest of each (the slowest worker's), so every worker holds the same numbers.
-2. **Model** (``Figures``, ``cpu_seconds``, ``sent_bytes``). A straight line through the all-reduce times against the bytes
-   each worker sent (2(N-1)/N of the vector on a ring) gives the link's latency and
-   seconds per byte; a line through each candidate's times against elements gives
-   its encoding and decoding cost. A gradient of n elements under a candidate then
-   costs CPU (the encodings and decodings its path runs, ``cpu_seconds``) plus wire
-   time (the bytes its path sends per worker, as ``paths.auto.sent_bytes`` counts
-   them, times seconds per byte).
+2. **Model** (``Figures``, ``cpu_seconds``, ``sent_bytes``; the alpha-beta model of
+   ``costmodel``). A straight line through the all-reduce times against the bytes each
+   worker sent (2(N-1)/N of the vector on a ring) gives seconds per byte, and its
+   intercept, over the ring's 2(N-1) hops, the seconds per hop; a line through each
+   candidate's times against elements gives its encoding and decoding cost. A
+   gradient of n elements under a candidate then costs CPU (the encodings and
+   decodings its path runs, ``cpu_seconds``) plus wire time (the bytes its path sends
+   per worker, as ``paths.auto.sent_bytes`` counts them, times seconds per byte).
 3. **Choose** (``make_plan``). Each gradient takes the candidate that minimises its
    time + lambda * error, where error is the candidate's relative variance bound
    times the gradient's share of the planned elements (``Candidate.variance_bound``),
@@ -29,9 +30,11 @@ ask this module for a ``Plan``:
    operations in the same order); ``autoplan`` checks it anyway, by an all-gather of
    its digest.
 
-Latency: a candidate's group waits on its own collectives (``rounds``), which the
-per-gradient choice does not see; ``_consolidate`` then merges a group into another
-(or into float32, which rides with the biases' all-reduce) where that saves time.
+Latency: a candidate's group waits on the hops of its own path (``costmodel.hops``:
+2(N-1) for the all-reduce, N-1 for the all-gather, about 2(N-1) for the
+reduce-scatter), which the per-gradient choice does not see; ``_consolidate`` then
+merges a group into another (or into float32, which rides with the biases'
+all-reduce) where that saves time.
 What the model leaves out, knowingly: a group cut into several buckets pays that
 latency once per bucket; the overlap of the wire with back-propagation (so it leans
 toward compressing); and the error that the ring's 16-bit partial sums add for bf16
@@ -57,6 +60,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfgc.compressors import CompressContext, get as get_compressor
+from tfgc.distribute import costmodel
+from tfgc.distribute.costmodel import ring_sent
 from tfgc.distribute.paths import auto as auto_paths
 
 # Bytes of the float32 vectors the link probe all-reduces, and elements of the vectors
@@ -133,16 +138,18 @@ def median_seconds(fn, repeats: int = REPEATS) -> float:
     return float(np.median(times))
 
 
-def _cpu_seconds(candidate: Candidate, n: int, num_workers: int) -> Tuple[float, float]:
-    """Median seconds of one encoding and one decoding of a float32 vector of ``n``.
+def _cpu_seconds(candidate: Candidate, n: int, num_workers: int,
+                 shape: Optional[Sequence[int]] = None) -> Tuple[float, float]:
+    """Median seconds of one encoding and one decoding of a float32 vector of ``n``
+    elements (or of ``shape``, for codecs whose cost depends on it: low-rank ones).
 
     Each call of the timed function encodes (decodes) ``COPIES`` vectors, and the time
     is divided by them: what is left of the call's own overhead is what a gradient's
     encoding costs inside a training step's graph, where there is no call per gradient.
     """
     compressor = candidate.compressor
-    shape = tf.TensorShape([n])
-    xs = [tf.random.stateless_normal([n], seed=[7, n + k]) for k in range(COPIES)]
+    shape = tf.TensorShape(shape or [n])
+    xs = [tf.random.stateless_normal(shape, seed=[7, n + k]) for k in range(COPIES)]
     state = compressor.init_state(shape, tf.float32)
     contexts = [CompressContext(rank=0, num_workers=num_workers, index=k,
                                 step=tf.constant(0, tf.int64)) for k in range(COPIES)]
@@ -206,8 +213,9 @@ def _slowest(cross_device_ops, words):
 def link_changed(old: "Figures", new: "Figures", plan: "Plan", margin: float) -> bool:
     """Whether the float32 all-reduce of the planned gradients, as each link predicts
     it, moved by more than ``margin`` (relative) between ``old`` and ``new``."""
-    nbytes = sum(ring_sent(e.dense_bytes, plan.num_workers) for e in plan.entries)
-    before, after = old.link()(nbytes), new.link()(nbytes)
+    nbytes = sum(e.dense_bytes for e in plan.entries)
+    n = plan.num_workers
+    before, after = (f.link().time("allreduce", n, nbytes) for f in (old, new))
     return abs(after - before) > margin * before
 
 
@@ -253,11 +261,6 @@ def fit(xs: Sequence[float], ys: Sequence[float]) -> Line:
     return Line(a, b)
 
 
-def ring_sent(nbytes: float, num_workers: int) -> float:
-    """Bytes each worker sends in a ring all-reduce of ``nbytes``."""
-    return 2.0 * (num_workers - 1) / num_workers * nbytes
-
-
 @dataclasses.dataclass(frozen=True)
 class Figures:
     """The agreed measurements, in microseconds (``measure``), and the lines through them.
@@ -287,14 +290,17 @@ class Figures:
             decode[candidate.label] = tuple(block[1::2])
         return cls(num_workers, link, encode, decode, link_gbps, latency_ms)
 
-    def link(self) -> Line:
-        """Seconds against bytes sent per worker: (latency, seconds per byte)."""
+    def link(self) -> costmodel.AlphaBeta:
+        """Seconds per hop and per byte a worker sends (``costmodel``): given, or from the
+        line through the probe's all-reduce times against the bytes each worker sent,
+        whose intercept is the latency of the all-reduce's 2(N-1) hops."""
         if self.link_gbps:
-            return Line(self.latency_ms / 1e3, 8.0 / (self.link_gbps * 1e9))
+            return costmodel.AlphaBeta(self.latency_ms / 1e3, 8.0 / (self.link_gbps * 1e9))
         if self.num_workers < 2:
-            return Line(0.0, 0.0)
-        return fit([ring_sent(s, self.num_workers) for s in LINK_SIZES],
+            return costmodel.AlphaBeta(0.0, 0.0)
+        line = fit([ring_sent(s, self.num_workers) for s in LINK_SIZES],
                    [us / 1e6 for us in self.link_us])
+        return costmodel.AlphaBeta.from_allreduce(line.a, line.b, self.num_workers)
 
     def encode(self, label: str) -> Line:
         return fit(CPU_SIZES, [us / 1e6 for us in self.encode_us[label]])
@@ -304,10 +310,10 @@ class Figures:
 
     def describe(self) -> str:
         link = self.link()
-        rate = 8.0 / link.b / 1e9 if link.b > 0 else float("inf")
+        rate = 8.0 / link.beta / 1e9 if link.beta > 0 else float("inf")
         source = "given" if self.link_gbps else "measured"
-        return (f"link ({source}): {link.a * 1e3:.3f} ms + bytes at {rate:.3g} Gbit/s per "
-                f"worker; " + ", ".join(
+        return (f"link ({source}): {link.alpha * 1e3:.3f} ms per hop + bytes at {rate:.3g} "
+                f"Gbit/s per worker; " + ", ".join(
                     f"{label} {self.encode(label).b * 1e9:.2f}+{self.decode(label).b * 1e9:.2f} "
                     "ns/element" for label in self.encode_us))
 
@@ -315,25 +321,15 @@ class Figures:
 # -- choosing -----------------------------------------------------------------------
 
 def cpu_seconds(figures: Figures, candidate: Candidate, path: str, n: int) -> float:
-    """The encodings and decodings ``path`` runs for a gradient of ``n`` elements:
-
-    * all-reduce: one encoding, one decoding of the sum;
-    * all-gather: one encoding, N decodings (every worker's payload);
-    * reduce-scatter: the encoding of every chunk, N-1 received chunks decoded, the
-      owner's sum encoded again, and the N chunks of the all-gather decoded.
-    """
+    """The encodings and decodings ``path`` runs for a gradient of ``n`` elements
+    (``costmodel.codec_calls``: one of each on the all-reduce, one encoding and a
+    fused sum of the N payloads on the all-gather, a call per chunk on the
+    reduce-scatter), each call a measured line."""
     if candidate.spec is None:
         return 0.0
-    w = figures.num_workers
-    enc, dec = figures.encode(candidate.label), figures.decode(candidate.label)
-    if path == "allreduce":
-        return enc(n) + dec(n)
-    if path == "allgather":
-        return enc(n) + w * dec(n)
-    if path == "reduce_scatter":
-        chunk = n / w
-        return enc(n) + (w - 1) * dec(chunk) + enc(chunk) + w * dec(chunk)
-    raise ValueError(f"no CPU model for path {path!r}")
+    return costmodel.codec_seconds(path, figures.num_workers, n,
+                                   figures.encode(candidate.label),
+                                   figures.decode(candidate.label))
 
 
 def sent_bytes(candidate: Candidate, path: str, shape, dtype, num_workers: int) -> int:
@@ -378,7 +374,7 @@ class Plan:
     entries: Tuple[Entry, ...]
     error_budget: float
     num_workers: int
-    link: Line
+    link: costmodel.AlphaBeta
     figures: Figures
     lam: float = 0.0
 
@@ -404,10 +400,11 @@ class Plan:
         groups = {e.label: e.path for e in self.entries if e.label != "fp32"}
         plan = {"cpu_s": sum(e.cpu_s for e in self.entries),
                 "wire_s": sum(e.wire_s for e in self.entries),
-                "latency_s": sum(self.link.a * rounds(path, self.num_workers)
+                "latency_s": sum(self.link.latency(path, self.num_workers)
                                  for path in groups.values())}
-        fp32 = sum(ring_sent(e.dense_bytes, self.num_workers) for e in self.entries)
-        return {**plan, "fp32_wire_s": fp32 * self.link.b, "fp32_latency_s": self.link.a}
+        fp32 = sum(e.dense_bytes for e in self.entries)
+        return {**plan, "fp32_wire_s": self.link.wire("allreduce", self.num_workers, fp32),
+                "fp32_latency_s": self.link.latency("allreduce", self.num_workers)}
 
     def as_dicts(self) -> List[dict]:
         return [dataclasses.asdict(e) for e in self.entries]
@@ -521,16 +518,10 @@ def _knapsack(options, budget):
     return choice[::-1]
 
 
-def rounds(path: str, num_workers: int) -> int:
-    """Collectives one bucket of a path waits on one after the other: an all-reduce
-    or an all-gather is one; the reduce-scatter's N-1 exchanges and its all-gather, N."""
-    return num_workers if path == "reduce_scatter" else 1
-
-
 def _consolidate(choice, options, budget, link, num_workers):
     """Merges a candidate's group into another where the latency of its own collectives
     costs more than the group saves: the per-gradient choice does not see that a
-    candidate chosen for one small gradient adds a round of collectives to the step.
+    candidate chosen for one small gradient adds its path's hops to the step.
     Float32 gradients join the dense all-reduce that the biases take anyway, so they
     add none. Moves a whole group at a time, the move that saves the most first."""
     choice = list(choice)
@@ -538,7 +529,7 @@ def _consolidate(choice, options, budget, link, num_workers):
     def step_time(c):
         used = {o["candidate"].label: o["path"] for o in c if o["candidate"].spec is not None}
         return (sum(o["cpu"] + o["wire"] for o in c)
-                + sum(link.a * rounds(path, num_workers) for path in used.values()))
+                + sum(link.latency(path, num_workers) for path in used.values()))
 
     while True:
         now = step_time(choice)
@@ -593,7 +584,7 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
             sent = sent_bytes(candidate, path, shape, dtype, w)
             cpu = cpu_seconds(figures, candidate, path, n)
             mine.append(dict(order=order, candidate=candidate, path=path, sent=sent, cpu=cpu,
-                             wire=sent * link.b, bound=bound, mass=bound * n / total,
+                             wire=sent * link.beta, bound=bound, mass=bound * n / total,
                              dense=n * tf_dtype.size))
         options.append((name, tuple(shape), dtype, mine))
 
