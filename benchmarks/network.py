@@ -187,13 +187,22 @@ def _cpu_busy_s():
 
 
 def worker_main(args):
+    run_worker(args.result_prefix, lambda rank, prefix, phase: _worker(args, prefix, phase))
+
+
+def run_worker(result_prefix, body):
+    """Runs ``body(rank, prefix, phase)`` as one worker of a shaped-link driver's cluster.
+
+    ``phase[0]`` says what the worker is doing; on any exception the worker writes
+    ``<prefix>.err.json`` (its rank, that phase and one line of reason) for the driver's
+    report (``_failure_reason``) and re-raises, so the traceback still goes to the log.
+    """
     rank = int(os.environ.get("TFGC_WORKER_INDEX", "0"))
-    prefix = f"{args.result_prefix}.w{rank}"
-    phase = ["import"]  # what the worker was doing, for the driver's failure report
+    prefix = f"{result_prefix}.w{rank}"
+    phase = ["import"]
     try:
-        _worker(args, prefix, phase)
+        body(rank, prefix, phase)
     except BaseException as exc:  # noqa: BLE001  (reported, then re-raised)
-        # One line for the driver's table; the traceback still goes to the log.
         text = (str(exc).strip().splitlines() or [""])[0]
         reason = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
         with open(prefix + ".err.json", "w") as f:

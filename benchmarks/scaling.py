@@ -131,17 +131,8 @@ def parse_args(argv=None):
 # Worker.
 
 def worker_main(args):
-    rank = int(os.environ.get("TFGC_WORKER_INDEX", "0"))
-    prefix = f"{args.result_prefix}.w{rank}"
-    phase = ["import"]
-    try:
-        _worker(args, prefix, phase)
-    except BaseException as exc:  # noqa: BLE001  (reported, then re-raised)
-        text = (str(exc).strip().splitlines() or [""])[0]
-        with open(prefix + ".err.json", "w") as f:
-            json.dump({"rank": rank, "phase": phase[0],
-                       "reason": f"{type(exc).__name__}: {text}"[:300]}, f)
-        raise
+    network.run_worker(args.result_prefix,
+                       lambda rank, prefix, phase: _worker(args, prefix, phase))
 
 
 def _worker(args, prefix, phase):

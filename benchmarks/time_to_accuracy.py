@@ -175,17 +175,8 @@ def _known(name):
 # Worker: one cluster member inside its namespace.
 
 def worker_main(args):
-    rank = int(os.environ.get("TFGC_WORKER_INDEX", "0"))
-    prefix = f"{args.result_prefix}.w{rank}"
-    phase = ["import"]
-    try:
-        _worker(args, rank, prefix, phase)
-    except BaseException as exc:  # noqa: BLE001  (reported, then re-raised)
-        text = (str(exc).strip().splitlines() or [""])[0]
-        reason = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-        with open(prefix + ".err.json", "w") as f:
-            json.dump({"rank": rank, "phase": phase[0], "reason": reason[:300]}, f)
-        raise
+    network.run_worker(args.result_prefix,
+                       lambda rank, prefix, phase: _worker(args, rank, prefix, phase))
 
 
 def _worker(args, rank, prefix, phase):
