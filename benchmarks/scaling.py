@@ -51,6 +51,7 @@ import _common  # noqa: E402  (also puts the repo root on sys.path)
 import network  # noqa: E402  (worker environment, supervision, signals)
 from netns import Cluster, NetError, clean_leftovers, preflight  # noqa: E402
 from network_report import rate_bps  # noqa: E402
+from scaling_report import ROW, gradient_shape  # noqa: E402
 
 DEFAULT_OUT = os.path.join(_common.RESULTS_DIR, "scaling")
 BASE_PORT = 23000
@@ -112,9 +113,9 @@ def parse_args(argv=None):
         return args
     if 2 not in args.workers or min(args.workers) < 2 or max(args.workers) > 200:
         p.error("--workers: between 2 and 200, and 2 among them (its probe is the model's link)")
-    if args.repeats < 1 or min(args.sizes) < 1024 or any(s % 1024 for s in args.sizes):
-        p.error("--repeats must be >= 1 and --sizes multiples of 1024 elements (each is a "
-                "matrix of rows of 1024)")
+    if args.repeats < 1 or min(args.sizes) < ROW or any(s % ROW for s in args.sizes):
+        p.error(f"--repeats must be >= 1 and --sizes multiples of {ROW} elements (each is a "
+                f"matrix of rows of {ROW})")
     for rate in args.rates:
         try:
             rate_bps(rate)
@@ -153,10 +154,6 @@ def _worker(args, prefix, phase):
     cdo = strategy.cross_device_ops
     phase[0] = "measure"
     figures = planner.measure(cdo, 0.0, 0.1)
-    words = list(figures.link_us)
-    for label in figures.encode_us:
-        for e, d in zip(figures.encode_us[label], figures.decode_us[label]):
-            words += [e, d]
     rows, lines = [], {}
     for config in args.configs:
         label, _, path = config.rpartition("@")
@@ -166,7 +163,7 @@ def _worker(args, prefix, phase):
             # Not one of auto's candidates: its codec timed here, on matrices of rows of
             # 1024 (a low-rank codec's cost needs one), with ``measure``'s timer; the
             # report takes worker 0's (``measure`` agrees on the slowest worker's).
-            times = [planner._cpu_seconds(candidate, size, n, (size // 1024, 1024))
+            times = [planner._cpu_seconds(candidate, size, n, gradient_shape(size))
                      for size in planner.CPU_SIZES]
             encode = planner.fit(planner.CPU_SIZES, [t[0] for t in times])
             decode = planner.fit(planner.CPU_SIZES, [t[1] for t in times])
@@ -175,8 +172,7 @@ def _worker(args, prefix, phase):
         strategy.compressor = candidate.spec or "none"
         cdo.communication = path
         for size in args.sizes:
-            # A matrix: the policy sends vectors (biases) as they are.
-            shape = (size // 1024, 1024)
+            shape = gradient_shape(size)
             with strategy.scope():
                 variables = [tf.Variable(tf.zeros(shape))]
             owner = tf.Module()
@@ -197,7 +193,7 @@ def _worker(args, prefix, phase):
                 "label": label, "path": path, "elements": size, "seconds": seconds,
                 "sent_bytes": stats["sent_bytes"], "payload_bytes": stats["payload_bytes"]})
     with open(prefix + ".json", "w") as f:
-        json.dump({"rank": rank, "workers": n, "figure_words": words, "rows": rows,
+        json.dump({"rank": rank, "workers": n, "figure_words": figures.words(), "rows": rows,
                    "codec_lines": lines}, f)
 
 

@@ -18,6 +18,14 @@ from tfgc.apps.plots import COLORS, DASHES, Panel  # noqa: E402  (stdlib only)
 # BERT-base's encoder (Devlin et al., 2019: 12 layers, hidden 768, feed-forward 3072)
 # and pooler, without the embeddings (their gradients are rows, sent on their own path).
 BERT_LAYERS, BERT_HIDDEN, BERT_FFN = 12, 768, 3072
+# The check's gradients are matrices of rows of this many elements: the policy sends
+# vectors (biases) as they are, and a low-rank codec's cost needs a matrix.
+ROW = 1024
+
+
+def gradient_shape(elements):
+    """The check's gradient of ``elements`` (a multiple of ``ROW``)."""
+    return (elements // ROW, ROW)
 
 
 def _mean(values):
@@ -60,7 +68,7 @@ def check_rows(report):
             candidate = planner.BY_LABEL.get(label)
             if candidate is not None:  # the planner's own figures and traced bytes
                 cpu = planner.cpu_seconds(figures, candidate, path, elements)
-                sent = planner.sent_bytes(candidate, path, (elements // 1024, 1024),
+                sent = planner.sent_bytes(candidate, path, gradient_shape(elements),
                                           "float32", n)
             else:  # the model's bytes from the payload the strategy counted
                 cpu = costmodel.codec_seconds(path, n, elements, *_lines(run, label))
@@ -124,15 +132,19 @@ def model_gradients(name):
 
 
 def _split(gradients):
-    """The policy's split (``CompressionPolicy`` defaults): matrices of 1024 elements or
-    more are compressed, the rest ride one float32 all-reduce."""
+    """The default ``CompressionPolicy``'s split under ``auto``: the gradients it
+    compresses, and the bytes of the rest, which ride one float32 all-reduce."""
+    import tensorflow as tf
+
+    from tfgc import CompressionPolicy
+    from tfgc.compressors import get as get_compressor
+    policy, auto = CompressionPolicy(), get_compressor("auto")
     compressed, dense = [], 0
     for name, shape, dtype in gradients:
-        n = math.prod(shape)
-        if len(shape) >= 2 and n >= 1024:
+        if policy.should_compress(tf.TensorSpec(shape, dtype), auto):
             compressed.append((name, shape, dtype))
         else:
-            dense += 4 * n
+            dense += tf.as_dtype(dtype).size * math.prod(shape)
     return compressed, dense
 
 

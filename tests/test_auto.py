@@ -232,6 +232,7 @@ def test_figures_round_trip_through_the_words_the_workers_gather():
     assert fig.link_us == tuple(words[:3])
     assert fig.encode_us["bf16"] == (4, 6, 8) and fig.decode_us["bf16"] == (5, 7, 9)
     assert fig.encode_us["rqsgd4"] == tuple(words[-6::2])
+    assert fig.words() == words  # and back, as the benchmarks record them
     assert fig.decode_us["rqsgd4"] == tuple(words[-5::2])
 
 

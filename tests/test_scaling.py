@@ -27,12 +27,11 @@ def _figures(n, ns_per_element=2.0, hop_s=1e-3, gbps=0.5):
     """Planner figures as a worker records them: an all-reduce probe over a link of
     ``hop_s`` per hop, and every candidate's codec at ``ns_per_element`` plus 50 us."""
     link = costmodel.AlphaBeta(hop_s, 8 / (gbps * 1e9))
-    words = [int(round(link.time("allreduce", n, s) * 1e6)) for s in planner.LINK_SIZES]
-    for _ in planner.CANDIDATES[1:]:
-        for size in planner.CPU_SIZES:
-            us = int(round(50 + ns_per_element * size / 1e3))
-            words += [us, us]
-    return words
+    probe = tuple(int(round(link.time("allreduce", n, s) * 1e6)) for s in planner.LINK_SIZES)
+    codec = tuple(int(round(50 + ns_per_element * size / 1e3)) for size in planner.CPU_SIZES)
+    labels = [c.label for c in planner.CANDIDATES[1:]]
+    return planner.Figures(n, probe, dict.fromkeys(labels, codec),
+                           dict.fromkeys(labels, codec)).words()
 
 
 def _report(slow=1.0):

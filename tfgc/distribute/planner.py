@@ -290,6 +290,15 @@ class Figures:
             decode[candidate.label] = tuple(block[1::2])
         return cls(num_workers, link, encode, decode, link_gbps, latency_ms)
 
+    def words(self) -> List[int]:
+        """The figures as ``from_words`` reads them (and ``measure`` agrees on them): the
+        link's, then each candidate's encoding and decoding, size by size."""
+        out = list(self.link_us)
+        for candidate in CANDIDATES[1:]:
+            for e, d in zip(self.encode_us[candidate.label], self.decode_us[candidate.label]):
+                out += [e, d]
+        return out
+
     def link(self) -> costmodel.AlphaBeta:
         """Seconds per hop and per byte a worker sends (``costmodel``): given, or from the
         line through the probe's all-reduce times against the bytes each worker sent,
