@@ -6,7 +6,7 @@ NumPy replay of each algorithm (error feedback included):
 * ``sparse_allreduce``: every worker's own top-k set, merged by recursive doubling
   with a dense switch (SparCML).
 
-One launch per path and cluster size runs ``tests/cluster/sparse_paths.py``.
+One launch per cluster size runs ``tests/cluster/sparse_paths.py`` on both paths.
 """
 
 import json
@@ -54,14 +54,17 @@ def replay(n, path, k=worker.K, steps=worker.STEPS, first_step=0, weights=None):
     return outputs, residuals
 
 
-PATHS = [(path, n) for path in ("shared_index", "sparse_allreduce") for n in (2, 3, 4)]
+NAMES = ("shared_index", "sparse_allreduce")
+PATHS = [(path, n) for n in (2, 3, 4) for path in NAMES]
+_RUNS = {}
 
 
 @pytest.fixture(scope="module", params=PATHS, ids=[f"{p}-{n}" for p, n in PATHS])
 def cluster(request, tmp_path_factory):
     path, n = request.param
-    out = run_cluster(tmp_path_factory, f"{path}{n}", SCRIPT, n, [path], timeout=600)
-    return path, n, out
+    if n not in _RUNS:  # one cluster per size runs both paths
+        _RUNS[n] = run_cluster(tmp_path_factory, f"sparse{n}", SCRIPT, n, NAMES, timeout=600)
+    return path, n, _RUNS[n] / path
 
 
 def test_matches_numpy_replay_and_workers_agree(cluster):

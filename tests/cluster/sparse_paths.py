@@ -1,13 +1,14 @@
 """A cluster worker for the sparse communication paths of top-k.
 
-    sparse_paths.py OUT_DIR COMMUNICATION      shared_index or sparse_allreduce
+    sparse_paths.py OUT_DIR COMMUNICATION...    shared_index, sparse_allreduce
 
-Reduces deterministic per-worker "gradients" (a [16, 32] matrix, compressed with
-ef+topk k=6, and a [40] vector, dense) for STEPS steps and writes every step's
-result, this worker's final residual and the byte figures; the test replays the
-algorithm in NumPy. On the shared-index path, importance-weighted pruning
-(``importance:k=6``) runs the same way with fixed weights. Then trains the MLP for a few steps the same way and saves its
-weights.
+For each path in turn, on one strategy (its communication switched between them, a
+fresh owner each time), and into OUT_DIR/<path>/: reduces deterministic per-worker
+"gradients" (a [16, 32] matrix, compressed with ef+topk k=6, and a [40] vector,
+dense) for STEPS steps and writes every step's result, this worker's final residual
+and the byte figures; the test replays the algorithm in NumPy. On the shared-index
+path, importance-weighted pruning (``importance:k=6``) runs the same way with fixed
+weights. Then trains the MLP for a few steps the same way and saves its weights.
 """
 
 import json
@@ -34,21 +35,34 @@ def gradients(rank, step):
 
 
 def main():
-    out_dir, communication = sys.argv[1], sys.argv[2]
+    out_dir, paths = sys.argv[1], sys.argv[2:]
     import tensorflow as tf
 
     import tfgc
-    from brief_fit import brief_fit
-    from fixed_reduce import make_reduce
     from tfgc.apps.train import worker_info
 
     strategy = tfgc.CompressedMultiWorkerMirroredStrategy(
-        compressor=f"ef+topk:k={K}", communication=communication,
+        compressor=f"ef+topk:k={K}", communication=paths[0],
         policy=tfgc.CompressionPolicy(min_elements=0))
     rank, n = worker_info(strategy)
     with strategy.scope():
         variables = [tf.Variable(tf.zeros([16, 32])), tf.Variable(tf.zeros([40]))]
+    for communication in paths:
+        path_dir = os.path.join(out_dir, communication)
+        os.makedirs(path_dir, exist_ok=True)
+        strategy.compressor = f"ef+topk:k={K}"
+        strategy.cross_device_ops.communication = communication
+        variables[0].assign(tf.zeros([16, 32]))
+        run_path(strategy, variables, communication, rank, n, path_dir)
 
+
+def run_path(strategy, variables, communication, rank, n, out_dir):
+    import tensorflow as tf
+
+    from brief_fit import brief_fit
+    from fixed_reduce import make_reduce
+
+    strategy.compression_stats()  # read before, so the figures below are this path's
     owner = tf.Module()
     reduce = make_reduce(strategy, variables, owner)
 

@@ -122,6 +122,14 @@ def _payload_like(compressor, shape, dtype, n):
         return [tf.TensorSpec(t.shape, t.dtype) for t in payload]
 
 
+def _graph_only(fn):
+    """``fn`` for ``tf.map_fn`` as it is. Inside Keras' autograph-converted train
+    function, map_fn would otherwise convert the compressor's code, which is graph code
+    already, the first time each compressor is traced: 24 steps of a small Transformer
+    under QSGD on 2 workers took 3.6-4.7 s instead of 5.5-6.2 s in a fresh process."""
+    return tf.autograph.experimental.do_not_convert(fn)
+
+
 def reduce_rows(compressor, slices: Sequence[tf.IndexedSlices], variables, step, launcher,
                 rank: int, num_workers: int, options, wire) -> tuple:
     """Every worker's rows of each of ``slices``, compressed (``ROWS``, module docstring).
@@ -153,7 +161,8 @@ def reduce_rows(compressor, slices: Sequence[tf.IndexedSlices], variables, step,
             payload, _ = compressor.compress(block, {}, ctx)
             return payload_words(payload)
 
-        words = tf.map_fn(encode, (tf.reshape(padded, [-1, r, d]), tf.range(blocks)),
+        words = tf.map_fn(_graph_only(encode),
+                          (tf.reshape(padded, [-1, r, d]), tf.range(blocks)),
                           fn_output_signature=tf.TensorSpec([width], tf.int32))
         indices = tf.reshape(tf.pad(unique, [[0, blocks * r - m]]), [-1, r])
         plans.append(dict(d=d, r=r, m=m, blocks=blocks, like=like, width=width,
@@ -194,7 +203,7 @@ def reduce_rows(compressor, slices: Sequence[tf.IndexedSlices], variables, step,
             return compressor.decompress(unpack_payload_words(words, like), tf.TensorShape(
                 [r, d]), dtype, ctx)
 
-        values = tf.map_fn(decode, part[:, :width],
+        values = tf.map_fn(_graph_only(decode), part[:, :width],
                            fn_output_signature=tf.TensorSpec([r, d], p["dtype"]))
         # Worker w's rows are the first counts[w] of its most * r.
         valid = tf.reshape(tf.range(p["most"] * r)[None, :] < counts[:, j][:, None], [-1])
