@@ -25,3 +25,22 @@ def test_several_strategies_in_one_process_train_one_after_another():
         assert strategy.compression_stats()["steps"] == 8, compressor
         assert np.isfinite(history.history["loss"]).all(), compressor
     assert len(set(bases)) == 3
+
+
+def test_the_first_fit_traces_its_train_function_once():
+    # With the optimizer's variables made before fit (Keras 3 makes them itself, tf-keras
+    # on request), TensorFlow keeps a train function's first trace. The compressor-switch
+    # guard's variable, made during that trace through the variable creators, had it
+    # traced a second time: the first step of a large model paid two traces.
+    x = np.random.default_rng(0).normal(size=(64, 16)).astype(np.float32)
+    y = 2.0 * x[:, :4]
+    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(
+        "qsgd", policy=tfgc.CompressionPolicy(min_elements=0))
+    with strategy.scope():
+        model = keras.Sequential([keras.layers.Dense(32, activation="relu", input_shape=(16,)),
+                                  keras.layers.Dense(4)])
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        model.optimizer.build(model.trainable_variables)
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    assert strategy.compression_stats()["steps"] == 8
+    assert model.train_function.experimental_get_tracing_count() == 1

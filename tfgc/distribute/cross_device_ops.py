@@ -43,6 +43,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
+from tensorflow.python.ops import resource_variable_ops
 
 from tfgc import collectives
 from tfgc.compressors import get as get_compressor, serialize_config
@@ -361,8 +362,13 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             return None
         with tf.init_scope(), tf.device(self._replica_devices[0]):
             if self._generation_var is None:
-                self._generation_var = tf.Variable(self._generation, dtype=tf.int64,
-                                                   trainable=False, name="tfgc_generation")
+                # This worker's own (not a strategy's mirrored variable), and made past
+                # the variable creators: one that a tf.function's first trace makes
+                # through them has the function traced again, and a Keras 3 model
+                # (which builds its optimizer before fit) paid that second trace.
+                self._generation_var = resource_variable_ops.ResourceVariable(
+                    tf.constant(self._generation, tf.int64), trainable=False,
+                    name="tfgc_generation")
         return tf.debugging.assert_equal(
             self._generation_var.read_value(), tf.constant(self._generation, tf.int64),
             message="tfgc: the compressor was switched after this tf.function was traced "
