@@ -52,11 +52,12 @@ def main():
         os.makedirs(path_dir, exist_ok=True)
         strategy.compressor = f"ef+topk:k={K}"
         strategy.cross_device_ops.communication = communication
-        variables[0].assign(tf.zeros([16, 32]))
+        variables[0].assign(tf.zeros([16, 32]))  # (importance's weights were set here)
         run_path(strategy, variables, communication, rank, n, path_dir)
 
 
 def run_path(strategy, variables, communication, rank, n, out_dir):
+    """One path's reductions, dense phase, importance phase and fit, into ``out_dir``."""
     import tensorflow as tf
 
     from brief_fit import brief_fit

@@ -362,10 +362,10 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             return None
         with tf.init_scope(), tf.device(self._replica_devices[0]):
             if self._generation_var is None:
-                # This worker's own (not a strategy's mirrored variable), and made past
-                # the variable creators: one that a tf.function's first trace makes
-                # through them has the function traced again, and a Keras 3 model
-                # (which builds its optimizer before fit) paid that second trace.
+                # This worker's own, made past the variable creators (a strategy's, a
+                # tf.function's): one that a function's first trace makes through them
+                # has the function traced again, and a Keras 3 model (which builds its
+                # optimizer before fit) paid that second trace on its first step.
                 self._generation_var = resource_variable_ops.ResourceVariable(
                     tf.constant(self._generation, tf.int64), trainable=False,
                     name="tfgc_generation")
