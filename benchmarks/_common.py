@@ -61,6 +61,18 @@ def write_json(path, obj):
         f.write("\n")
 
 
+def main(argv, parse_args, worker_main, drive):
+    """A shaped-link benchmark's entry point: ``argv`` (``sys.argv[1:]`` when None)
+    parsed; a cluster worker (``--worker``) runs ``worker_main(args)``, anything else
+    ``drive(args, argv)``, whose status is returned."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    if args.worker:
+        worker_main(args)
+        return 0
+    return drive(args, argv)
+
+
 def median(values):
     return float(statistics.median(values)) if values else float("nan")
 

@@ -958,12 +958,7 @@ def render_svg(report):
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = parse_args(argv)
-    if args.worker:
-        worker_main(args)
-        return 0
-    return drive(args, argv)
+    return _common.main(argv, parse_args, worker_main, drive)
 
 
 if __name__ == "__main__":

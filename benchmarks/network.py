@@ -747,12 +747,7 @@ def _drive(args, argv, holder):
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = parse_args(argv)
-    if args.worker:
-        worker_main(args)
-        return 0
-    return driver_main(args, argv)
+    return _common.main(argv, parse_args, worker_main, driver_main)
 
 
 if __name__ == "__main__":

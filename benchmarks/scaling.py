@@ -277,11 +277,10 @@ def drive(args, argv, holder):
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = parse_args(argv)
-    if args.worker:
-        worker_main(args)
-        return 0
+    return _common.main(argv, parse_args, worker_main, _sweep_or_report)
+
+
+def _sweep_or_report(args, argv):
     if args.report:
         import scaling_report
         # The prediction's options given here replace the sweep's.

@@ -689,12 +689,8 @@ def _drive(args, argv, holder):
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = parse_args(argv)
-    if args.worker:
-        worker_main(args)
-        return 0
-    return network.driver_main(args, argv, drive=_drive)
+    return _common.main(argv, parse_args, worker_main,
+                        lambda args, argv: network.driver_main(args, argv, drive=_drive))
 
 
 if __name__ == "__main__":
