@@ -7,6 +7,7 @@ back the JSON that worker 0 writes. Workers are the same script run again with
 
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -71,6 +72,13 @@ def main(argv, parse_args, worker_main, drive):
         worker_main(args)
         return 0
     return drive(args, argv)
+
+
+def command_line(script, argv):
+    """How the report names its command: ``python benchmarks/<script>`` and ``argv``,
+    each argument quoted unless it holds only characters a shell takes as they are."""
+    return f"python benchmarks/{script}" + "".join(
+        " " + (a if re.match(r"^[\w./=:@+,-]+$", a) else json.dumps(a)) for a in argv)
 
 
 def median(values):

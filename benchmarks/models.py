@@ -662,8 +662,7 @@ def drive(args, argv):
     scratch = _common.scratch_dir("tfgc_models_")
     log_path = os.path.join(scratch, "workers.log")
     settings = [STOCK] + args.compressors
-    command = "python benchmarks/models.py" + "".join(
-        " " + (a if re.match(r"^[\w./=:+-]+$", a) else json.dumps(a)) for a in argv)
+    command = _common.command_line("models.py", argv)
     print(f"models: {' '.join(args.models)} x {len(settings)} settings (stock + "
           f"{len(args.compressors)} tfgc), {args.workers} workers, {args.warmup} warm-up + "
           f"{args.steps} timed steps, {args.threads} thread(s) per worker"

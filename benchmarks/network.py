@@ -648,8 +648,7 @@ def _drive(args, argv, holder):
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     scratch = _common.scratch_dir("tfgc_network_")
     main_runs = sum(r["kind"] == "main" for r in runs)
-    command = "python benchmarks/network.py" + "".join(
-        " " + (a if re.match(r"^[\w./=:-]+$", a) else json.dumps(a)) for a in argv)
+    command = _common.command_line("network.py", argv)
     say(f"network benchmark: {len(runs)} runs ({main_runs} step-time runs: "
         f"{len(args.models)} model(s) x {len(args.rates)} rate(s) x {len(args.workers)} "
         f"cluster size(s) x {1 + len(args.configs)} configurations incl. stock; "

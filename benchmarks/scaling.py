@@ -41,7 +41,6 @@ which also remakes them from a stored JSON, with other prediction options if giv
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -208,8 +207,7 @@ def drive(args, argv, holder):
     holder["ready"] = True
     clean_leftovers()
     scratch = _common.scratch_dir("tfgc_scaling_")
-    command = "python benchmarks/scaling.py" + "".join(
-        " " + (a if re.match(r"^[\w./=:@-]+$", a) else json.dumps(a)) for a in argv)
+    command = _common.command_line("scaling.py", argv)
     report = {"benchmark": "scaling", "command": command,
               "started": time.strftime("%Y-%m-%d %H:%M:%S"), "cpu_count": os.cpu_count(),
               "config": {k: getattr(args, k) for k in (

@@ -49,7 +49,6 @@ exit path, as in ``network.py``.
 import argparse
 import json
 import os
-import re
 import signal
 import statistics
 import sys
@@ -608,8 +607,7 @@ def _drive(args, argv, holder):
         with open(args.out + ".json") as f:
             done = {_key(r): r for r in json.load(f).get("runs", [])}
     runs = plan(args, done)
-    command = "python benchmarks/time_to_accuracy.py" + "".join(
-        " " + (a if re.match(r"^[\w./=:-]+$", a) else json.dumps(a)) for a in argv)
+    command = _common.command_line("time_to_accuracy.py", argv)
     report = {"benchmark": "time_to_accuracy", "command": command,
               "started": time.strftime("%Y-%m-%d %H:%M:%S"), "cpu_count": os.cpu_count(),
               "config": {k: getattr(args, k) for k in (
