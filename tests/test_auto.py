@@ -236,6 +236,171 @@ def test_figures_round_trip_through_the_words_the_workers_gather():
     assert fig.decode_us["rqsgd4"] == tuple(words[-5::2])
 
 
+# -- low rank ---------------------------------------------------------------------------
+
+def all_figures(link_gbps, ns_per_element=2.0, num_workers=4):
+    """``figures`` with the low-rank candidates timed too: ``ns_per_element`` times the
+    rank over 2 (their matrix products grow with it)."""
+    fig = figures(num_workers=num_workers, link_gbps=link_gbps, latency_ms=1e-3,
+                  ns_per_element=ns_per_element)
+    encode, decode = dict(fig.encode_us), dict(fig.decode_us)
+    for c in planner.LOW_RANK:
+        encode[c.label] = decode[c.label] = tuple(
+            int(50 + ns_per_element * c.rank / 2 * size / 1e3) for size in planner.CPU_SIZES)
+    return planner.Figures(num_workers, fig.link_us, encode, decode, link_gbps, 1e-3)
+
+
+def spectrum_errors(values):
+    """``low_rank_errors``' figures for a matrix with these singular values."""
+    captured = np.cumsum(np.asarray(values, np.float64) ** 2)
+    total = float(captured[-1])
+    return total, {r: max(0.0, 1.0 - captured[min(r, len(values)) - 1] / total)
+                   for r in planner.RANKS}
+
+
+@pytest.mark.parametrize("shape", [(40, 30), (200, 90), (1500, 700)])
+def test_low_rank_errors_are_those_of_the_singular_values(shape):
+    rng = np.random.default_rng(1)
+    u, _ = np.linalg.qr(rng.normal(size=(shape[0], min(shape))))
+    v, _ = np.linalg.qr(rng.normal(size=(shape[1], min(shape))))
+    values = 0.7 ** np.arange(min(shape))  # a decaying spectrum, as gradients have
+    matrix = (u * values) @ v.T
+    sq, rel = planner.low_rank_errors(matrix.astype(np.float32))
+    want_sq, want = spectrum_errors(values)
+    assert sq == pytest.approx(want_sq, rel=1e-5)
+    for r in planner.RANKS:
+        # The randomized range finder of the large one can only miss energy: never below.
+        assert rel[r] >= want[r] - 1e-6
+        assert rel[r] == pytest.approx(want[r], rel=1e-3, abs=1e-6)
+    # A rank-1 matrix loses nothing at any rank; zeros have nothing to lose.
+    _, rel = planner.low_rank_errors(np.outer(np.arange(1.0, 61), np.ones(50)))
+    assert max(rel.values()) < 1e-9
+    assert planner.low_rank_errors(np.zeros((30, 30)))[1] == {r: 0.0 for r in planner.RANKS}
+    spoiled = np.ones((30, 30))
+    spoiled[3, 4] = np.inf
+    assert planner.low_rank_errors(spoiled)[1] == {}  # a step that was not finite
+
+
+# The measured matrices of ``GRADIENTS``: ``fc1`` nearly rank 1, ``fc2`` a slow spectrum
+# (rank 8 keeps 40 % of it), ``embed`` flat (what low rank cannot send); ``conv`` and
+# ``head`` in between.
+MEASURED = {
+    "fc1": spectrum_errors([1.0] + [0.01] * 200),
+    "fc2": spectrum_errors(0.97 ** np.arange(500)),
+    "embed": spectrum_errors(np.ones(512)),
+    "conv": spectrum_errors(0.8 ** np.arange(64)),
+    "head": spectrum_errors(0.5 ** np.arange(10)),
+}
+
+
+def test_a_slow_link_sends_measured_matrices_low_rank_within_their_budget():
+    low_rank = planner.LowRank(2, MEASURED)
+    plan = planner.make_plan(GRADIENTS, all_figures(0.1), 0.05, low_rank=low_rank)
+    labels = {e.name: e.label for e in plan.entries}
+    shapes = {name: shape for name, shape, _ in GRADIENTS}
+    budget = sum(MEASURED[name][0] * MEASURED[name][1][2] for name in MEASURED
+                 if planner.BY_LABEL["psgd2"].compressor.supports(tf.TensorShape(shapes[name]),
+                                                                  tf.float32))
+    assert plan.low_rank_budget == pytest.approx(budget)
+    used = sum(MEASURED[e.name][0] * e.error for e in plan.entries if e.candidate.rank)
+    assert plan.low_rank_error == pytest.approx(used)
+    assert used <= budget * (1 + 1e-9)
+    assert plan.mean_error <= 0.05
+    assert labels["fc1"] == "psgd1", plan.table()  # nearly rank 1: rank 1 loses 1e-4
+    assert planner.BY_LABEL[labels["embed"]].rank is None, plan.table()  # flat: quantized
+    # Low rank sends fewer bytes than any quantizer on this link, and takes less time.
+    quantized = planner.make_plan(GRADIENTS, all_figures(0.1), 0.05)
+    assert not any(e.candidate.rank for e in quantized.entries)
+    assert sum(e.sent_bytes for e in plan.entries) < sum(e.sent_bytes for e in quantized.entries)
+    assert predicted_seconds(plan) < predicted_seconds(quantized)
+    # Every low-rank entry's error is its measurement at its rank.
+    for e in plan.entries:
+        if e.candidate.rank:
+            assert e.error == MEASURED[e.name][1][e.candidate.rank]
+            assert e.path == "low_rank"
+
+
+@pytest.mark.parametrize("rank", [1, 2, 4, 8])
+def test_the_low_rank_budget_holds_at_every_default_rank(rank):
+    low_rank = planner.LowRank(rank, MEASURED)
+    for rate in (0.01, 0.1, 1.0):
+        plan = planner.make_plan(GRADIENTS, all_figures(rate), 0.05, low_rank=low_rank)
+        assert plan.low_rank_error <= plan.low_rank_budget * (1 + 1e-9)
+        assert plan.mean_error <= 0.05 + 1e-12
+
+
+def test_no_gradient_goes_low_rank_unmeasured_or_on_a_fast_link():
+    fig = all_figures(0.1)
+    partial = planner.LowRank(2, {"fc1": MEASURED["fc1"]})
+    plan = planner.make_plan(GRADIENTS, fig, 0.05, low_rank=partial)
+    assert [e.name for e in plan.entries if e.candidate.rank] == ["fc1"]
+    # In a critical regime: twice the budget's rank or more (fc1 would take rank 1).
+    critical = planner.make_plan(GRADIENTS, fig, 0.05, critical={"fc1"},
+                                 low_rank=planner.LowRank(2, MEASURED))
+    assert {e.name: e.label for e in critical.entries}["fc1"] == "psgd4", critical.table()
+    assert planner.LowRank(8, MEASURED).critical_rank == 8
+    fast = planner.make_plan(GRADIENTS, all_figures(1000.0), 0.05,
+                             low_rank=planner.LowRank(2, MEASURED))
+    assert {e.label for e in fast.entries} == {"fp32"}
+    # Figures without the low-rank timings (a record of an older plan): none either.
+    old = planner.make_plan(GRADIENTS, figures(link_gbps=0.1), 0.05,
+                            low_rank=planner.LowRank(2, MEASURED))
+    assert not any(e.candidate.rank for e in old.entries)
+
+
+def test_low_rank_sends_both_factors_on_two_rings():
+    for label, shape in [("psgd1", (2048, 2048)), ("psgd4", (3, 3, 64, 128)),
+                         ("psgd8", (784, 2048))]:
+        candidate = planner.BY_LABEL[label]
+        rows, cols = candidate.compressor.matrix_shape(tf.TensorShape(shape))
+        sent = planner.sent_bytes(candidate, "low_rank", shape, "float32", 4)
+        floats = candidate.rank * (rows + cols) + tfgc.distribute.paths.guard.CONTROL_WORDS
+        assert sent == int(2 * 3 / 4 * 4 * floats)
+        assert planner.path_of(candidate, 4) == "low_rank"
+
+
+def test_figures_with_the_low_rank_timings_round_trip():
+    words = list(range(1, len(planner.LINK_SIZES)
+                       + 2 * len(planner.CPU_SIZES) * (len(planner.ALL) - 1) + 1))
+    fig = planner.Figures.from_words(words, 3)
+    assert fig.encode_us["psgd8"] == tuple(words[-6::2])
+    assert fig.words() == words
+
+
+def test_a_rank_change_keeps_the_residual_and_draws_a_new_query():
+    # What auto relies on when a plan moves a gradient to another rank: the state's
+    # migration carries the residual (same shape) and starts the query afresh. After
+    # a step of rank 2, a zero gradient at rank 4 sends the residual itself: what goes
+    # out plus what stays is exactly the residual carried over.
+    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(
+        "powersgd:rank=2", policy=tfgc.CompressionPolicy(min_elements=0))
+    with strategy.scope():
+        var = tf.Variable(tf.zeros([48, 32]))
+    owner = tf.Module()
+
+    def make_step():
+        @tf.function
+        def step(g):
+            def replica_fn(g):
+                with tfgc.compress_gradients([var], owner=owner):
+                    return tf.distribute.get_replica_context().all_reduce("sum", [g * 1.0])
+            return strategy.run(replica_fn, args=(g,))
+        return step
+
+    g = tf.random.stateless_normal([48, 32], seed=[3, 4])
+    make_step()(g)
+    state = tfgc.distribute.state.get_state(owner)
+    residual = state.slot(var, 0)["residual"].numpy()
+    assert np.sum(residual ** 2) > 0.1 * np.sum(g.numpy() ** 2)  # rank 2 of 32 leaves much
+    strategy.compressor = "powersgd:rank=4"
+    out = make_step()(tf.zeros([48, 32]))[0]
+    out = strategy.experimental_local_results(out)[0].numpy()
+    slot = state.slot(var, 0)
+    assert slot["query"].shape == (32, 4)
+    np.testing.assert_allclose(out + slot["residual"].numpy(), residual, atol=1e-5)
+    assert np.sum(out ** 2) > 0.1 * np.sum(residual ** 2)
+
+
 # -- the candidates' bounds -------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", ["heavy", "spikes", "equal"])
@@ -272,7 +437,8 @@ def test_each_candidates_error_stays_within_the_bound_the_budget_uses(label, kin
 @pytest.mark.parametrize("spec, argument", [
     ("auto:error=-1", "error"), ("auto:link_gbps=-2", "link_gbps"),
     ("auto:latency_ms=0", "latency_ms"), ("auto:error=fast", "error"),
-    ("auto:budget=1", "budget")])
+    ("auto:budget=1", "budget"), ("auto:low_rank=3", "low_rank"),
+    ("auto:low_rank=-1", "low_rank")])
 def test_bad_settings_fail_at_construction_naming_the_argument(spec, argument):
     with pytest.raises(ValueError, match=f"`{argument}`"):
         tfgc.CompressedMultiWorkerMirroredStrategy(compressor=spec)
@@ -517,6 +683,46 @@ def test_a_restored_checkpoint_brings_the_plan_back_without_measuring(cluster):
     assert run["link_us"][1] == run["link_us"][0]
     first, after = run["measurements"]
     assert first >= 1 and after == first
+
+
+def test_measured_matrices_go_low_rank_after_the_critical_intervals(cluster):
+    runs = _per_worker(cluster, "low_rank")
+    assert runs[0] == runs[1]  # the same measurements and plans on every worker
+    intervals = runs[0]["intervals"]
+    assert len(intervals) == 6
+    # Measured after the first step, while every gradient is critical: the kernels go
+    # low-rank at twice the budget's rank or more.
+    first = runs[0]["first"]
+    assert all(e["critical"] for e in first)
+    assert any(e["label"].startswith("psgd") for e in first), first
+    assert all(int(e["label"][4:]) >= 4 for e in first if e["label"].startswith("psgd"))
+    # The first interval ends critical (nothing to compare it with); from the second
+    # on, none is.
+    for k, interval in enumerate(intervals):
+        errors = {name: (sq, {int(r): e for r, e in rel.items()})
+                  for name, (sq, rel) in interval["errors"].items()}
+        assert errors, k
+        for sq, rel in errors.values():
+            assert sq > 0
+            values = [rel[r] for r in planner.RANKS]
+            assert all(0.0 <= v <= 1.0 for v in values)
+            assert all(a >= b - 1e-6 for a, b in zip(values, values[1:]))  # more rank, less lost
+        ranks = {e["name"]: int(e["label"][4:]) for e in interval["plan"]
+                 if e["label"].startswith("psgd")}
+        critical = {e["name"] for e in interval["plan"] if e["critical"]}
+        assert critical == ({e["name"] for e in interval["plan"]} if k == 0 else set())
+        assert all(ranks[name] >= 4 for name in critical & set(ranks))
+        # On a 10 Mbit/s link low rank sends the kernels, within the measured budget.
+        assert ranks, interval["plan"]
+        shapes = {e["name"]: e["shape"] for e in interval["plan"]}
+        budget = planner.LowRank(2, errors).budget(shapes)
+        assert interval["low_rank_budget"] == pytest.approx(budget, rel=1e-6)
+        assert interval["low_rank_error"] <= budget * (1 + 1e-6)
+    first, other = (np.load(cluster / f"low_rank.w{r}.npz") for r in range(2))
+    for key in first.files:
+        np.testing.assert_array_equal(first[key], other[key])
+    losses = runs[0]["losses"]
+    assert losses[-1] < losses[0], losses
 
 
 def test_a_model_learns_under_a_measured_plan(cluster):

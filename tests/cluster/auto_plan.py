@@ -16,6 +16,10 @@
    new model, the compressor set again) with that checkpoint restored before the first
    step, and writes both plans, their figures and the count of measurements
    (``restart.w<rank>.json``).
+5. Trains the MLP with low-rank candidates on a slow given link, ``AutoPlanCallback``
+   every ``LOW_RANK_EVERY`` steps, and writes the plan after the first step and, after
+   each interval, the plan, its low-rank error and budget and the measured errors
+   (``low_rank.w<rank>.json``).
 """
 
 import json
@@ -28,6 +32,7 @@ import numpy as np
 SHAPES = [(256, 128), (96, 64), (48, 40), (40,)]
 STEPS = 3
 EPOCHS = 4
+LOW_RANK_EVERY = 3
 FIXED = [
     # A link so slow that the wire decides, and a budget below rotated 8 bits' bound on
     # the largest kernel: that one in bf16, the others in rotated 8 bits.
@@ -89,6 +94,39 @@ def main():
                               "plan": strategy.compression_plan().as_dicts()}}, f)
     regimes(strategy, rank, n, out_dir)
     restart(strategy, rank, n, out_dir)
+    low_rank(strategy, rank, n, out_dir)
+
+
+def low_rank(strategy, rank, num_workers, out_dir):
+    """Step 5 of the module docstring. Regimes with an unreachable threshold: every
+    gradient is critical until two intervals can be compared, none after."""
+    import tf_keras as keras
+
+    import tfgc
+    from brief_fit import brief_fit
+
+    strategy.compressor = "auto:link_gbps=0.01,low_rank=2"
+    auto = strategy.cross_device_ops._auto  # pylint: disable=protected-access
+    intervals, first = [], []
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if not first:  # after the first step's measurement
+                first.append(strategy.compression_plan().as_dicts())
+            if len(callback.history) > len(intervals):
+                plan = strategy.compression_plan()
+                intervals.append({
+                    "plan": plan.as_dicts(), "low_rank_error": plan.low_rank_error,
+                    "low_rank_budget": plan.low_rank_budget,
+                    "errors": {name: [sq, {str(r): e for r, e in rel.items()}]
+                               for name, (sq, rel) in auto._low_rank.items()}})  # pylint: disable=protected-access
+
+    callback = tfgc.keras.AutoPlanCallback(strategy, threshold=1e9, link_margin=None,
+                                           every_steps=LOW_RANK_EVERY)
+    losses = brief_fit(strategy, rank, num_workers, out_dir, steps_per_epoch=6, epochs=3,
+                       callbacks=[callback, Record()], name="low_rank")
+    with open(os.path.join(out_dir, f"low_rank.w{rank}.json"), "w") as f:
+        json.dump({"first": first[0], "intervals": intervals, "losses": losses}, f)
 
 
 def restart(strategy, rank, num_workers, out_dir):
@@ -129,7 +167,7 @@ def regimes(strategy, rank, num_workers, out_dir):
     import tfgc
     from brief_fit import brief_fit
 
-    strategy.compressor = "auto:link_gbps=0.01,error=2"
+    strategy.compressor = "auto:link_gbps=0.01,error=2,low_rank=0"
     cdo = strategy.cross_device_ops
     epochs = []
 

@@ -16,13 +16,23 @@ names them:
 * ``rqsgd4``, ``qsgd:levels=7,bucket_size=128,norm=max,rotate=true``: 4 bits, rotated
   (bound 0.068),
 
-the QSGD ones over the reduce-scatter from 3 workers on (``paths.auto``). The error
+the QSGD ones over the reduce-scatter from 3 workers on (``paths.auto``); and, once
+training has measured them, PowerSGD at ranks 1, 2, 4 and 8 (``psgd1`` ... ``psgd8``,
+error feedback, the low-rank path), under a budget of their own (below). The error
 of a candidate on a gradient is the bound on E||C(g) - g||^2 / ||g||^2 that holds for
 every gradient (``QSGD.variance_bound``: Lemma 3.1 of the QSGD paper, min(d/s^2,
 sqrt(d)/s) for buckets of d elements and s levels; for the rotated ones a bound through
 the rotation's sub-Gaussian coordinates; a cast: its unit roundoff squared), and the
 budget bounds the mean of these
 over the compressed gradients' elements.
+
+Low rank: PowerSGD's error has no such bound; it depends on the gradient's spectrum. So,
+as L-GreCo does (Markov et al., MLSys 2024), ``tfgc.keras.AutoPlanCallback`` measures
+it at the end of each interval of training, for every matrix at every rank, and the
+plan keeps the low-rank gradients' total error within what PowerSGD at rank
+``low_rank`` on every matrix would lose: where one layer is nearly low-rank and another
+is not, the first may take rank 1 and the second 8, or a quantizer. Without the
+callback, or with ``low_rank=0``, no gradient goes low-rank.
 """
 
 from tfgc.compressors.base import Compressor, check_number, check_positive_float
@@ -40,6 +50,10 @@ class Auto(Compressor):
         with the probe). With it, ``latency_ms`` is the link's latency.
       latency_ms: with ``link_gbps``, the latency of one hop (a message that waits for
         the previous one: a ring all-reduce on N workers takes 2(N-1) of them).
+      low_rank: the PowerSGD rank (1, 2, 4 or 8) whose measured error on every matrix,
+        summed, is the budget of the low-rank candidates; 0: no gradient goes
+        low-rank. Default 2, PowerSGD's rank that matched SGD's accuracy on CIFAR-10
+        in its paper.
     """
 
     name = "auto"
@@ -47,10 +61,14 @@ class Auto(Compressor):
     # object is never asked to compress.
     plans_per_tensor = True
 
-    def __init__(self, error: float = 0.05, link_gbps: float = 0.0, latency_ms: float = 0.1):
+    def __init__(self, error: float = 0.05, link_gbps: float = 0.0, latency_ms: float = 0.1,
+                 low_rank: int = 2):
         self.error = float(check_number("error", error, 0))
         self.link_gbps = float(check_number("link_gbps", link_gbps, 0, also=" (0: measure)"))
         self.latency_ms = check_positive_float("latency_ms", latency_ms)
+        if isinstance(low_rank, bool) or low_rank not in (0, 1, 2, 4, 8):
+            raise ValueError(f"`low_rank` must be 0 (none), 1, 2, 4 or 8, got {low_rank!r}")
+        self.low_rank = int(low_rank)
 
     def compress(self, x, state, ctx):
         raise NotImplementedError(

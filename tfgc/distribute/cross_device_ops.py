@@ -605,9 +605,9 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         return self._auto_planner("replan").replan(margin)
 
     def track_regimes(self):
-        """Under ``compressor="auto"``: from the next step on, sums every planned
-        gradient over the interval (a variable of its shape each) and treats every
-        gradient as in a critical regime until ``adapt`` says otherwise."""
+        """Under ``compressor="auto"``: from the next step on, worker 0 sums every
+        planned gradient over the interval (a variable of its shape each) and every
+        gradient is treated as in a critical regime until ``adapt`` says otherwise."""
         self._auto_planner("track_regimes").track_regimes()
 
     def adapt(self, threshold: float = 0.5) -> frozenset:
@@ -619,6 +619,22 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         The norms are worker 0's (all-gathered), so every worker decides the same;
         every worker must call it at the same point. Returns the critical names."""
         return self._auto_planner("adapt").adapt(threshold)
+
+    def measure_low_rank(self) -> bool:
+        """Under ``compressor="auto"`` with regimes tracked and ``low_rank`` on: measures
+        every matrix's low-rank error now (on the last step's gradients, as ``adapt``
+        does at an interval's end) and plans again; True when the plan changed.
+        ``tfgc.keras.AutoPlanCallback`` calls it after the first step, so that low rank
+        need not wait for an interval. Eager; every worker must call it at the same
+        point."""
+        return self._auto_planner("measure_low_rank").measure_low_rank()
+
+    def capture_gradients(self):
+        """Under ``compressor="auto"`` with ``low_rank`` on: the next step keeps each
+        matrix's local gradient for the next ``measure_low_rank`` or ``adapt`` (the first
+        step after ``track_regimes`` keeps them anyway; each measurement stops it).
+        ``AutoPlanCallback`` calls it before the last step of each interval."""
+        self._auto_planner("capture_gradients").capture()
 
     def _auto_planner(self, what):
         if not self._compressor.plans_per_tensor:
@@ -662,7 +678,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                 commit=commit)
             work = []
             # Candidates in their fixed order; each draws its randomness apart.
-            for g, label in enumerate(c.label for c in planner.CANDIDATES if c.label in groups):
+            for g, label in enumerate(c.label for c in planner.ALL if c.label in groups):
                 positions = groups[label]
                 path = paths.PATHS[entries[positions[0]].path]
                 work.append((path, base.replace(
@@ -681,7 +697,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                 # All float32: the counter still counts the step, as identity's does.
                 step_var.assign_add(1)
                 ok = None
-            self._auto.track(tensors, mask, reduced, replica_id)
+            self._auto.track(tensors, variables, mask, reduced, replica_id, ok)
         return reduced, ok, state, len(grouped)
 
     def _with_moments(self, compressor, variables, mask, replica_id):

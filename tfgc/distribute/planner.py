@@ -48,6 +48,16 @@ regime (ACCORDION, Agarwal et al., MLSys 2021: the norm of a layer's gradient su
 over the interval changed by half or more since the previous one; every layer until
 two intervals can be compared) take no candidate with more error than bf16
 (``critical``).
+
+Low rank (PowerSGD at ranks 1 to 8, with error feedback): no bound holds for every
+gradient, so the end of an interval measures each matrix's error at every rank
+(``low_rank_errors``, on the last step's gradient plus its residual) and the plan may
+send a measured gradient low-rank within a second budget, L-GreCo's: the total error
+of PowerSGD at ``Auto.low_rank`` on every measured gradient (``LowRank``). Until a
+first measurement (after the first step, ``AutoPlanCallback``) no gradient goes
+low-rank, and in a critical regime only at twice that rank or more. A plan that
+keeps a gradient low-rank at another rank keeps its residual (the state's migration
+carries fields of the same shape); one that moves it off low rank drops it.
 """
 
 import dataclasses
@@ -63,6 +73,7 @@ from tfgc.compressors import CompressContext, get as get_compressor
 from tfgc.distribute import costmodel
 from tfgc.distribute.costmodel import ring_sent
 from tfgc.distribute.paths import auto as auto_paths
+from tfgc.distribute.paths import guard
 
 # Bytes of the float32 vectors the link probe all-reduces, and elements of the vectors
 # each candidate encodes and decodes: a line through three sizes, from a few kilobytes
@@ -85,6 +96,12 @@ class Candidate:
     @property
     def compressor(self):
         return None if self.spec is None else get_compressor(self.spec)
+
+    @property
+    def rank(self) -> Optional[int]:
+        """The rank of a low-rank candidate (PowerSGD's), None for the others."""
+        compressor = self.compressor
+        return None if compressor is None or compressor.low_rank is None else compressor.rank
 
     def variance_bound(self, num_elements: int) -> float:
         """The bound on E||C(g) - g||^2 / ||g||^2 for a gradient of ``num_elements``.
@@ -115,7 +132,15 @@ CANDIDATES = (
     Candidate("qsgd8", "qsgd:levels=127,bucket_size=512"),
     Candidate("rqsgd4", "qsgd:levels=7,bucket_size=128,norm=max,rotate=true"),
 )
-BY_LABEL = {c.label: c for c in CANDIDATES}
+# PowerSGD at these ranks, with error feedback (the low-rank path). Their error has no
+# bound that holds for every gradient: it is measured on the gradients during training
+# (``low_rank_errors``) and kept within a budget of its own, L-GreCo's (``LowRank``), so
+# they are planned only once a measurement exists.
+RANKS = (1, 2, 4, 8)
+LOW_RANK = tuple(Candidate(f"psgd{r}", f"powersgd:rank={r}") for r in RANKS)
+# Every candidate, in the order the figures hold them and the plan's groups run.
+ALL = CANDIDATES + LOW_RANK
+BY_LABEL = {c.label: c for c in ALL}
 
 
 def path_of(candidate: Candidate, num_workers: int) -> str:
@@ -148,6 +173,9 @@ def _cpu_seconds(candidate: Candidate, n: int, num_workers: int,
     encoding costs inside a training step's graph, where there is no call per gradient.
     """
     compressor = candidate.compressor
+    if shape is None and candidate.rank is not None:
+        side = int(round(math.sqrt(n)))  # a square matrix: the low-rank codec's work is n r
+        shape = [side, max(n // side, 1)]
     shape = tf.TensorShape(shape or [n])
     xs = [tf.random.stateless_normal(shape, seed=[7, n + k]) for k in range(COPIES)]
     state = compressor.init_state(shape, tf.float32)
@@ -164,29 +192,49 @@ def _cpu_seconds(candidate: Candidate, n: int, num_workers: int,
             median_seconds(lambda: [d.numpy() for d in decode(payloads)]) / COPIES)
 
 
-# This process's own CPU timings by cluster size: the CPU does not change when a new
-# plan is made (another compressor, another model), so only the first plan pays for them.
-_CPU_WORDS: Dict[int, List[int]] = {}
+# This process's own CPU timings by cluster size and candidates: the CPU does not change
+# when a new plan is made (another compressor, another model), so only the first plan
+# pays for them.
+_CPU_WORDS: Dict[Tuple[int, Tuple[str, ...]], List[int]] = {}
+
+
+def _cpu_words(candidates, num_workers: int) -> List[int]:
+    key = (num_workers, tuple(c.label for c in candidates))
+    if key not in _CPU_WORDS:
+        words = []
+        for candidate in candidates:
+            for size in CPU_SIZES:
+                words.extend(_microseconds(s) for s in _cpu_seconds(candidate, size,
+                                                                    num_workers))
+        _CPU_WORDS[key] = words
+    return _CPU_WORDS[key]
 
 
 def measure(cross_device_ops, link_gbps: float, latency_ms: float) -> "Figures":
     """This worker's figures, then the slowest worker's of each (the same everywhere).
 
     The CPU timings are taken once per process (and cluster size) and kept; the link
-    is timed at every call. Runs eagerly (under ``init_scope``); every worker must call
-    it at the same point.
+    is timed at every call. The low-rank candidates are left to ``measure_low_rank``:
+    they are planned only once training has measured their error, and their timings
+    are most of the CPU's (4 workers on 2 cores: about 20 s). Runs eagerly (under
+    ``init_scope``); every worker must call it at the same point.
     """
     n = cross_device_ops.group_size
     with tf.init_scope():
-        if n not in _CPU_WORDS:
-            cpu = []
-            for candidate in CANDIDATES[1:]:
-                for size in CPU_SIZES:
-                    cpu.extend(_microseconds(s) for s in _cpu_seconds(candidate, size, n))
-            _CPU_WORDS[n] = cpu
-        words = list(_link_us(cross_device_ops, link_gbps)) + _CPU_WORDS[n]
+        words = list(_link_us(cross_device_ops, link_gbps)) + _cpu_words(CANDIDATES[1:], n)
         agreed = _slowest(cross_device_ops, words)
     return Figures.from_words(agreed, n, link_gbps, latency_ms)
+
+
+def measure_low_rank(cross_device_ops, figures: "Figures") -> "Figures":
+    """``figures`` with the low-rank candidates' CPU timings added (the slowest worker's),
+    when it has none yet. Eager; every worker must call it at the same point."""
+    if all(c.label in figures.encode_us for c in LOW_RANK):
+        return figures
+    with tf.init_scope():
+        agreed = _slowest(cross_device_ops, _cpu_words(LOW_RANK, figures.num_workers))
+    return Figures.from_words(figures.words() + agreed, figures.num_workers,
+                              figures.link_gbps, figures.latency_ms)
 
 
 def measure_link(cross_device_ops, figures: "Figures") -> "Figures":
@@ -284,7 +332,8 @@ class Figures:
         link, rest = tuple(words[:k]), words[k:]
         encode, decode = {}, {}
         m = len(CPU_SIZES)
-        for j, candidate in enumerate(CANDIDATES[1:]):
+        # Words stored before the low-rank candidates existed end after the others'.
+        for j, candidate in enumerate(ALL[1:1 + len(rest) // (2 * m)]):
             block = rest[2 * m * j:2 * m * (j + 1)]
             encode[candidate.label] = tuple(block[0::2])
             decode[candidate.label] = tuple(block[1::2])
@@ -294,7 +343,9 @@ class Figures:
         """The figures as ``from_words`` reads them (and ``measure`` agrees on them): the
         link's, then each candidate's encoding and decoding, size by size."""
         out = list(self.link_us)
-        for candidate in CANDIDATES[1:]:
+        for candidate in ALL[1:]:
+            if candidate.label not in self.encode_us:
+                break
             for e, d in zip(self.encode_us[candidate.label], self.decode_us[candidate.label]):
                 out += [e, d]
         return out
@@ -327,6 +378,79 @@ class Figures:
                     "ns/element" for label in self.encode_us))
 
 
+# -- the low-rank candidates' error -------------------------------------------------
+
+def low_rank_errors(matrix: np.ndarray, ranks: Sequence[int] = RANKS,
+                    seed: int = 0) -> Tuple[float, Dict[int, float]]:
+    """``matrix``'s squared norm and, for each rank r, the relative error of its best
+    rank-r approximation, 1 - (s_1^2 + ... + s_r^2) / ||M||^2 (s: its singular values).
+
+    What PowerSGD's power iteration approaches (one iteration a step from a warm
+    query); its error on a step is at least this. Large matrices take the top singular
+    values from a randomized range finder (Halko, Martinsson & Tropp, SIAM Review 2011:
+    8 extra columns and two power iterations), whose values are at most the true ones,
+    so the errors it gives are at least the true ones. Deterministic in ``seed``. A
+    matrix of zeros loses nothing; one that is not finite has no errors (``{}``).
+    """
+    a = np.asarray(matrix, np.float64)
+    if a.ndim != 2:
+        raise ValueError(f"low_rank_errors needs a matrix, got shape {a.shape}")
+    total = float(np.sum(a * a))
+    if not math.isfinite(total):
+        return total, {}
+    if total == 0.0:
+        return total, {r: 0.0 for r in ranks}
+    k = max(ranks)
+    small = min(a.shape)
+    if small <= k + 8 or a.size <= (1 << 16):
+        values = np.linalg.svd(a, compute_uv=False)
+    else:
+        if a.shape[0] < a.shape[1]:
+            a = a.T
+        rng = np.random.RandomState(seed)
+        y = a @ rng.standard_normal((a.shape[1], k + 8))
+        for _ in range(2):
+            q, _ = np.linalg.qr(y)
+            q, _ = np.linalg.qr(a.T @ q)
+            y = a @ q
+        q, _ = np.linalg.qr(y)
+        values = np.linalg.svd(q.T @ a, compute_uv=False)
+    captured = np.cumsum(values.astype(np.float64) ** 2)
+    return total, {r: float(max(0.0, 1.0 - captured[min(r, len(captured)) - 1] / total))
+                   for r in ranks}
+
+
+@dataclasses.dataclass(frozen=True)
+class LowRank:
+    """The low-rank candidates' measured errors and their budget (L-GreCo: Markov et al.,
+    MLSys 2024).
+
+    ``errors[name] = (squared norm, {rank: relative error})`` for the gradients
+    measured (``low_rank_errors`` of a recent error-feedback-corrected gradient). A
+    plan's low-rank gradients may together lose at most what PowerSGD at ``rank`` on
+    every measured gradient it can compress would: the sum of squared norm times
+    relative error at that rank. The error feedback keeps what each step leaves out
+    and sends it later, so that budget bounds how much is late, not lost; the
+    quantizers' budget (``Auto.error``) bounds the others' lost variance apart.
+    """
+
+    rank: int
+    errors: Dict[str, Tuple[float, Dict[int, float]]]
+
+    @property
+    def critical_rank(self) -> int:
+        """The least rank a gradient in a critical regime may take: twice the budget's
+        (ACCORDION's PowerSGD runs compress less there, at a higher rank, rather than
+        not at all)."""
+        return min(2 * self.rank, max(RANKS))
+
+    def budget(self, shapes: Dict[str, Sequence[int]]) -> float:
+        compressor = BY_LABEL[f"psgd{self.rank}"].compressor
+        return sum(sq * rel[self.rank] for name, (sq, rel) in sorted(self.errors.items())
+                   if name in shapes and compressor.supports(tf.TensorShape(shapes[name]),
+                                                             tf.float32))
+
+
 # -- choosing -----------------------------------------------------------------------
 
 def cpu_seconds(figures: Figures, candidate: Candidate, path: str, n: int) -> float:
@@ -350,6 +474,11 @@ def sent_bytes(candidate: Candidate, path: str, shape, dtype, num_workers: int) 
         return int(ring_sent(n * tf.as_dtype(dtype).size, num_workers))
     if path == "allreduce":
         return int(ring_sent(n * 2, num_workers))  # the casts: 16 bits per element
+    if path == "low_rank":
+        # Two rings: P (rows x r) with the control words, then Q (cols x r).
+        rows, cols = candidate.compressor.matrix_shape(tf.TensorShape(shape))
+        factors = candidate.rank * (rows + cols) * tf.as_dtype(dtype).size
+        return int(ring_sent(factors + 4 * guard.CONTROL_WORDS, num_workers))
     return auto_paths.sent_bytes(path, candidate.compressor,
                                  [(tf.TensorShape(shape), tf.as_dtype(dtype))], num_workers)
 
@@ -386,13 +515,20 @@ class Plan:
     link: costmodel.AlphaBeta
     figures: Figures
     lam: float = 0.0
+    # The low-rank candidates' budget (``LowRank.budget``; 0: none measured) and the
+    # error the plan's low-rank gradients use of it.
+    low_rank_budget: float = 0.0
+    low_rank_error: float = 0.0
 
     @property
     def mean_error(self) -> float:
+        """The quantizers' budget in use: the mean over the planned elements of each
+        gradient's bound (a low-rank gradient's error counts in its own budget)."""
         total = sum(int(np.prod(e.shape)) for e in self.entries)
         if not total:
             return 0.0
-        return sum(e.error * int(np.prod(e.shape)) for e in self.entries) / total
+        return sum(e.error * int(np.prod(e.shape)) for e in self.entries
+                   if e.candidate.rank is None) / total
 
     def key(self) -> str:
         """One line that names the plan: the compression state's compressor key."""
@@ -422,7 +558,10 @@ class Plan:
         """The plan as a text table, one line per gradient."""
         head = (f"tfgc: compressor='auto' plan for {len(self.entries)} gradients on "
                 f"{self.num_workers} workers (error budget {self.error_budget:g}, mean bound "
-                f"{self.mean_error:.3g}); {self.figures.describe()}")
+                f"{self.mean_error:.3g}"
+                + (f"; low-rank error {self.low_rank_error:.3g} of its budget "
+                   f"{self.low_rank_budget:.3g}" if self.low_rank_budget else "")
+                + f"); {self.figures.describe()}")
         rows = [("variable", "shape", "as", "path", "dense", "sent", "cpu ms", "wire ms")]
         for e in self.entries:
             rows.append((e.name, "x".join(map(str, e.shape)) or "()", e.label, e.path,
@@ -442,6 +581,11 @@ def _size(nbytes: int) -> str:
         if nbytes >= scale:
             return f"{nbytes / scale:.2f} {unit}"
     return f"{nbytes} B"
+
+
+def _cost(o) -> float:
+    """An option's seconds, and the price of its low-rank error (``make_plan``)."""
+    return o["cpu"] + o["wire"] + o["pen"]
 
 
 def _lagrangian(pick, mass, budget):
@@ -473,9 +617,9 @@ def _fill(choice, options, left):
         best = None
         for i, mine in enumerate(options):
             current = choice[i]
-            now = current["cpu"] + current["wire"]
+            now = _cost(current)
             for o in mine:
-                saved = now - (o["cpu"] + o["wire"])
+                saved = now - _cost(o)
                 added = o["mass"] - current["mass"]
                 if saved <= 0 or added <= 0 or added > left:
                     continue
@@ -511,7 +655,7 @@ def _knapsack(options, budget):
                 continue
             w = width(o)
             shifted = np.full(bins + 1, np.inf)
-            shifted[w:] = best[:bins + 1 - w] + (o["cpu"] + o["wire"])
+            shifted[w:] = best[:bins + 1 - w] + _cost(o)
             better = shifted < new
             new[better], pick[better] = shifted[better], k
         best = new
@@ -537,12 +681,12 @@ def _consolidate(choice, options, budget, link, num_workers):
 
     def step_time(c):
         used = {o["candidate"].label: o["path"] for o in c if o["candidate"].spec is not None}
-        return (sum(o["cpu"] + o["wire"] for o in c)
+        return (sum(_cost(o) for o in c)
                 + sum(link.latency(path, num_workers) for path in used.values()))
 
     while True:
         now = step_time(choice)
-        used = [c.label for c in CANDIDATES[1:]
+        used = [c.label for c in ALL[1:]
                 if any(o["candidate"].label == c.label for o in choice)]
         best = None
         for label in used:
@@ -554,7 +698,8 @@ def _consolidate(choice, options, budget, link, num_workers):
                     if o["candidate"].label == label:
                         alt = [x for x in options[i] if x["candidate"].label == target]
                         moved[i] = alt[0] if alt else None
-                if any(o is None for o in moved) or sum(o["mass"] for o in moved) > budget:
+                if any(o is None for o in moved) or sum(o["mass"] for o in moved) > budget \
+                        or sum(o["lr"] for o in moved) > max(1.0, sum(o["lr"] for o in choice)):
                     continue
                 saved = now - step_time(moved)
                 if saved > 0 and (best is None or saved > best[0]):
@@ -565,59 +710,106 @@ def _consolidate(choice, options, budget, link, num_workers):
 
 
 def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figures,
-              error_budget: float, critical=(), critical_bound: float = 2.0 ** -16) -> Plan:
+              error_budget: float, critical=(), critical_bound: float = 2.0 ** -16,
+              low_rank: Optional[LowRank] = None) -> Plan:
     """The plan for ``gradients`` (name, static shape, dtype name), in their order.
 
     Every candidate's cost and error for every gradient, then the Lagrangian choice
     under the budget, and groups merged where their own collectives cost more than they
     save (see the module docstring). Gradients named in ``critical`` (in a critical
     regime of training, ``CompressedAllReduce.adapt``) take only candidates whose bound
-    is at most ``critical_bound`` (bf16's). Deterministic in its arguments.
+    is at most ``critical_bound`` (bf16's), or low rank at ``low_rank.critical_rank`` or
+    more. With ``low_rank``, the gradients it measured
+    may also go low-rank, within its budget: a second multiplier prices their error
+    (bisection, as for the first), and the plan is the fastest at the smallest price
+    that keeps within it. Deterministic in its arguments.
     """
     w = figures.num_workers
     link = figures.link()
     total = sum(int(np.prod(shape, dtype=np.int64)) for _, shape, _ in gradients) or 1
+    lr_budget = 0.0
+    if low_rank is not None:
+        lr_budget = low_rank.budget({name: shape for name, shape, _ in gradients})
     options = []
     for name, shape, dtype in gradients:
         n = int(np.prod(shape, dtype=np.int64))
+        tf_shape, tf_dtype = tf.TensorShape(shape), tf.as_dtype(dtype)
         mine = []
-        for order, candidate in enumerate(CANDIDATES):
+        for order, candidate in enumerate(ALL):
             compressor = candidate.compressor
-            tf_shape, tf_dtype = tf.TensorShape(shape), tf.as_dtype(dtype)
             if compressor is not None and not compressor.supports(tf_shape, tf_dtype):
                 continue
-            bound = candidate.variance_bound(n)
-            if name in critical and bound > critical_bound:
-                continue
+            if candidate.rank is None:
+                bound, lr = candidate.variance_bound(n), 0.0
+                if name in critical and bound > critical_bound:
+                    continue
+            else:
+                # Measured gradients only, at the critical rank or more in a critical
+                # regime, and a loss that fits.
+                if low_rank is None or name not in low_rank.errors \
+                        or candidate.label not in figures.encode_us \
+                        or (name in critical and candidate.rank < low_rank.critical_rank):
+                    continue
+                sq, rel = low_rank.errors[name]
+                bound = rel[candidate.rank]
+                if sq * bound > lr_budget:
+                    continue
+                lr = sq * bound / lr_budget if lr_budget > 0 else 0.0
             path = path_of(candidate, w)
             sent = sent_bytes(candidate, path, shape, dtype, w)
             cpu = cpu_seconds(figures, candidate, path, n)
             mine.append(dict(order=order, candidate=candidate, path=path, sent=sent, cpu=cpu,
-                             wire=sent * link.beta, bound=bound, mass=bound * n / total,
-                             dense=n * tf_dtype.size))
+                             wire=sent * link.beta, bound=bound,
+                             mass=0.0 if candidate.rank else bound * n / total,
+                             lr=lr, pen=0.0, dense=n * tf_dtype.size))
         options.append((name, tuple(shape), dtype, mine))
 
-    def pick(lam):
-        return [min(mine, key=lambda o: (o["cpu"] + o["wire"] + lam * o["mass"], o["mass"],
-                                         o["order"])) for _, _, _, mine in options]
+    def solve(price):
+        """The plan's choice when each unit of the low-rank budget costs ``price`` s."""
+        priced = [[dict(o, pen=price * o["lr"]) for o in mine] for _, _, _, mine in options]
 
-    def mass(choice):
-        return sum(o["mass"] for o in choice)
+        def pick(lam):
+            return [min(mine, key=lambda o: (_cost(o) + lam * o["mass"], o["mass"], o["order"]))
+                    for mine in priced]
 
-    lam = 0.0
-    choice = pick(0.0)
-    if mass(choice) > error_budget:
-        lam, choice = _lagrangian(pick, mass, error_budget)
-        choice = _fill(choice, [mine for _, _, _, mine in options], error_budget - mass(choice))
-        if error_budget > 0:
-            exact = _knapsack([mine for _, _, _, mine in options], error_budget)
-            if exact is not None and sum(o["cpu"] + o["wire"] for o in exact) < \
-                    sum(o["cpu"] + o["wire"] for o in choice):
-                choice = exact
-    budgeted = choice
-    choice = _consolidate(choice, [mine for _, _, _, mine in options],
-                          max(error_budget, mass(choice)), link, w)
-    fastest = pick(0.0)
+        def mass(choice):
+            return sum(o["mass"] for o in choice)
+
+        lam = 0.0
+        choice = pick(0.0)
+        if mass(choice) > error_budget:
+            lam, choice = _lagrangian(pick, mass, error_budget)
+            choice = _fill(choice, priced, error_budget - mass(choice))
+            if error_budget > 0:
+                exact = _knapsack(priced, error_budget)
+                if exact is not None and sum(_cost(o) for o in exact) < \
+                        sum(_cost(o) for o in choice):
+                    choice = exact
+        budgeted = choice
+        choice = _consolidate(choice, priced, max(error_budget, mass(choice)), link, w)
+        return lam, budgeted, choice, pick(0.0)
+
+    def used(solved):
+        return sum(o["lr"] for o in solved[2])
+
+    solved = solve(0.0)
+    if used(solved) > 1.0 + 1e-9:
+        # The price of a whole budget: from the step's seconds up, until the choice
+        # fits (at a price high enough, only options that lose nothing remain).
+        hi = sum(max(o["cpu"] + o["wire"] for o in mine) for _, _, _, mine in options) or 1.0
+        for _ in range(60):
+            if used(solve(hi)) <= 1.0 + 1e-9:
+                break
+            hi *= 4.0
+        lo = 0.0
+        for _ in range(32):
+            mid = (lo + hi) / 2.0
+            if used(solve(mid)) <= 1.0 + 1e-9:
+                hi = mid
+            else:
+                lo = mid
+        solved = solve(hi)
+    lam, budgeted, choice, fastest = solved
     entries = []
     for (name, shape, dtype, _), o, before, quick in zip(options, choice, budgeted, fastest):
         reason = ""
@@ -632,4 +824,6 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
                              path=o["path"], dense_bytes=o["dense"], sent_bytes=o["sent"],
                              cpu_s=o["cpu"], wire_s=o["wire"], error=o["bound"],
                              reason=reason, critical=name in critical))
-    return Plan(tuple(entries), error_budget, w, link, figures, lam)
+    return Plan(tuple(entries), error_budget, w, link, figures, lam,
+                low_rank_budget=lr_budget,
+                low_rank_error=sum(o["lr"] for o in choice) * lr_budget)

@@ -267,6 +267,11 @@ class AutoPlanCallback(keras.callbacks.Callback):
     * measures the link again (``CompressedAllReduce.replan``) and plans again when the
       float32 all-reduce it predicts moved by more than ``link_margin``.
 
+    With regimes on, it also measures each matrix's low-rank error after the first step
+    and at every interval's end (``Auto.low_rank``: the low-rank candidates' budget),
+    so that low rank can be planned from the second step on (at twice the budget's rank
+    while critical).
+
     A new plan takes effect at the next step (a new train function, as a compressor
     switch). Adds ``auto_critical`` (how many gradients are critical) and
     ``auto_replanned`` (1 if the link changed the plan) to the epoch's logs. Every
@@ -309,17 +314,37 @@ class AutoPlanCallback(keras.callbacks.Callback):
         self._every_steps = every_steps
         self._steps = 0
         self._epoch = 0
+        self._measured = False
         # (epoch, critical names, whether the link changed the plan) per interval.
         self.history = []
 
     def on_train_begin(self, logs=None):
+        self._measured = False
         if self._threshold is not None:
             self._strategy.cross_device_ops.track_regimes()
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
 
+    def on_train_batch_begin(self, batch, logs=None):
+        if self._threshold is None:
+            return
+        # The step before an interval's end keeps the gradients its measurement reads.
+        if self._every_steps is not None:
+            last = (self._steps + 1) % self._every_steps == 0
+        else:
+            steps = (self.params or {}).get("steps")
+            last = steps is None or (batch == steps - 1
+                                     and (self._epoch + 1) % self._every == 0)
+        if last:
+            self._strategy.cross_device_ops.capture_gradients()
+
     def on_train_batch_end(self, batch, logs=None):
+        if not self._measured and self._threshold is not None:
+            # The low-rank candidates' first measurement: after the first step rather
+            # than at the first interval's end (a no-op without them).
+            self._measured = True
+            self._strategy.cross_device_ops.measure_low_rank()
         if self._every_steps is None:
             return
         self._steps += 1
