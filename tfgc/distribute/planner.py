@@ -445,6 +445,8 @@ class LowRank:
         return min(2 * self.rank, max(RANKS))
 
     def budget(self, shapes: Dict[str, Sequence[int]]) -> float:
+        """The budget for gradients of these ``shapes`` (by name): only measured ones
+        that PowerSGD at ``rank`` would compress count."""
         compressor = BY_LABEL[f"psgd{self.rank}"].compressor
         return sum(sq * rel[self.rank] for name, (sq, rel) in sorted(self.errors.items())
                    if name in shapes and compressor.supports(tf.TensorShape(shapes[name]),
@@ -719,10 +721,10 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
     save (see the module docstring). Gradients named in ``critical`` (in a critical
     regime of training, ``CompressedAllReduce.adapt``) take only candidates whose bound
     is at most ``critical_bound`` (bf16's), or low rank at ``low_rank.critical_rank`` or
-    more. With ``low_rank``, the gradients it measured
-    may also go low-rank, within its budget: a second multiplier prices their error
-    (bisection, as for the first), and the plan is the fastest at the smallest price
-    that keeps within it. Deterministic in its arguments.
+    more. With ``low_rank``, the gradients it measured may also go low-rank, within its
+    budget: a second multiplier prices their error (bisection, as for the first), and
+    the plan is the fastest at the smallest price that keeps within it. Deterministic
+    in its arguments.
     """
     w = figures.num_workers
     link = figures.link()
