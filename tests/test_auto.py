@@ -459,6 +459,11 @@ def test_the_plan_callback_refuses_what_it_cannot_use():
             tfgc.keras.AutoPlanCallback(strategy, **kwargs)
     with pytest.raises(ValueError, match="needs track_regimes"):
         strategy.cross_device_ops.adapt()
+    # Tracked, but nothing planned (a model whose gradients the policy all sends dense):
+    # an interval ends with no regime, rather than stopping the fit.
+    strategy.cross_device_ops.track_regimes()
+    assert strategy.cross_device_ops.adapt() == frozenset()
+    assert strategy.cross_device_ops.measure_low_rank() is False
 
 
 def small_model(strategy, width=64, outputs=4):

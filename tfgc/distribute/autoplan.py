@@ -407,9 +407,13 @@ class AutoPlanner:
         """See ``CompressedAllReduce.adapt``."""
         check_number("threshold", threshold, 0, strict=True)
         current = self.plan
-        if self._sums is None or current is None:
+        if self._sums is None:
             raise ValueError("adapt() needs track_regimes() and a step under "
                              "compressor='auto' first")
+        if current is None:
+            # No plan in this generation: the policy sends every gradient dense (a small
+            # model), or no step has run since. Nothing is in a regime.
+            return frozenset()
         gradients = self._plan[1]
         with tf.init_scope():
             norms = [float(tf.norm(self._sums[j])) if j in self._sums else float("nan")
