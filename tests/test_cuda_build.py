@@ -58,7 +58,8 @@ def test_harness_library_links(tmp_path):
     with open(os.path.join(ROOT, "custom_ops", "cuda_harness", "harness.py")) as f:
         called = set(re.findall(r"\b(tfgc_(?:cuda|harness)_\w+)", f.read()))
     # Every kernel family is reached through the harness.
-    for family in ("sign_bits", "onebit", "threshold", "quantize", "scatter_add", "sparsify"):
+    for family in ("sign_bits", "onebit", "threshold", "quantize", "scatter_add", "sparsify",
+                   "block_hadamard"):
         assert any(family in name for name in called), family
     missing = sorted(name for name in called if not hasattr(lib, name))
     assert not missing, missing

@@ -242,3 +242,24 @@ def test_rotated_qsgd_returns_the_gradients_dtype(dtype):
 def test_settings_rotation_cannot_honour_fail_at_construction(spec, argument):
     with pytest.raises(ValueError, match=f"`{argument}"):
         tfgc.get_compressor(spec)
+
+
+def test_the_cuda_harness_oracle_restates_the_cpu_kernel():
+    # The GPU kernel is checked against the harness's NumPy oracle on a GPU machine
+    # (custom_ops/cuda_harness); here the same check runs against the CPU op, so an
+    # oracle that drifted from the CPU kernel's bits fails on every machine.
+    needs_kernel()
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "custom_ops", "cuda_harness", "harness.py")
+    spec = importlib.util.spec_from_file_location("tfgc_cuda_harness", path)
+    harness = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(harness)
+    backend = harness.TfBackend()
+    assert harness.check_block_hadamard(backend, "float32", np.random.default_rng(3)) is None
+    # And the oracle tells a wrong rotation apart: signs applied after, not before.
+    x = np.arange(1, 9, dtype=np.float32)
+    signs = np.float32([1, -1, 1, 1, -1, 1, 1, 1])
+    assert not np.array_equal(harness.np_block_hadamard(x, signs, 8, False),
+                              harness.np_block_hadamard(x, signs, 8, True))

@@ -10,7 +10,10 @@ same run:
   floor of any single pass over the gradient;
 * where PyTorch has the same operation, PyTorch's own (``torch.topk`` on
   |x + r| plus the residual update for top-k; a comparison + bit packing in
-  PyTorch ops for the sign bits; a scatter-add for the sparse decode).
+  PyTorch ops for the sign bits; a scatter-add for the sparse decode; for
+  the block Hadamard rotation, which PyTorch lacks, the product of the
+  signed blocks with the dense float32 Hadamard matrix, as a model without a
+  transform kernel computes it).
 
 Each figure is the median of ``--repeats`` timed calls after warm-up calls.
 Prints a Markdown table; ``--json PATH`` writes the figures too.
@@ -39,6 +42,8 @@ def main(argv=None):
 
     import torch  # the GPU image has it; this machine's CI never runs this file
 
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 baselines stay float32
+
     if not torch.cuda.is_available():
         print("bench: no CUDA device", file=sys.stderr)
         return 2
@@ -63,6 +68,7 @@ def main(argv=None):
     lib.tfgc_cuda_scatter_add_scratch_bytes.argtypes = [c_int, i64]
     lib.tfgc_cuda_scatter_add_scratch_bytes.restype = i64
     lib.tfgc_cuda_scatter_add.argtypes = [c_int, vp, vp, i64, i64, vp, vp, vp]
+    lib.tfgc_cuda_block_hadamard.argtypes = [vp, vp, i64, i64, c_int, vp, vp]
 
     dev = torch.device("cuda")
     stream = torch.cuda.current_stream()
@@ -181,7 +187,26 @@ def main(argv=None):
         idx64 = indices.long()
         row("scatter_add (4 x 1 %)", n, ms, copy_ms, "torch index_add_",
             timed(lambda: torch.zeros_like(g).index_add_(0, idx64, values)))
-        del g, r, dst, res, new_res, out
+
+        # The randomized block Hadamard rotation (rotated QSGD's blocks of 128 and
+        # 512; 65536 runs the passes past the 4096-element tile over global memory).
+        hout = torch.empty_like(g)
+        for block in (128, 512, 1 << 16):
+            if n % block:
+                continue
+            signs = torch.where(torch.rand(block, device=dev) < 0.5, -1.0, 1.0)
+            ms = timed(lambda: ok(lib.tfgc_cuda_block_hadamard(
+                g.data_ptr(), signs.data_ptr(), n, block, 0, hout.data_ptr(), sp), "hadamard"))
+            base_name = base_ms = None
+            if block <= 4096:
+                h = torch.ones(1, 1, device=dev)
+                while h.shape[0] < block:
+                    h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+                h = h / block ** 0.5
+                base_name = "torch matmul by H_m"
+                base_ms = timed(lambda: torch.matmul(g.view(-1, block) * signs, h))
+            row(f"block_hadamard (block {block})", n, ms, copy_ms, base_name, base_ms)
+        del g, r, dst, res, new_res, out, hout
         torch.cuda.empty_cache()
 
     print(f"GPU: {torch.cuda.get_device_name()}; median of {args.repeats} calls, ms; "

@@ -14,6 +14,7 @@ compares the results with NumPy oracles that restate the CPU ops' semantics:
                                       select; DGC mode's contract)
   sparsify_by_threshold               v >= pos or v <= neg selection
   scatter_add_payloads                sparse (value, index) decode
+  block_hadamard                      randomized block Hadamard rotation
 
 Prints PASS / FAIL per kernel and dtype; exits 1 if anything failed, 2 if no
 CUDA device could be used.
@@ -301,6 +302,35 @@ def np_sparsify_by_threshold(x_raw, r_raw, pos, neg, dt, with_mask):
 # ---------------------------------------------------------------------------
 # Backends: the CUDA library through ctypes, or tfgc's TensorFlow CPU ops.
 
+def np_block_hadamard(x, signs, block, inverse):
+    """The rotation's butterflies in float32, each operation flushing subnormals
+    on input and output as TensorFlow's CPU threads do (see flush_subnormals)."""
+    x = np.asarray(x, np.float32)
+    n = x.size
+    tail = n % block
+    out = []
+    with np.errstate(invalid="ignore", over="ignore"):
+        for part, m in ((x[:n - tail], block), (x[n - tail:], tail)):
+            if part.size == 0:
+                continue
+            s = np.asarray(signs[:m], np.float32)
+            y = part.reshape(-1, m)
+            if not inverse:
+                y = flush_subnormals(flush_subnormals(y) * s)
+            h = 1
+            while h < m:
+                y = flush_subnormals(y).reshape(-1, m // (2 * h), 2, h)
+                a, b = y[:, :, 0], y[:, :, 1]
+                y = flush_subnormals(np.stack([a + b, a - b], 2)).reshape(-1, m)
+                h *= 2
+            scale = np.float32(1.0) / np.sqrt(np.float32(m))
+            y = flush_subnormals(flush_subnormals(y) * scale)
+            if inverse:
+                y = flush_subnormals(y * s)
+            out.append(y.reshape(-1))
+    return np.concatenate(out) if out else np.zeros(0, np.float32)
+
+
 class CudaError(RuntimeError):
     pass
 
@@ -359,6 +389,8 @@ class CudaBackend:
         L.tfgc_cuda_scatter_add_scratch_bytes.restype = i64
         L.tfgc_cuda_scatter_add_validate.argtypes = [i32p, i64, i64, vp, ip, vp]
         L.tfgc_cuda_scatter_add.argtypes = [ctypes.c_int, vp, i32p, i64, i64, vp, vp, vp]
+        L.tfgc_cuda_block_hadamard_validate_signs.argtypes = [f32p, i64, vp, ip, vp]
+        L.tfgc_cuda_block_hadamard.argtypes = [f32p, f32p, i64, i64, ctypes.c_int, f32p, vp]
         self._live = []
         buf = ctypes.create_string_buffer(256)
         self.check(L.tfgc_harness_device_name(buf, 256), "cudaGetDeviceProperties")
@@ -556,6 +588,26 @@ class CudaBackend:
                                                  None), "scatter_add")
         return self.get(out, [n], raw_dtype(dt))
 
+    def block_hadamard(self, x, signs, block, inverse, in_place=False):
+        """The rotation of x, or None where the signs are not all +1 or -1."""
+        x = np.asarray(x, np.float32)
+        sg = self.put(np.asarray(signs, np.float32))
+        bad = ctypes.c_int()
+        self.check(self.lib.tfgc_cuda_block_hadamard_validate_signs(
+            sg, len(signs), self._poisoned(4), ctypes.byref(bad), None), "validate_signs")
+        if bad.value:
+            return None
+        xd = self.put(x) if x.size else self.alloc(8)
+        out = xd if in_place else self._poisoned(4 * x.size)
+        self.sync(self.lib.tfgc_cuda_block_hadamard(xd, sg, x.size, block, int(inverse), out,
+                                                    None), "block_hadamard")
+        return self.get(out, [x.size], np.float32)
+
+    def block_hadamard_rejects(self, n, block):
+        """Whether the launcher refuses n elements in blocks of block."""
+        buf = self.alloc(4 * max(n, block))
+        return self.lib.tfgc_cuda_block_hadamard(buf, buf, n, block, 0, buf, None) != 0
+
 
 class TfBackend:
     """tfgc's TensorFlow CPU ops behind the same interface (oracle self-test)."""
@@ -568,6 +620,7 @@ class TfBackend:
         import tensorflow as tf
 
         import tfgc.ops.quantize as qb
+        import tfgc.ops.rotation as rot
         import tfgc.ops.sign_bits as sb
         import tfgc.ops.sparsify as sp
         import tfgc.ops.threshold as th
@@ -575,6 +628,7 @@ class TfBackend:
         if not _loader.custom_ops_available():
             raise RuntimeError("tfgc's compiled op library is not available")
         self.tf, self.sb, self.th, self.qb, self.sp = tf, sb, th, qb, sp
+        self.rot = rot
         self.device = "TensorFlow CPU ops"
 
     def _in(self, raw, dt):
@@ -652,6 +706,21 @@ class TfBackend:
             return self._out(self.sp.scatter_add_payloads(self._in(values_raw, dt), indices, n), dt)
         except self.tf.errors.InvalidArgumentError:
             return None
+
+    def block_hadamard(self, x, signs, block, inverse, in_place=False):
+        try:
+            return self.rot.block_hadamard(np.asarray(x, np.float32),
+                                           np.asarray(signs, np.float32), block,
+                                           inverse=inverse).numpy()
+        except self.tf.errors.InvalidArgumentError:
+            return None
+
+    def block_hadamard_rejects(self, n, block):
+        try:
+            self.rot.block_hadamard(np.zeros(n, np.float32), np.ones(block, np.float32), block)
+        except self.tf.errors.InvalidArgumentError:
+            return True
+        return False
 
 
 # ---------------------------------------------------------------------------
@@ -998,13 +1067,56 @@ def check_sparsify_by_threshold(b, dt, rng):
     return None
 
 
+def check_block_hadamard(b, dt, rng):
+    # Block sizes on both sides of the GPU's shuffle (32), register (512) and
+    # tile (4096) passes, and past the tile (global radix-2 and radix-4 ends).
+    cases = [(1, 5), (2, 6), (4, 4), (4, 12), (8, 24), (32, 32 * 3 + 16), (64, 64),
+             (128, 128 * 37 + 64), (512, 512 * 9 + 1), (512, 4096 * 3 + 512 + 256),
+             (1024, 1024 * 5), (2048, 2048 * 2 + 2), (4096, 4096 * 3 + 2048),
+             (8192, 8192 * 2 + 4096), (16384, 16384 + 8), (32768, 32768 * 2),
+             (1 << 20, (1 << 21) + (1 << 19))]
+    for block, n in cases:
+        x = rng.standard_normal(n).astype(np.float32)
+        if n >= 16:
+            k = rng.choice(n, size=8, replace=False)
+            x[k] = np.float32([np.nan, np.inf, -np.inf, -0.0, 1e-40, -1e-40, 3e38, -3e38])
+        signs = np.where(rng.random(block) < 0.5, -1.0, 1.0).astype(np.float32)
+        for inverse in (False, True):
+            got = b.block_hadamard(x, signs, block, inverse)
+            if got is None or not same_values(got, np_block_hadamard(x, signs, block, inverse),
+                                              "float32"):
+                return f"block {block}, n {n}, inverse {inverse}: values differ"
+            b.release()
+        # The inverse undoes the forward rotation (finite inputs).
+        fx = rng.standard_normal(n).astype(np.float32)
+        back = b.block_hadamard(b.block_hadamard(fx, signs, block, False), signs, block, True)
+        if not np.allclose(back, fx, rtol=0, atol=1e-5 * max(1.0, np.log2(block))):
+            return f"block {block}, n {n}: inverse(forward(x)) differs from x"
+        in_place = b.block_hadamard(fx, signs, block, False, in_place=True)
+        if not same_values(in_place, np_block_hadamard(fx, signs, block, False), "float32"):
+            return f"block {block}, n {n}: in place differs"
+        b.release()
+    signs = np.ones(64, np.float32)
+    for bad in (0.0, 2.0, np.nan, -0.5):
+        signs[17] = bad
+        if b.block_hadamard(np.ones(128, np.float32), signs, 64, False) is not None:
+            return f"a sign of {bad} was accepted"
+        b.release()
+    for n, block in ((112, 64), (3, 4), (100, 512)):
+        if not b.block_hadamard_rejects(n, block):
+            return f"{n} elements in blocks of {block} (a last block of {n % block}) accepted"
+        b.release()
+    return None
+
+
 CHECKS = [("pack/unpack_sign_bits", check_pack_unpack), ("onebit_quantize", check_quantize),
           ("onebit_dequantize", check_dequantize), ("threshold_encode", check_encode),
           ("threshold_decode", check_decode), ("quantize_bucketed", check_quantize_bucketed),
           ("dequantize_bucketed", check_dequantize_bucketed),
           ("sparsify_topk", check_sparsify_topk), ("sparsify_sampled", check_sparsify_sampled),
           ("sparsify_by_threshold", check_sparsify_by_threshold),
-          ("scatter_add_payloads", check_scatter_add)]
+          ("scatter_add_payloads", check_scatter_add),
+          ("block_hadamard", check_block_hadamard, ["float32"])]
 
 
 def main(argv=None):
@@ -1013,7 +1125,13 @@ def main(argv=None):
                                                       "build", "cuda_harness", "libtfgc_cuda.so"))
     parser.add_argument("--backend", choices=["cuda", "tf"], default="cuda")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only", nargs="+", default=None, metavar="CHECK",
+                        help="run only these checks (names as printed)")
     args = parser.parse_args(argv)
+    names = [c[0] for c in CHECKS]
+    unknown = set(args.only or ()) - set(names)
+    if unknown:
+        parser.error(f"unknown check(s) {sorted(unknown)}; the checks are {names}")
 
     try:
         backend = CudaBackend(args.lib) if args.backend == "cuda" else TfBackend()
@@ -1022,8 +1140,10 @@ def main(argv=None):
         return 2
     print(f"harness: {backend.name} backend on {backend.device}")
     failures = 0
-    for name, check in CHECKS:
-        for dt in DTYPES:
+    for name, check, *dtypes in CHECKS:
+        if args.only and name not in args.only:
+            continue
+        for dt in (dtypes[0] if dtypes else DTYPES):
             rng = np.random.default_rng([args.seed, DTYPES.index(dt)])
             try:
                 message = check(backend, dt, rng)

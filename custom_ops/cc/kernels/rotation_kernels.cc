@@ -1,5 +1,6 @@
-// CPU kernel of the randomized block Hadamard rotation (TfgcBlockHadamard;
-// schema in custom_ops/cc/ops/rotation_ops.cc, Python in tfgc/ops/rotation.py).
+// OpKernel and CPU functor of the randomized block Hadamard rotation
+// (TfgcBlockHadamard; schema in custom_ops/cc/ops/rotation_ops.cc, Python in
+// tfgc/ops/rotation.py, the GPU functor in rotation_gpu.cu.cc).
 //
 // Each block is copied, multiplied by its signs (forward), transformed in
 // place by the fast Walsh-Hadamard butterflies (log2(m) passes over a block
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "custom_ops/cc/kernels/cpu_util.h"
+#include "custom_ops/cc/kernels/rotation.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/framework/tensor_shape.h"
@@ -143,6 +145,48 @@ __attribute__((target("avx2"))) void RotateBlocksAvx2(
 }
 #endif
 
+}  // namespace
+
+namespace functor {
+
+using CPUDevice = Eigen::ThreadPoolDevice;
+
+template <>
+absl::Status BlockHadamardFunctor<CPUDevice>::operator()(
+    OpKernelContext* ctx, const float* x, const float* signs, int64_t n,
+    int64_t block, bool inverse, float* y) {
+  for (int64_t k = 0; k < block; ++k) {
+    if (signs[k] != 1.0f && signs[k] != -1.0f) {
+      return errors::InvalidArgument("signs must be +1 or -1, got ", signs[k],
+                                     " at ", k);
+    }
+  }
+  const int64_t blocks = CeilDiv(n, block);
+  int log2 = 0;
+  while ((int64_t{1} << log2) < block) ++log2;
+  auto* rotate = &RotateBlocks;
+#if TFGC_CPU_X86
+  if (cpu::HasAvx2()) rotate = &RotateBlocksAvx2;
+#endif
+  ParallelFor(ctx, blocks, block * (log2 + 4), [&](int64_t first, int64_t last) {
+    std::vector<float> buf(block);
+    rotate(x, y, buf.data(), signs, n, block, first, last, inverse);
+  });
+  return absl::OkStatus();
+}
+
+#if GOOGLE_CUDA
+template <>
+absl::Status BlockHadamardFunctor<Eigen::GpuDevice>::operator()(
+    OpKernelContext* ctx, const float* x, const float* signs, int64_t n,
+    int64_t block, bool inverse, float* y);
+#endif  // GOOGLE_CUDA
+
+}  // namespace functor
+
+namespace {
+
+template <typename Device>
 class BlockHadamardOp : public OpKernel {
  public:
   explicit BlockHadamardOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -171,29 +215,12 @@ class BlockHadamardOp : public OpKernel {
                 errors::InvalidArgument(
                     "the last block of x must have a power-of-two length: ", n,
                     " elements in blocks of ", block_, " leave ", tail));
-    const float* s = signs.flat<float>().data();
-    for (int64_t k = 0; k < block_; ++k) {
-      OP_REQUIRES(ctx, s[k] == 1.0f || s[k] == -1.0f,
-                  errors::InvalidArgument("signs must be +1 or -1, got ", s[k],
-                                          " at ", k));
-    }
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, x.shape(), &out));
-    const float* in = x.flat<float>().data();
-    float* y = out->flat<float>().data();
-    const int64_t blocks = CeilDiv(n, block_);
-    const int64_t block = block_;
-    const bool inverse = inverse_;
-    int log2 = 0;
-    while ((int64_t{1} << log2) < block) ++log2;
-    auto* rotate = &RotateBlocks;
-#if TFGC_CPU_X86
-    if (cpu::HasAvx2()) rotate = &RotateBlocksAvx2;
-#endif
-    ParallelFor(ctx, blocks, block * (log2 + 4), [&](int64_t first, int64_t last) {
-      std::vector<float> buf(block);
-      rotate(in, y, buf.data(), s, n, block, first, last, inverse);
-    });
+    if (n == 0) return;
+    OP_REQUIRES_OK(ctx, functor::BlockHadamardFunctor<Device>()(
+                            ctx, x.flat<float>().data(), signs.flat<float>().data(), n,
+                            block_, inverse_, out->flat<float>().data()));
   }
 
  private:
@@ -203,6 +230,14 @@ class BlockHadamardOp : public OpKernel {
 
 }  // namespace
 
-REGISTER_KERNEL_BUILDER(Name("TfgcBlockHadamard").Device(DEVICE_CPU), BlockHadamardOp);
+REGISTER_KERNEL_BUILDER(Name("TfgcBlockHadamard").Device(DEVICE_CPU),
+                        BlockHadamardOp<functor::CPUDevice>);
+
+#if GOOGLE_CUDA
+// GPU kernels (rotation_gpu.cu.cc); x and the signs stay on the device, which
+// checks the signs itself.
+REGISTER_KERNEL_BUILDER(Name("TfgcBlockHadamard").Device(tensorflow::DEVICE_GPU),
+                        BlockHadamardOp<Eigen::GpuDevice>);
+#endif  // GOOGLE_CUDA
 
 }  // namespace tfgc
