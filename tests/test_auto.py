@@ -14,6 +14,7 @@
 """
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -327,6 +328,78 @@ def test_the_low_rank_budget_holds_at_every_default_rank(rank):
         plan = planner.make_plan(GRADIENTS, all_figures(rate), 0.05, low_rank=low_rank)
         assert plan.low_rank_error <= plan.low_rank_budget * (1 + 1e-9)
         assert plan.mean_error <= 0.05 + 1e-12
+
+
+def test_a_given_choice_is_priced_as_the_planner_prices_it_or_ruled_out():
+    low_rank = planner.LowRank(2, MEASURED)
+    fig = all_figures(0.1)
+    plan = planner.make_plan(GRADIENTS, fig, 0.05, low_rank=low_rank)
+    labels = {e.name: e.label for e in plan.entries}
+    again = planner.make_plan(GRADIENTS, fig, 0.05, low_rank=low_rank, only=labels)
+    assert again.key() == plan.key()
+    assert again.step_seconds() == pytest.approx(plan.step_seconds())
+    # Under a slower CPU the same choice costs more, and its error is unchanged.
+    slower = planner.make_plan(GRADIENTS, all_figures(0.1, ns_per_element=8.0), 0.05,
+                               low_rank=low_rank, only=labels)
+    assert slower.key() == plan.key() and slower.step_seconds() > plan.step_seconds()
+    assert slower.low_rank_error == pytest.approx(plan.low_rank_error)
+    # All float32: allowed, and slower on this link than the plan.
+    dense = planner.make_plan(GRADIENTS, fig, 0.05, low_rank=low_rank,
+                              only={name: "fp32" for name, _, _ in GRADIENTS})
+    assert {e.label for e in dense.entries} == {"fp32"}
+    assert dense.step_seconds() > plan.step_seconds()
+    # Ruled out: a rank below the critical rank on a critical gradient, a low-rank error
+    # past the budget (rank 1 on the flat embedding), a quantizer past the error budget,
+    # a candidate the gradient cannot take.
+    low = dict(labels, fc1="psgd1")
+    assert planner.make_plan(GRADIENTS, fig, 0.05, low_rank=low_rank, only=low,
+                             critical={"fc1"}) is None
+    assert planner.make_plan(GRADIENTS, fig, 0.05, low_rank=low_rank,
+                             only=dict(labels, embed="psgd1")) is None
+    coarse = {name: "rqsgd4" for name, _, _ in GRADIENTS}
+    assert planner.make_plan(GRADIENTS, fig, 1e-6, only=coarse) is None
+    assert planner.make_plan(GRADIENTS, fig, 0.05, only=dict(labels, head="psgd8")) is None
+
+
+def test_a_new_plan_is_taken_when_it_saves_more_than_a_change_costs():
+    low_rank = planner.LowRank(2, MEASURED)
+    fig = all_figures(0.1)
+    new = planner.make_plan(GRADIENTS, fig, 0.05, low_rank=low_rank)
+    kept = planner.make_plan(GRADIENTS, fig, 0.05, low_rank=low_rank,
+                             only={name: "bf16" for name, _, _ in GRADIENTS})
+    gain = kept.step_seconds() - new.step_seconds()
+    assert gain > 0
+    assert planner.change_pays(kept, new, 0.0)
+    assert planner.change_pays(kept, new, gain * 0.99)
+    assert not planner.change_pays(kept, new, gain * 1.01)
+    assert planner.change_pays(None, new, 1e9)  # the current plan is ruled out
+
+
+def test_the_plan_callback_prices_a_change_by_the_step_that_retraces():
+    # One worker: nothing planned, but a change of setting retraces the train function
+    # as a new plan does; the callback prices the step after it against the others.
+    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
+    model = small_model(strategy)
+    callback = tfgc.keras.AutoPlanCallback(strategy, every_steps=50, link_margin=None)
+    import tf_keras as keras
+
+    steps = []
+
+    class Change(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            steps.append(time.perf_counter())
+
+        def on_train_batch_end(self, batch, logs=None):
+            steps[-1] = time.perf_counter() - steps[-1]
+            if batch == 10:
+                cdo = strategy.cross_device_ops
+                cdo.overlap_bytes = cdo.overlap_bytes + 1  # a new generation
+
+    model.fit(*small_data(160), batch_size=8, epochs=1, verbose=0,
+              callbacks=[Change(), callback])
+    ordinary = float(np.median(steps[1:11] + steps[12:]))
+    assert callback.change_s == pytest.approx(steps[11] - ordinary, rel=0.5, abs=0.02)
+    assert callback.change_s > 3 * ordinary  # a retrace, not a step
 
 
 def test_no_gradient_goes_low_rank_unmeasured_or_on_a_fast_link():

@@ -245,7 +245,7 @@ class AutoPlanner:
                      "checkpoint (%s)", figures.describe())
         return figures
 
-    def _planned(self, gradients, figures):
+    def _planned(self, gradients, figures, only=None):
         critical = self._critical
         if critical == "all":
             critical = frozenset(name for name, _, _ in gradients)
@@ -254,7 +254,7 @@ class AutoPlanner:
         if auto.low_rank and self._low_rank:
             low_rank = planner.LowRank(auto.low_rank, dict(self._low_rank))
         return planner.make_plan(gradients, figures, auto.error, critical=critical,
-                                 low_rank=low_rank)
+                                 low_rank=low_rank, only=only)
 
     def _check_agree(self, plan):
         """Stops with a message if any worker derived another plan (a bug, or workers
@@ -403,9 +403,10 @@ class AutoPlanner:
             gradients, figures = self._plan[1], self._figures[1]
             self._adopt(gradients, figures, self._planned(gradients, figures))
 
-    def adapt(self, threshold: float) -> frozenset:
+    def adapt(self, threshold: float, min_gain_s: float = 0.0) -> frozenset:
         """See ``CompressedAllReduce.adapt``."""
         check_number("threshold", threshold, 0, strict=True)
+        check_number("min_gain_s", min_gain_s, 0)
         current = self.plan
         if self._sums is None:
             raise ValueError("adapt() needs track_regimes() and a step under "
@@ -420,10 +421,12 @@ class AutoPlanner:
                      for j in range(len(gradients))]
             for total in self._sums.values():
                 total.assign(tf.zeros_like(total))
-        # Worker 0's norms (as the bits of float32 words), so every worker decides alike.
-        bits = np.asarray(norms, np.float32).view(np.int32)
+        # Worker 0's norms and least gain (as the bits of float32 words), so every worker
+        # decides alike.
+        bits = np.asarray(norms + [min_gain_s], np.float32).view(np.int32)
         first = self._ops.gather_words(bits)[0].astype(np.int32).view(np.float32)
-        now = {j: float(v) for j, v in enumerate(first)}
+        min_gain_s = float(first[-1])
+        now = {j: float(v) for j, v in enumerate(first[:-1])}
         critical = frozenset(gradients[j][0] for j in
                              planner.critical_layers(self._norms, now, threshold))
         self._norms = now
@@ -432,7 +435,7 @@ class AutoPlanner:
         if self._ops.compressor.low_rank:
             changed = self._measured(gradients) or changed
         if changed:
-            self._plan_again(gradients, current)
+            self._plan_again(gradients, current, min_gain_s)
         return critical
 
     def measure_low_rank(self) -> bool:
@@ -461,12 +464,27 @@ class AutoPlanner:
         self._low_rank = low_rank
         return changed
 
-    def _plan_again(self, gradients, current) -> bool:
-        """Plans from the current figures, regimes and errors; adopts a plan that differs."""
-        plan = self._planned(gradients, self._figures[1])
+    def _plan_again(self, gradients, current, min_gain_s: float = 0.0) -> bool:
+        """Plans from the current figures, regimes and errors, and adopts a plan that
+        differs, unless the current one still keeps within the regimes and budgets and
+        the new one is predicted to save less than ``min_gain_s`` a step: a change
+        retraces the train function, which costs seconds, and a new rank that saves a
+        tenth of a millisecond never pays that back within an interval."""
+        figures = self._figures[1]
+        plan = self._planned(gradients, figures)
         if plan.key() != current.key():
-            self._adopt(gradients, self._figures[1], plan)
-            return True
+            kept = None
+            if min_gain_s > 0:
+                kept = self._planned(gradients, figures,
+                                     only={e.name: e.label for e in current.entries})
+            if planner.change_pays(kept, plan, min_gain_s):
+                self._adopt(gradients, figures, plan)
+                return True
+            logging.info("tfgc: compressor='auto' keeps its plan: the new one would save "
+                         "%.3f ms a step, less than a change costs (%.3f ms a step over "
+                         "the interval)", (kept.step_seconds() - plan.step_seconds()) * 1e3,
+                         min_gain_s * 1e3)
+            plan = kept
         self._plan = (self._plan[0], gradients, plan)
         return False
 

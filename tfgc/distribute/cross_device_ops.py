@@ -610,15 +610,19 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         gradient is treated as in a critical regime until ``adapt`` says otherwise."""
         self._auto_planner("track_regimes").track_regimes()
 
-    def adapt(self, threshold: float = 0.5) -> frozenset:
+    def adapt(self, threshold: float = 0.5, min_gain_s: float = 0.0) -> frozenset:
         """Under ``compressor="auto"`` after ``track_regimes``: ends an interval. The norm
         of each planned gradient's sum over the interval is compared with the previous
         interval's (``planner.critical_layers``: a change of ``threshold`` or more, or
         no previous norm, is a critical regime), the sums restart, and if the critical
         gradients changed the plan is made again, critical ones limited to bf16's error.
-        The norms are worker 0's (all-gathered), so every worker decides the same;
-        every worker must call it at the same point. Returns the critical names."""
-        return self._auto_planner("adapt").adapt(threshold)
+        A new plan whose predicted step is less than ``min_gain_s`` seconds shorter than
+        the current plan's (priced anew) is not taken while the current one still keeps
+        within the regimes and budgets (``AutoPlanCallback`` passes what a change cost
+        the last time, spread over an interval). The norms and ``min_gain_s`` are worker
+        0's (all-gathered), so every worker decides the same; every worker must call it
+        at the same point. Returns the critical names."""
+        return self._auto_planner("adapt").adapt(threshold, min_gain_s)
 
     def measure_low_rank(self) -> bool:
         """Under ``compressor="auto"`` with regimes tracked and ``low_rank`` on: measures

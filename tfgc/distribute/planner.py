@@ -81,8 +81,14 @@ from tfgc.distribute.paths import guard
 LINK_SIZES = (16 << 10, 512 << 10, 4 << 20)
 CPU_SIZES = (1 << 12, 1 << 16, 1 << 20)
 REPEATS = 3
-# Vectors encoded (decoded) per timed call (``_cpu_seconds``).
+# Vectors encoded (decoded) per timed call (``_cpu_seconds``): enough to spread the
+# call's own overhead. A low-rank codec's graph is about ten times a quantizer's (a rank-8
+# PowerSGD encoding: 258 operations), and tracing and optimising it cost 0.1 s a copy
+# against 1-3 ms of running it, so the low-rank candidates are timed on fewer copies:
+# their timings cost a quarter, and a gradient they pay off on is large enough (a
+# millisecond of encoding) that the overhead left in each copy does not matter.
 COPIES = 8
+LOW_RANK_COPIES = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,19 +174,21 @@ def _cpu_seconds(candidate: Candidate, n: int, num_workers: int,
     """Median seconds of one encoding and one decoding of a float32 vector of ``n``
     elements (or of ``shape``, for codecs whose cost depends on it: low-rank ones).
 
-    Each call of the timed function encodes (decodes) ``COPIES`` vectors, and the time
-    is divided by them: what is left of the call's own overhead is what a gradient's
-    encoding costs inside a training step's graph, where there is no call per gradient.
+    Each call of the timed function encodes (decodes) ``COPIES`` vectors
+    (``LOW_RANK_COPIES`` for low-rank codecs), and the time is divided by them: what is
+    left of the call's own overhead is what a gradient's encoding costs inside a
+    training step's graph, where there is no call per gradient.
     """
     compressor = candidate.compressor
+    copies = COPIES if candidate.rank is None else LOW_RANK_COPIES
     if shape is None and candidate.rank is not None:
         side = int(round(math.sqrt(n)))  # a square matrix: the low-rank codec's work is n r
         shape = [side, max(n // side, 1)]
     shape = tf.TensorShape(shape or [n])
-    xs = [tf.random.stateless_normal(shape, seed=[7, n + k]) for k in range(COPIES)]
+    xs = [tf.random.stateless_normal(shape, seed=[7, n + k]) for k in range(copies)]
     state = compressor.init_state(shape, tf.float32)
     contexts = [CompressContext(rank=0, num_workers=num_workers, index=k,
-                                step=tf.constant(0, tf.int64)) for k in range(COPIES)]
+                                step=tf.constant(0, tf.int64)) for k in range(copies)]
     encode = tf.function(
         lambda vs: [tuple(compressor.compress(v, state, c)[0]) for v, c in zip(vs, contexts)],
         autograph=False)
@@ -188,8 +196,8 @@ def _cpu_seconds(candidate: Candidate, n: int, num_workers: int,
     decode = tf.function(
         lambda ps: [compressor.decompress(p, shape, tf.float32, c)
                     for p, c in zip(ps, contexts)], autograph=False)
-    return (median_seconds(lambda: [p[0].numpy() for p in encode(xs)]) / COPIES,
-            median_seconds(lambda: [d.numpy() for d in decode(payloads)]) / COPIES)
+    return (median_seconds(lambda: [p[0].numpy() for p in encode(xs)]) / copies,
+            median_seconds(lambda: [d.numpy() for d in decode(payloads)]) / copies)
 
 
 # This process's own CPU timings by cluster size and candidates: the CPU does not change
@@ -553,6 +561,11 @@ class Plan:
         return {**plan, "fp32_wire_s": self.link.wire("allreduce", self.num_workers, fp32),
                 "fp32_latency_s": self.link.latency("allreduce", self.num_workers)}
 
+    def step_seconds(self) -> float:
+        """The predicted seconds per step of the planned gradients: CPU, wire, latency."""
+        p = self.predicted()
+        return p["cpu_s"] + p["wire_s"] + p["latency_s"]
+
     def as_dicts(self) -> List[dict]:
         return [dataclasses.asdict(e) for e in self.entries]
 
@@ -711,9 +724,18 @@ def _consolidate(choice, options, budget, link, num_workers):
         choice = best[1]
 
 
+def change_pays(kept: Optional[Plan], new: Plan, min_gain_s: float) -> bool:
+    """Whether to take ``new`` over the current plan, ``kept`` (the current choice priced
+    anew by ``make_plan(..., only=...)``; None where the regimes or budgets now rule it
+    out): it must save at least ``min_gain_s`` seconds a step, what changing costs
+    spread over the steps the new plan would run."""
+    return kept is None or kept.step_seconds() - new.step_seconds() >= min_gain_s
+
+
 def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figures,
               error_budget: float, critical=(), critical_bound: float = 2.0 ** -16,
-              low_rank: Optional[LowRank] = None) -> Plan:
+              low_rank: Optional[LowRank] = None,
+              only: Optional[Dict[str, str]] = None) -> Optional[Plan]:
     """The plan for ``gradients`` (name, static shape, dtype name), in their order.
 
     Every candidate's cost and error for every gradient, then the Lagrangian choice
@@ -725,6 +747,11 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
     budget: a second multiplier prices their error (bisection, as for the first), and
     the plan is the fastest at the smallest price that keeps within it. Deterministic
     in its arguments.
+
+    ``only`` (name -> label) prices a given choice instead: the plan that sends each
+    gradient as ``only`` says, under these figures, regimes and budgets, or None where
+    one of them rules that choice out (``AutoPlanner`` weighs keeping its plan
+    against a new one).
     """
     w = figures.num_workers
     link = figures.link()
@@ -738,6 +765,8 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
         tf_shape, tf_dtype = tf.TensorShape(shape), tf.as_dtype(dtype)
         mine = []
         for order, candidate in enumerate(ALL):
+            if only is not None and candidate.label != only.get(name):
+                continue
             compressor = candidate.compressor
             if compressor is not None and not compressor.supports(tf_shape, tf_dtype):
                 continue
@@ -765,6 +794,11 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
                              mass=0.0 if candidate.rank else bound * n / total,
                              lr=lr, pen=0.0, dense=n * tf_dtype.size))
         options.append((name, tuple(shape), dtype, mine))
+    if only is not None and (
+            any(not mine for _, _, _, mine in options)
+            or sum(mine[0]["mass"] for _, _, _, mine in options) > error_budget + 1e-12
+            or sum(mine[0]["lr"] for _, _, _, mine in options) > 1.0 + 1e-9):
+        return None
 
     def solve(price):
         """The plan's choice when each unit of the low-rank budget costs ``price`` s."""

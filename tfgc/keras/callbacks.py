@@ -1,6 +1,8 @@
 """Callbacks that put compression statistics into Keras logs, the progress bar and TensorBoard."""
 
+import collections
 import os
+import time
 from typing import Dict, List, Tuple
 
 import numpy as np
@@ -273,7 +275,10 @@ class AutoPlanCallback(keras.callbacks.Callback):
     while critical).
 
     A new plan takes effect at the next step (a new train function, as a compressor
-    switch). Adds ``auto_critical`` (how many gradients are critical) and
+    switch). That step's retrace costs seconds, so the callback times it (the step's
+    duration beyond the median of the others) and, at later intervals' ends, asks a new
+    plan to save at least that much over the next interval before it is taken
+    (``min_gain_s`` of ``CompressedAllReduce.adapt``). Adds ``auto_critical`` (how many gradients are critical) and
     ``auto_replanned`` (1 if the link changed the plan) to the epoch's logs. Every
     worker must run it (Keras calls every worker's callbacks at the same point).
 
@@ -315,11 +320,23 @@ class AutoPlanCallback(keras.callbacks.Callback):
         self._steps = 0
         self._epoch = 0
         self._measured = False
+        # Recent steps' seconds, and what the last change of plan cost (``_time_step``).
+        self._durations = collections.deque(maxlen=64)
+        self._began = None
+        self._traced = False
+        self._generation = None
+        self._after_change = False
+        self._change_step = None
+        self.change_s = 0.0
         # (epoch, critical names, whether the link changed the plan) per interval.
         self.history = []
 
     def on_train_begin(self, logs=None):
         self._measured = False
+        self._generation = self._strategy.cross_device_ops.generation
+        self._after_change = False
+        self._change_step = None
+        self._traced = False
         if self._threshold is not None:
             self._strategy.cross_device_ops.track_regimes()
 
@@ -327,6 +344,7 @@ class AutoPlanCallback(keras.callbacks.Callback):
         self._epoch = epoch
 
     def on_train_batch_begin(self, batch, logs=None):
+        self._began = time.perf_counter()
         if self._threshold is None:
             return
         # The step before an interval's end keeps the gradients its measurement reads.
@@ -340,24 +358,57 @@ class AutoPlanCallback(keras.callbacks.Callback):
             self._strategy.cross_device_ops.capture_gradients()
 
     def on_train_batch_end(self, batch, logs=None):
+        self._time_step()
         if not self._measured and self._threshold is not None:
             # The low-rank candidates' first measurement: after the first step rather
             # than at the first interval's end (a no-op without them).
             self._measured = True
             self._strategy.cross_device_ops.measure_low_rank()
-        if self._every_steps is None:
+        if self._every_steps is not None:
+            self._steps += 1
+            if self._steps % self._every_steps == 0:
+                self._end_interval(self._epoch, logs)
+        self._note_change()
+
+    def _time_step(self):
+        """The step's seconds: what a change of plan cost, when the step followed one (its
+        retrace), else one more ordinary step."""
+        if self._began is None:
             return
-        self._steps += 1
-        if self._steps % self._every_steps == 0:
-            self._end_interval(self._epoch, logs)
+        seconds = time.perf_counter() - self._began
+        if self._after_change:
+            # Priced once there are ordinary steps to compare with (a change right after
+            # the first step comes before any).
+            self._after_change, self._change_step = False, seconds
+        elif self._traced:
+            self._durations.append(seconds)
+        self._traced = True  # a fit's first step traces: not an ordinary one
+        if self._change_step is not None and self._durations:
+            self.change_s = max(self._change_step - float(np.median(self._durations)), 0.0)
+            self._change_step = None
+
+    def _note_change(self):
+        generation = self._strategy.cross_device_ops.generation
+        if generation != self._generation:
+            self._generation = generation
+            self._after_change = True
+
+    def _interval_steps(self):
+        if self._every_steps is not None:
+            return self._every_steps
+        return max(1, ((self.params or {}).get("steps") or 1) * self._every)
 
     def on_epoch_end(self, epoch, logs=None):
         if self._every_steps is None and (epoch + 1) % self._every == 0:
             self._end_interval(epoch, logs)
+            self._note_change()
 
     def _end_interval(self, epoch, logs):
         cdo = self._strategy.cross_device_ops
-        critical = cdo.adapt(self._threshold) if self._threshold is not None else frozenset()
+        critical = frozenset()
+        if self._threshold is not None:
+            critical = cdo.adapt(self._threshold,
+                                 min_gain_s=self.change_s / self._interval_steps())
         replanned = cdo.replan(self._margin) if self._margin is not None else False
         self.history.append((epoch, sorted(critical), replanned))
         if logs is not None:
