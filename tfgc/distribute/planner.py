@@ -224,7 +224,7 @@ def measure(cross_device_ops, link_gbps: float, latency_ms: float) -> "Figures":
     The CPU timings are taken once per process (and cluster size) and kept; the link
     is timed at every call. The low-rank candidates are left to ``measure_low_rank``:
     they are planned only once training has measured their error, and their timings
-    are most of the CPU's (4 workers on 2 cores: about 20 s). Runs eagerly (under
+    are most of the CPU's (4 workers on 2 cores: 5-6 s). Runs eagerly (under
     ``init_scope``); every worker must call it at the same point.
     """
     n = cross_device_ops.group_size
