@@ -142,6 +142,29 @@ def test_stats_callback_jit_and_checkpoint(keras3_run):
     assert results["restored"] == results["norms"]
 
 
+def test_the_auto_plan_callback_runs_under_keras3(keras3_run):
+    # AutoPlanCallback is a tf-keras callback; Keras 3's fit calls it all the same, and
+    # its changes of plan retrace Keras 3's train function.
+    script = _script()
+    runs = [_load(keras3_run, "auto", rank) for rank in range(2)]
+    results = [r for r, _ in runs]
+    assert results[0]["plans"] == results[1]["plans"]
+    assert results[0]["intervals"] == results[1]["intervals"]
+    for a, b in zip(_weights(runs[0][1]), _weights(runs[1][1])):
+        np.testing.assert_array_equal(a, b)
+    plans = results[0]["plans"]
+    assert len(plans) == script.AUTO_STEPS
+    # plans[k]: what step k + 2 takes. Measured after the first step, while every
+    # gradient is critical: the kernels go low-rank at rank 4 or more.
+    assert all(critical for _, _, critical in plans[0])
+    ranks = [int(label[4:]) for _, label, _ in plans[0] if label.startswith("psgd")]
+    assert ranks and min(ranks) >= 4, plans[0]
+    assert [epoch for epoch, _, _ in results[0]["intervals"]] == \
+        [0] * (script.AUTO_STEPS // script.AUTO_EVERY)
+    assert results[0]["change_s"] > 0  # the step after the change retraced
+    assert results[0]["loss"][0] == results[0]["loss"][0]  # finite
+
+
 def test_every_compressor_trains_under_keras3(keras3_run):
     script = _script()
     runs = [_load_json(keras3_run, "sweep", r) for r in range(2)]

@@ -10,6 +10,8 @@ compressor is switched between them:
   off: its kernels have no XLA form), ``CompressionStatsCallback`` and
   ``model.evaluate``; then a checkpoint round trip of the compressor state;
 * ``qsgd``: the quantized all-gather path;
+* ``auto`` on a 10 Mbit/s link with ``AutoPlanCallback``: regimes, low rank measured
+  after the first step, a change of plan priced;
 * every other compressor but variance-based for a few steps.
 
 Writes OUT_DIR/<name>.w<rank>.npz (weights; for ``none`` also the initial weights
@@ -29,6 +31,8 @@ SWEEP = ["adaptive", "bf16", "dgc:ratio=0.01,warmup_steps=2", "efsignsgd", "fft"
          "graddrop", "gradiveq", "importance", "onebit", "powersgd", "randomk", "scaledsign",
          "signsgd", "terngrad", "threshold"]
 SWEEP_STEPS = 6
+# auto with AutoPlanCallback: intervals of AUTO_EVERY steps.
+AUTO_STEPS, AUTO_EVERY = 12, 4
 BATCH = 64  # per worker; the strategy splits it between the replicas of the cluster
 
 
@@ -132,6 +136,29 @@ def main(out_dir):
          {"stats": after, "reductions": after["steps"] - before["steps"],
           "evaluate": {k: float(v) for k, v in evaluated.items()}},
          weights(model))
+    # --- auto with AutoPlanCallback: regimes, low rank measured, changes priced ----
+    strategy.compressor = "auto:link_gbps=0.01"
+    with strategy.scope():
+        model = build(keras, seed=7)
+        model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss=loss)
+    plans = []
+
+    class Plans(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):  # the next step's plan
+            plan = strategy.compression_plan()
+            plans.append(None if plan is None else
+                         [[e.name, e.label, bool(e.critical)] for e in plan.entries])
+
+    auto_callback = tfgc.keras.AutoPlanCallback(strategy, every_steps=AUTO_EVERY)
+    history = model.fit(train, epochs=1, steps_per_epoch=AUTO_STEPS, verbose=0,
+                        callbacks=[auto_callback, Plans()])
+    save(out_dir, "auto", rank,
+         {"loss": [float(v) for v in history.history["loss"]], "plans": plans,
+          "intervals": [[epoch, list(critical), replanned]
+                        for epoch, critical, replanned in auto_callback.history],
+          "change_s": auto_callback.change_s},
+         weights(model))
+
     # --- every other compressor, briefly (plain SGD: DGC brings its own momentum) ---
     sweep = {}
     for spec in SWEEP:

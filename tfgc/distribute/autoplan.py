@@ -77,33 +77,27 @@ class AutoPlanner:
         self._new_generation = new_generation
         self._figures = None  # (generation, planner.Figures) once measured
         self._plan = None  # (generation, gradients, planner.Plan) once planned
-        # The names of the gradients in a critical regime ("all": every one, until the
-        # first interval ends), the last interval's norms and, by place among the
-        # planned gradients, a sum of each one's reduced values over the interval
-        # (None: regimes not tracked).
-        self._critical = frozenset()
-        self._norms = {}
-        self._sums = None
-        # With regimes tracked and low-rank candidates on: by place among the planned
-        # gradients, each matrix's last kept local gradient (worker 0's only) and its
-        # variable (whose residual the measurement adds), and worker 0's last
-        # measurement by name (``planner.LowRank.errors``).
-        self._last, self._last_vars = {}, {}
-        self._low_rank = {}
-        # By place, the planned gradients that are matrices (on every worker).
-        self._matrices = []
-        # Whether the next step keeps those gradients (``capture``; worker 0's): a copy
-        # of the matrices every step would cost the step a pass over them.
-        self._capture = None
         # A checkpoint's record, restored and not yet used by a plan.
         self._saved = None
         # How many times the figures were measured (a restored plan measures nothing).
         self.measurements = 0
+        self.reset()
 
     def reset(self):
         """Another compressor: the next plan starts afresh, no regimes tracked."""
+        # The names of the gradients in a critical regime ("all": every one, until the
+        # first interval ends), the last interval's norms and, by place among the
+        # planned gradients, a sum of each one's reduced values over the interval
+        # (None: regimes not tracked).
         self._critical, self._norms, self._sums = frozenset(), {}, None
+        # With regimes tracked and low-rank candidates on: by place among the planned
+        # gradients, each matrix's last kept local gradient (worker 0's only) and its
+        # variable (whose residual the measurement adds), and worker 0's last
+        # measurement by name (``planner.LowRank.errors``).
         self._last, self._last_vars, self._low_rank = {}, {}, {}
+        # Whether the next step keeps those gradients (``capture``; worker 0's: a copy
+        # of the matrices every step would cost the step a pass over them), and by
+        # place the planned gradients that are matrices (on every worker).
         self._capture, self._matrices = None, []
 
     @property
