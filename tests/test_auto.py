@@ -207,6 +207,41 @@ def test_the_link_line_comes_back_from_exact_timings():
     assert flat.a >= 0 and flat.b >= 0
 
 
+class _LinedUpLink:
+    """The two things ``planner.measure_link`` asks of the cross-device ops, for one
+    worker on an exact link: an all-reduce's time (``latency_s`` plus the ring's bytes at
+    ``gbps``), and the gathered words (this worker's alone)."""
+
+    def __init__(self, gbps, latency_s=2e-3):
+        self.gbps, self.latency_s, self.probed = gbps, latency_s, []
+
+    def time_all_reduce(self, nbytes):
+        self.probed.append(nbytes)
+        return self.latency_s + planner.ring_sent(nbytes, 4) * 8 / (self.gbps * 1e9)
+
+    def gather_words(self, words):
+        return np.asarray([words])
+
+
+def exact_link_figures(gbps, latency_s=2e-3):
+    us = tuple(int(round((latency_s + planner.ring_sent(s, 4) * 8 / (gbps * 1e9)) * 1e6))
+               for s in planner.LINK_SIZES)
+    return planner.Figures(4, us, {}, {})
+
+
+@pytest.mark.parametrize("gbps, probed", [(10.0, 3), (0.1, 2)])
+def test_the_link_is_measured_again_with_a_probe_it_can_afford(gbps, probed):
+    # The link was 1 Gbit/s and is now ``gbps``: on a slow link the largest size (whose
+    # all-reduce the old figures put above REPROBE_S) is left out and read off the line.
+    ops = _LinedUpLink(gbps)
+    old = exact_link_figures(1.0 if gbps < 1 else gbps)
+    new = planner.measure_link(ops, old)
+    assert ops.probed == list(planner.LINK_SIZES[:probed])
+    want = exact_link_figures(gbps)
+    np.testing.assert_allclose(new.link_us, want.link_us, rtol=1e-3, atol=2)
+    assert new.link().beta == pytest.approx(8 / (gbps * 1e9), rel=0.01)
+
+
 def test_a_link_change_counts_when_the_predicted_all_reduce_moves_by_the_margin():
     plan = planner.make_plan(GRADIENTS, figures(link_gbps=1.0), 0.05)
     same = figures(link_gbps=1.0)

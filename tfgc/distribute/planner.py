@@ -81,6 +81,9 @@ from tfgc.distribute.paths import guard
 LINK_SIZES = (16 << 10, 512 << 10, 4 << 20)
 CPU_SIZES = (1 << 12, 1 << 16, 1 << 20)
 REPEATS = 3
+# A re-measurement of the link times a probe size only where the current figures predict
+# its all-reduce under this (``measure_link``).
+REPROBE_S = 0.05
 # Vectors encoded (decoded) per timed call (``_cpu_seconds``): enough to spread the
 # call's own overhead. A low-rank codec's graph is about ten times a quantizer's (a rank-8
 # PowerSGD encoding: 258 operations), and tracing and optimising it cost 0.1 s a copy
@@ -246,11 +249,26 @@ def measure_low_rank(cross_device_ops, figures: "Figures") -> "Figures":
 
 
 def measure_link(cross_device_ops, figures: "Figures") -> "Figures":
-    """``figures`` with the link measured again (every worker at once, as ``measure``)."""
+    """``figures`` with the link measured again (every worker at once, as ``measure``).
+
+    ``AutoPlanCallback`` does this at every interval's end, so the probe is kept short:
+    the two smallest sizes always, a larger one only where the current figures predict
+    its all-reduce under ``REPROBE_S`` (the same sizes on every worker, since the
+    figures are agreed); the sizes left out are read off the line through those
+    measured. At 100 Mbit/s the 4 MB all-reduce takes half a second, and with its
+    warm-up and repeats the whole probe took 2.5 s an interval."""
     if figures.link_gbps or figures.num_workers < 2:
         return figures
+    n, link = figures.num_workers, figures.link()
+    sizes = [size for i, size in enumerate(LINK_SIZES)
+             if i < 2 or link.time("allreduce", n, size) <= REPROBE_S]
     with tf.init_scope():
-        agreed = _slowest(cross_device_ops, list(_link_us(cross_device_ops, 0.0)))
+        agreed = _slowest(cross_device_ops,
+                          [_microseconds(cross_device_ops.time_all_reduce(size))
+                           for size in sizes])
+    if len(sizes) < len(LINK_SIZES):
+        line = fit([ring_sent(size, n) for size in sizes], [us / 1e6 for us in agreed])
+        agreed += [_microseconds(line(ring_sent(size, n))) for size in LINK_SIZES[len(sizes):]]
     return dataclasses.replace(figures, link_us=tuple(agreed))
 
 

@@ -276,11 +276,12 @@ class AutoPlanCallback(keras.callbacks.Callback):
 
     A new plan takes effect at the next step (a new train function, as a compressor
     switch). That step's retrace costs seconds, so the callback times it (the step's
-    duration beyond the median of the others) and, at later intervals' ends, asks a new
-    plan to save at least that much over the next interval before it is taken
-    (``min_gain_s`` of ``CompressedAllReduce.adapt``). Adds ``auto_critical`` (how many gradients are critical) and
-    ``auto_replanned`` (1 if the link changed the plan) to the epoch's logs. Every
-    worker must run it (Keras calls every worker's callbacks at the same point).
+    duration beyond the median of the others, ``change_s``) and, at later intervals'
+    ends, asks a new plan to save at least that much over the next interval before it
+    is taken (``min_gain_s`` of ``CompressedAllReduce.adapt``). Adds ``auto_critical``
+    (how many gradients are critical) and ``auto_replanned`` (1 if the link changed the
+    plan) to the epoch's logs. Every worker must run it (Keras calls every worker's
+    callbacks at the same point).
 
     Args:
       strategy: a ``tfgc.CompressedMultiWorkerMirroredStrategy`` with
@@ -323,20 +324,21 @@ class AutoPlanCallback(keras.callbacks.Callback):
         # Recent steps' seconds, and what the last change of plan cost (``_time_step``).
         self._durations = collections.deque(maxlen=64)
         self._began = None
-        self._traced = False
-        self._generation = None
-        self._after_change = False
-        self._change_step = None
         self.change_s = 0.0
+        self._restart_timing(None)
         # (epoch, critical names, whether the link changed the plan) per interval.
         self.history = []
 
-    def on_train_begin(self, logs=None):
-        self._measured = False
-        self._generation = self._strategy.cross_device_ops.generation
+    def _restart_timing(self, generation):
+        """A fit begins: its first step traces, and no change is pending."""
+        self._generation = generation
+        self._traced = False
         self._after_change = False
         self._change_step = None
-        self._traced = False
+
+    def on_train_begin(self, logs=None):
+        self._measured = False
+        self._restart_timing(self._strategy.cross_device_ops.generation)
         if self._threshold is not None:
             self._strategy.cross_device_ops.track_regimes()
 
