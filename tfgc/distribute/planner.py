@@ -84,6 +84,8 @@ REPEATS = 3
 # A re-measurement of the link times a probe size only where the current figures predict
 # its all-reduce under this (``measure_link``).
 REPROBE_S = 0.05
+# ... unless the largest size probed moved by more than this (relative): then all of them.
+REPROBE_MARGIN = 0.2
 # Vectors encoded (decoded) per timed call (``_cpu_seconds``): enough to spread the
 # call's own overhead. A low-rank codec's graph is about ten times a quantizer's (a rank-8
 # PowerSGD encoding: 258 operations), and tracing and optimising it cost 0.1 s a copy
@@ -254,9 +256,12 @@ def measure_link(cross_device_ops, figures: "Figures") -> "Figures":
     ``AutoPlanCallback`` does this at every interval's end, so the probe is kept short:
     the two smallest sizes always, a larger one only where the current figures predict
     its all-reduce under ``REPROBE_S`` (the same sizes on every worker, since the
-    figures are agreed); the sizes left out are read off the line through those
-    measured. At 100 Mbit/s the 4 MB all-reduce takes half a second, and with its
-    warm-up and repeats the whole probe took 2.5 s an interval."""
+    figures are agreed). A size left out keeps its earlier time scaled as the largest
+    size probed changed, unless that moved by more than ``REPROBE_MARGIN``, when every
+    size is timed again; so an unchanged link gives the figures it gave before (a line
+    through the two small sizes alone would not: on these machines it tilts, and the
+    plan moved with it). At 100 Mbit/s the 4 MB all-reduce takes half a second, and
+    with its warm-up and repeats the whole probe took 2.5 s an interval."""
     if figures.link_gbps or figures.num_workers < 2:
         return figures
     n, link = figures.num_workers, figures.link()
@@ -266,9 +271,17 @@ def measure_link(cross_device_ops, figures: "Figures") -> "Figures":
         agreed = _slowest(cross_device_ops,
                           [_microseconds(cross_device_ops.time_all_reduce(size))
                            for size in sizes])
-    if len(sizes) < len(LINK_SIZES):
-        line = fit([ring_sent(size, n) for size in sizes], [us / 1e6 for us in agreed])
-        agreed += [_microseconds(line(ring_sent(size, n))) for size in LINK_SIZES[len(sizes):]]
+    k = len(sizes)
+    if k < len(LINK_SIZES):
+        ratio = agreed[-1] / max(figures.link_us[k - 1], 1)
+        if abs(math.log(max(ratio, 1e-9))) > math.log(1.0 + REPROBE_MARGIN):
+            # The link moved: the whole probe, once, rather than figures scaled from it.
+            with tf.init_scope():
+                agreed += _slowest(cross_device_ops,
+                                   [_microseconds(cross_device_ops.time_all_reduce(size))
+                                    for size in LINK_SIZES[k:]])
+        else:
+            agreed += [_microseconds(us * ratio / 1e6) for us in figures.link_us[k:]]
     return dataclasses.replace(figures, link_us=tuple(agreed))
 
 
