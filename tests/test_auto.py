@@ -208,9 +208,11 @@ def test_the_link_line_comes_back_from_exact_timings():
 
 
 class _LinedUpLink:
-    """The two things ``planner.measure_link`` asks of the cross-device ops, for one
-    worker on an exact link: an all-reduce's time (``latency_s`` plus the ring's bytes at
-    ``gbps``), and the gathered words (this worker's alone)."""
+    """What ``planner.measure_link`` asks of the cross-device ops, for one worker of 4 on
+    an exact link: the group's size, an all-reduce's time (``latency_s`` plus the ring's
+    bytes at ``gbps``), and the gathered words (this worker's alone)."""
+
+    group_size = 4
 
     def __init__(self, gbps, latency_s=2e-3):
         self.gbps, self.latency_s, self.probed = gbps, latency_s, []

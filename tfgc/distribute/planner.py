@@ -267,29 +267,26 @@ def measure_link(cross_device_ops, figures: "Figures") -> "Figures":
     n, link = figures.num_workers, figures.link()
     sizes = [size for i, size in enumerate(LINK_SIZES)
              if i < 2 or link.time("allreduce", n, size) <= REPROBE_S]
-    with tf.init_scope():
-        agreed = _slowest(cross_device_ops,
-                          [_microseconds(cross_device_ops.time_all_reduce(size))
-                           for size in sizes])
     k = len(sizes)
-    if k < len(LINK_SIZES):
-        ratio = agreed[-1] / max(figures.link_us[k - 1], 1)
-        if abs(math.log(max(ratio, 1e-9))) > math.log(1.0 + REPROBE_MARGIN):
-            # The link moved: the whole probe, once, rather than figures scaled from it.
-            with tf.init_scope():
+    with tf.init_scope():
+        agreed = _slowest(cross_device_ops, _link_us(cross_device_ops, 0.0, sizes))
+        if k < len(LINK_SIZES):
+            ratio = agreed[-1] / max(figures.link_us[k - 1], 1)
+            if abs(math.log(max(ratio, 1e-9))) > math.log(1.0 + REPROBE_MARGIN):
+                # The link moved: the whole probe, once, rather than figures scaled.
                 agreed += _slowest(cross_device_ops,
-                                   [_microseconds(cross_device_ops.time_all_reduce(size))
-                                    for size in LINK_SIZES[k:]])
-        else:
-            agreed += [_microseconds(us * ratio / 1e6) for us in figures.link_us[k:]]
+                                   _link_us(cross_device_ops, 0.0, LINK_SIZES[k:]))
+            else:
+                agreed += [_microseconds(us * ratio / 1e6) for us in figures.link_us[k:]]
     return dataclasses.replace(figures, link_us=tuple(agreed))
 
 
-def _link_us(cross_device_ops, link_gbps):
-    """The all-reduce probe's times in microseconds (zeros when the link is given)."""
+def _link_us(cross_device_ops, link_gbps, sizes=LINK_SIZES):
+    """The all-reduce probe's times in microseconds, for ``sizes`` bytes (zeros when the
+    link is given)."""
     measured = cross_device_ops.group_size > 1 and not link_gbps
     return [_microseconds(cross_device_ops.time_all_reduce(size) if measured else 0.0)
-            for size in LINK_SIZES]
+            for size in sizes]
 
 
 def _slowest(cross_device_ops, words):
