@@ -22,9 +22,8 @@ each at its recommended setting (``tfgc.compressors.recommended``: compressor st
 optimizer, learning-rate scale, a one-epoch warm-up and a cosine decay over
 ``--epochs`` times the setting's epochs scale (2 where error feedback or a biased
 code needs more, cheaper steps to reach dense accuracy; 1 for the casts and 8-bit
-QSGD), or ``--compressed_epochs`` for every setting but stock and bf16). The dense
-rate is
-``--learning_rate`` at ``--batch_size`` rows per worker.
+QSGD and ``auto``), or ``--compressed_epochs`` for every setting of scale 2). The
+dense rate is ``--learning_rate`` at ``--batch_size`` rows per worker.
 
 Target: per model, the stock strategy first trains its whole schedule on a
 ``--floor_rate`` link (default 10gbit, where the link is not what limits it: the
@@ -91,8 +90,9 @@ def parse_args(argv=None):
                    help="epochs of the schedule (0: per model, "
                         f"{', '.join(f'{k} {v}' for k, v in DEFAULT_EPOCHS.items())})")
     p.add_argument("--compressed_epochs", type=int, default=0,
-                   help="epochs of the schedule of every setting but stock and bf16 (0: "
-                        "--epochs times the setting's recommended epochs scale)")
+                   help="epochs of the schedule of every setting whose recommendation "
+                        "trains longer than dense (not stock, bf16, 8-bit QSGD or auto) "
+                        "(0: --epochs times the setting's recommended epochs scale)")
     p.add_argument("--batch_size", type=int, default=64, help="rows per worker and step")
     p.add_argument("--learning_rate", type=float, default=0.05,
                    help="the dense rate (momentum SGD); settings scale it")
@@ -270,12 +270,28 @@ def _worker(args, rank, prefix, phase):
             self.stop_reason = None
             self.last_train_s = 0.0
             self._t = None
+            self._due = None
             self._next_eval = args.eval_every
 
         def train_s(self, now):
             return now - self.t0 - self.eval_s
 
         def on_train_batch_begin(self, batch, logs=None):
+            # Worker 0 evaluates the last step's weights here rather than at its end:
+            # a callback after this one (AutoPlanCallback) then times its steps without
+            # the evaluations, and its work after a step still counts as training.
+            if self._due is not None:
+                self._evaluate(self._due)
+                self._due = None
+                why = ("target" if self.reached is not None
+                       else "budget" if self.last_train_s >= args.budget else None)
+                if why and self.step < total:
+                    # Two steps ahead: a peer cannot finish step + 1 before this worker
+                    # sends its gradients for it, so every peer still reads this in time.
+                    self.stop_at, self.stop_reason = self.step + 2, why
+                    with open(args.stop_file + ".tmp", "w") as f:
+                        f.write(f"{self.stop_at} {why}")
+                    os.replace(args.stop_file + ".tmp", args.stop_file)
             self._t = time.perf_counter()
 
         def _evaluate(self, train_s):
@@ -301,18 +317,11 @@ def _worker(args, rank, prefix, phase):
             train_s = self.last_train_s = self.train_s(now)
             if rank == 0 and self.stop_at is None:
                 if train_s >= self._next_eval or self.step == total:
-                    self._evaluate(train_s)
+                    self._due = train_s  # evaluated when the next step begins
                     while self._next_eval <= train_s:
                         self._next_eval += args.eval_every
-                why = ("target" if self.reached is not None
-                       else "budget" if train_s >= args.budget else None)
-                if why and self.step < total:
-                    # Two steps ahead: a peer cannot finish step + 1 before this worker
-                    # sends its gradients for it, so every peer still reads this in time.
-                    self.stop_at, self.stop_reason = self.step + 2, why
-                    with open(args.stop_file + ".tmp", "w") as f:
-                        f.write(f"{self.stop_at} {why}")
-                    os.replace(args.stop_file + ".tmp", args.stop_file)
+                elif train_s >= args.budget:
+                    self._due = train_s
             if self.stop_at is None and rank != 0 and os.path.exists(args.stop_file):
                 with open(args.stop_file) as f:
                     self.stop_at = int(f.read().split()[0])
@@ -323,10 +332,11 @@ def _worker(args, rank, prefix, phase):
     phase[0] = "train"
     t_fit = time.perf_counter()
     callbacks = [clock]
+    auto = None
     if getattr(compressor, "plans_per_tensor", False):
         # compressor="auto": the plan follows the link and the critical regimes.
-        callbacks.append(tfgc.keras.AutoPlanCallback(
-            strategy, every_steps=args.auto_every_steps or None))
+        auto = tfgc.keras.AutoPlanCallback(strategy, every_steps=args.auto_every_steps or None)
+        callbacks.append(auto)
     net.fit(train_ds, epochs=args.run_epochs, steps_per_epoch=steps, callbacks=callbacks,
             verbose=0)
     fit_s = time.perf_counter() - t_fit
@@ -362,7 +372,23 @@ def _worker(args, rank, prefix, phase):
         "median_step_ms": statistics.median(timed),
         "sent_bytes_per_step": sent, "dense_ring_bytes_per_step": ring,
         "dense_bytes": dense_bytes(net), "curve": clock.curve,
+        # Steps (1-based) that took over three median steps, with their milliseconds:
+        # retraces, stalls (the training time includes them).
+        "slow_steps": [[k + 1, round(d * 1e3, 1)] for k, d in enumerate(clock.durations)
+                       if k and d * 1e3 > 3 * statistics.median(timed)],
     }
+    if auto is not None:
+        # What auto's own measurements and plan changes cost, inside the training time.
+        plan = strategy.compression_plan()
+        result["auto"] = {"measure_s": auto.measure_s, "change_s": auto.change_s,
+                          "intervals": auto.costs}
+        if plan is not None:
+            # The last plan against its own steps (the last 100, or as many as it ran).
+            result["auto"]["plan"] = {
+                "labels": {e.name: e.label for e in plan.entries},
+                "sent_bytes": sum(e.sent_bytes for e in plan.entries),
+                "predicted_ms": {k: v * 1e3 for k, v in plan.predicted().items()},
+                "last_steps_median_ms": statistics.median(timed[-100:])}
     with open(prefix + ".json", "w") as f:
         json.dump(result, f)
 
@@ -401,10 +427,12 @@ def plan(args, done):
         epochs = args.epochs or DEFAULT_EPOCHS[model]
 
         def epochs_of(setting):
-            if setting in (STOCK, "bf16"):
+            if setting == STOCK:
                 return epochs
-            return (args.compressed_epochs
-                    or _recommendations().recommended(setting).epochs(epochs))
+            rec = _recommendations().recommended(setting)
+            if rec.epochs_scale == 1:  # the dense schedule: bf16, 8-bit QSGD, auto
+                return epochs
+            return args.compressed_epochs or rec.epochs(epochs)
 
         for setting in [s for s in args.settings
                         if "all" in args.floor or s in args.floor or s == STOCK]:
@@ -484,7 +512,8 @@ def render(report, args):
              f"`{report['command']}` ({report['started']}, {report['cpu_count']} cores). "
              "Each run trains with `model.fit` at the setting's recommended optimizer, rate "
              "and schedule (1-epoch warm-up, then cosine over the run's epochs: "
-             f"{args.epochs or 'the model default'} for stock and bf16, "
+             f"{args.epochs or 'the model default'} for stock and the settings of the "
+             "dense schedule (bf16, 8-bit QSGD, auto), "
              + (f"{args.compressed_epochs} for the others"
                 if args.compressed_epochs else
                 "that times the setting's recommended epochs scale for the others")
@@ -492,12 +521,13 @@ def render(report, args):
              "rows per worker and step, until worker 0's test accuracy (the whole test set, "
              f"every {args.eval_every:g} s of training) reaches the target or "
              f"{args.budget:g} s of training are spent. Times: training only, from the end "
-             "of the first (traced) step, evaluations left out. Target: the stock strategy's "
-             f"final accuracy on a {rate_label(args.floor_rate)} link minus {args.margin:g} "
-             "point (the compute floor run). `sent/step`: what one worker sends per step "
-             "(the strategy's own count; the stock ring all-reduce's 2(N−1)/N of the "
-             "gradients). Speed-ups: time to target of stock fp32 (or bf16) on the same link "
-             "over the setting's. A run that spent its budget shows its best accuracy and, "
+             "of the first (traced) step, evaluations left out (`first step`: its seconds, "
+             "`auto`'s first measurement of the link and the CPU included). Target: the "
+             f"stock strategy's final accuracy on a {rate_label(args.floor_rate)} link minus "
+             f"{args.margin:g} point (the compute floor run). `sent/step`: what one worker "
+             "sends per step (the strategy's own count; the stock ring all-reduce's "
+             "2(N−1)/N of the gradients). Speed-ups: time to target of stock fp32 (or "
+             "bf16) on the same link over the setting's. A run that spent its budget shows its best accuracy and, "
              "where the same setting reached the target on another link at step S, "
              "S × its median step time, marked *projected* (synchronous training computes the "
              "same steps at any link rate).", ""]
@@ -536,8 +566,9 @@ def render(report, args):
         for rate in args.rates:
             lines += [f"### {rate_label(rate)}", "",
                       "| setting | compressor, optimizer | time to target | vs stock fp32 | "
-                      "vs bf16 | steps | step ms | sent/step | final acc | best acc |",
-                      "|:--|:--|--:|--:|--:|--:|--:|--:|--:|--:|"]
+                      "vs bf16 | steps | step ms | first step | sent/step | final acc | "
+                      "best acc |",
+                      "|:--|:--|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
             for setting in args.settings:
                 run = next((r for r in runs if r["model"] == model and r["rate"] == rate
                             and r["setting"] == setting and r["role"] == "run"), None)
@@ -545,7 +576,7 @@ def render(report, args):
                     continue
                 if run["status"] != "ok":
                     lines.append(f"| {setting} | failed: {run.get('reason', '')[:120]} |"
-                                 + " |" * 8)
+                                 + " |" * 9)
                     continue
                 if run["reached"]:
                     tta = f"{run['time_to_target_s']:.0f} s"
@@ -562,11 +593,13 @@ def render(report, args):
                         " (projected)" if run.get(f"speedup_vs_{base}_kind") == "projected"
                         else ""))
                 steps = run["steps_to_target"] if run["reached"] else run["steps"]
+                first = run.get("first_step_s")  # not in runs stored before it was kept
                 lines.append(
                     f"| {setting} | {run['recommended'].replace('none, ', 'stock fp32, ', 1)} | "
                     f"{tta} | {cells[0]} | {cells[1]} | {steps} | {run['median_step_ms']:.0f} | "
-                    f"{fmt_bytes(run['sent_bytes_per_step'])} | {run['final_accuracy']:.4f} | "
-                    f"{run['best_accuracy']:.4f} |")
+                    + ("–" if first is None else f"{first:.1f} s")
+                    + f" | {fmt_bytes(run['sent_bytes_per_step'])} | "
+                    f"{run['final_accuracy']:.4f} | {run['best_accuracy']:.4f} |")
             lines.append("")
     return "\n".join(lines) + "\n"
 

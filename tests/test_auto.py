@@ -482,6 +482,34 @@ def test_figures_with_the_low_rank_timings_round_trip():
     assert fig.words() == words
 
 
+def test_low_rank_timings_of_two_ranks_and_sizes_give_every_rank_and_size(monkeypatch):
+    # Codecs whose seconds are bilinear in elements and rank (fixed cost, per element,
+    # per rank, per element and rank): the four timed ones give every other exactly.
+    timed = []
+
+    def seconds(candidate, n, num_workers, shape=None):
+        timed.append((candidate.rank, n))
+        r = candidate.rank
+        return (1e-4 + 2e-9 * n + 3e-6 * r + 5e-10 * n * r,
+                2e-4 + 1e-9 * n + 1e-6 * r + 7e-10 * n * r)
+
+    monkeypatch.setattr(planner, "_cpu_seconds", seconds)
+    monkeypatch.setattr(planner, "_CPU_WORDS", {})
+    words = planner._low_rank_words(3)
+    ranks, sizes = planner.LOW_RANK_TIMED
+    assert sorted(timed) == sorted((r, n) for r in ranks for n in sizes)
+    want = [planner._microseconds(t) for c in planner.LOW_RANK for n in planner.CPU_SIZES
+            for t in seconds(c, n, 3)]
+    np.testing.assert_allclose(words, want, atol=1)
+    # The layout the figures read: after the other candidates' words.
+    fig = planner.Figures.from_words(
+        [1] * (len(planner.LINK_SIZES) + 2 * len(planner.CPU_SIZES) * len(planner.CANDIDATES[1:]))
+        + words, 3)
+    assert fig.decode_us["psgd2"] == tuple(want[2 * len(planner.CPU_SIZES) + 1::2][:3])
+    timed.clear()
+    assert planner._low_rank_words(3) == words and not timed  # kept for the process
+
+
 def test_a_rank_change_keeps_the_residual_and_draws_a_new_query():
     # What auto relies on when a plan moves a gradient to another rank: the state's
     # migration carries the residual (same shape) and starts the query afresh. After
@@ -569,7 +597,9 @@ def test_the_plan_callback_refuses_what_it_cannot_use():
     for kwargs, argument in [({"threshold": 0}, "threshold"), ({"link_margin": -1}, "link_margin"),
                              ({"every_epochs": 0}, "every_epochs"),
                              ({"every_steps": 0}, "every_steps"),
-                             ({"every_steps": 2.5}, "every_steps")]:
+                             ({"every_steps": 2.5}, "every_steps"),
+                             ({"link_share": 0}, "link_share"),
+                             ({"link_share": 1.5}, "link_share")]:
         with pytest.raises(ValueError, match=f"`{argument}`"):
             tfgc.keras.AutoPlanCallback(strategy, **kwargs)
     with pytest.raises(ValueError, match="needs track_regimes"):
@@ -610,6 +640,41 @@ def test_the_plan_callback_ends_an_interval_every_so_many_steps():
     # The first interval has no previous one: every planned gradient critical.
     names = [e.name for e in strategy.compression_plan().entries]
     assert callback.history[0][1] == sorted(names)
+
+
+def test_the_plan_callback_measures_the_link_within_its_share_of_training():
+    # One worker whose link measurement takes PROBE_S: with an interval every 2 steps,
+    # the callback asks for it only once the time since the last one lets it cost at
+    # most ``link_share`` of the time.
+    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
+    model = small_model(strategy)
+    cdo, probe_s, share = strategy.cross_device_ops, 0.02, 0.25
+    measure = cdo.replan
+    probes = []
+
+    def replan(margin, due=None):
+        changed = measure(margin, due=due)  # worker 0's word, all-gathered
+        if due:
+            time.sleep(probe_s)
+            probes.append(time.perf_counter())
+        return changed
+
+    cdo.replan = replan
+    callback = tfgc.keras.AutoPlanCallback(strategy, every_steps=2, link_share=share)
+    began = time.perf_counter()
+    model.fit(*small_data(960), batch_size=8, epochs=1, verbose=0, callbacks=[callback])
+    spent = time.perf_counter() - began
+    intervals = callback.costs
+    assert len(intervals) == 60 and intervals[0]["link_due"]  # the first is measured
+    assert [c["link_due"] for c in intervals].count(True) == len(probes) >= 2
+    # Between two measurements, at least probe_s / share seconds (the first pays for
+    # the one before it).
+    gaps = np.diff(probes)
+    assert np.all(gaps >= probe_s / share), gaps
+    assert len(probes) * probe_s <= share * spent + probe_s
+    # ... and not many more: the next interval's end after that time measures.
+    step_s = spent / 120
+    assert np.all(gaps <= probe_s / share + probe_s + 4 * step_s + 0.5), gaps
 
 
 def test_auto_chooses_the_paths_itself():
@@ -764,6 +829,9 @@ def test_replanning_measures_the_link_again_and_every_worker_agrees(cluster):
     runs = [run["replan"] for run in _per_worker(cluster, "results")]
     assert runs[0]["after"] == runs[1]["after"]  # the slowest worker's, everywhere
     assert runs[0]["plan"] == runs[1]["plan"]
+    # Worker 0's "not due" held on both workers (worker 1 said due): nothing measured.
+    for run in runs:
+        assert run["skipped"] is False and run["unmeasured"] == run["before"]
     # Three medians in microseconds do not all come back the same.
     assert runs[0]["after"] != runs[0]["before"]
 
@@ -843,6 +911,28 @@ def test_measured_matrices_go_low_rank_after_the_critical_intervals(cluster):
         np.testing.assert_array_equal(first[key], other[key])
     losses = runs[0]["losses"]
     assert losses[-1] < losses[0], losses
+
+
+@pytest.mark.parametrize("k", range(len(worker.MOVED_TO)))
+def test_a_gradient_moved_off_low_rank_sends_its_residual_once(cluster, k):
+    # Low rank, then a plan without it (quantizers; float32 alone): a step of zero
+    # gradients sends the sum of the workers' residuals through the new candidates,
+    # and nothing is left held back.
+    runs = [np.load(cluster / f"moved.w{r}.npz") for r in range(2)]
+    labels = list(runs[0][f"labels{k}"])
+    assert any(label.startswith("psgd") for label in labels), labels
+    assert not any(label.startswith("psgd") for label in runs[0][f"moved_to{k}"])
+    for j, label in enumerate(labels):
+        if not label.startswith("psgd"):
+            continue
+        want = runs[0][f"residual{k}_{j}"] + runs[1][f"residual{k}_{j}"]
+        assert np.linalg.norm(want) > 0
+        for run in runs:
+            out = run[f"out{k}_{j}"]
+            # float32 exactly; the quantizers within a few percent (bf16: 2**-8 per
+            # element, rotated 8 bits: a relative variance of 0.00025).
+            assert np.linalg.norm(out - want) <= (1e-5 if k else 0.05) * np.linalg.norm(want)
+            assert not np.any(run[f"carried{k}_{j}"])  # zeroed: sent once
 
 
 def test_a_model_learns_under_a_measured_plan(cluster):

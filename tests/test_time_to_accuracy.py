@@ -21,6 +21,12 @@ def test_plan_floor_runs_first_then_rates_fastest_first():
     assert [r["rate"] for r in runs[2:]] == ["1gbit"] * 3 + ["100mbit"] * 3
     # Compressed settings get twice the epochs; stock and bf16 the given ones.
     assert {r["setting"]: r["epochs"] for r in runs} == {"stock": 2, "bf16": 2, "ef": 4}
+    # --compressed_epochs moves only the settings whose recommendation trains longer:
+    # auto and 8-bit QSGD keep the dense schedule.
+    args = tta.parse_args(["--models", "mlp", "--settings", "stock", "bf16", "qsgd", "auto",
+                           "powersgd", "--epochs", "2", "--compressed_epochs", "5"])
+    assert {r["setting"]: r["epochs"] for r in tta.plan(args, {})} == {
+        "stock": 2, "bf16": 2, "qsgd": 2, "auto": 2, "powersgd": 5}
     assert all(r["budget"] == args.budget for r in runs if r["role"] == "run")
 
 

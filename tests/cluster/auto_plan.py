@@ -7,7 +7,8 @@
    over fresh variables and writes the outputs (``fixed<i>.w<rank>.npz``) and the
    plan, the uncompressed list and the statistics (``fixed<i>.w<rank>.json``).
 2. With the link measured (``compressor="auto"``), trains the MLP for a few steps
-   (``brief_fit``), measures the link again (``replan`` with no margin) and writes the
+   (``brief_fit``), asks for the link again with worker 0 saying it is not due, then
+   measures it again (``replan`` with no margin, worker 0 saying it is due) and writes the
    plans, their digests and the uncompressed list (``results.w<rank>.json``, with
    the losses).
 3. Trains the MLP for ``EPOCHS`` epochs under ``tfgc.keras.AutoPlanCallback`` and writes
@@ -20,6 +21,10 @@
    every ``LOW_RANK_EVERY`` steps, and writes the plan after the first step and, after
    each interval, the plan, its low-rank error and budget and the measured errors
    (``low_rank.w<rank>.json``).
+6. Reduces ``gradients`` over fresh variables with low rank planned from the second
+   step, then switches to a plan without low rank (quantizers, then float32 alone)
+   and reduces zeros: writes the residuals before the switch and what the zeros
+   brought (``moved.w<rank>.npz``).
 """
 
 import json
@@ -84,17 +89,61 @@ def main():
     plan = strategy.compression_plan()
     cdo = strategy.cross_device_ops
     before = cdo._auto.figures.link_us  # pylint: disable=protected-access
-    changed = cdo.replan(margin=0.0)  # any change of the link plans again
+    # Worker 0 says the link is not due: no worker measures it, whatever it says.
+    skipped = cdo.replan(margin=0.0, due=rank != 0)
+    unmeasured = cdo._auto.figures.link_us  # pylint: disable=protected-access
+    # Worker 0 says it is due: every worker measures; any change plans again.
+    changed = cdo.replan(margin=0.0, due=rank == 0)
     after = cdo._auto.figures.link_us  # pylint: disable=protected-access
     with open(os.path.join(out_dir, f"results.w{rank}.json"), "w") as f:
         json.dump({"losses": losses, "plan": plan.as_dicts(), "digest": plan.digest(),
                    "table": plan.table(), "link": [plan.link.alpha, plan.link.beta],
                    "uncompressed": strategy.uncompressed_gradients(),
                    "replan": {"before": before, "after": after, "changed": changed,
+                              "skipped": skipped, "unmeasured": unmeasured,
                               "plan": strategy.compression_plan().as_dicts()}}, f)
     regimes(strategy, rank, n, out_dir)
     restart(strategy, rank, n, out_dir)
     low_rank(strategy, rank, n, out_dir)
+    moved_off_low_rank(strategy, rank, out_dir)
+
+
+MOVED_TO = ["auto:link_gbps=0.001,error=0.00015,low_rank=0", "auto:link_gbps=1000,low_rank=0"]
+
+
+def moved_off_low_rank(strategy, rank, out_dir):
+    """Step 6 of the module docstring."""
+    import tensorflow as tf
+
+    import tfgc
+    from fixed_reduce import make_reduce
+
+    cdo = strategy.cross_device_ops
+    arrays = {}
+    for k, spec in enumerate(MOVED_TO):
+        strategy.compressor = "auto:link_gbps=0.01,low_rank=2"
+        with strategy.scope():
+            variables = [tf.Variable(tf.zeros(shape)) for shape in SHAPES]
+        owner = tf.Module()
+        cdo.track_regimes()
+        make_reduce(strategy, variables, owner)(gradients(rank, 0))
+        cdo.measure_low_rank()  # low rank from the next step on
+        make_reduce(strategy, variables, owner)(gradients(rank, 1))
+        state = tfgc.distribute.state.get_state(owner)
+        arrays[f"labels{k}"] = np.array([e.label for e in strategy.compression_plan().entries])
+        for j, var in enumerate(variables):
+            slot = state.slot(var, 0) if state.has_slot(var) else {}
+            arrays[f"residual{k}_{j}"] = (slot["residual"].numpy() if "residual" in slot
+                                          else np.zeros(SHAPES[j], np.float32))
+        strategy.compressor = spec
+        zeros = [np.zeros(shape, np.float32) for shape in SHAPES]
+        for j, out in enumerate(make_reduce(strategy, variables, owner)(zeros)):
+            arrays[f"out{k}_{j}"] = out
+            carried = state.carried(variables[j], 0)
+            arrays[f"carried{k}_{j}"] = (np.zeros([0]) if carried is None
+                                         else carried.numpy())
+        arrays[f"moved_to{k}"] = np.array([e.label for e in strategy.compression_plan().entries])
+    np.savez(os.path.join(out_dir, f"moved.w{rank}.npz"), **arrays)
 
 
 def low_rank(strategy, rank, num_workers, out_dir):

@@ -368,9 +368,11 @@ class AutoPlanner:
         self._plan = (generation, gradients, plan)
         logging.info("%s", plan.table())
 
-    def replan(self, margin: float) -> bool:
+    def replan(self, margin: float, due=None) -> bool:
         """See ``CompressedAllReduce.replan``."""
         check_number("margin", margin, 0)
+        if due is not None and not self._ops.gather_words([int(bool(due))])[0][0]:
+            return False
         current = self.plan
         if current is None:
             return False

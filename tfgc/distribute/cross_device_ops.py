@@ -595,14 +595,17 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         """Goes up with every change of setting (each retraces the train functions)."""
         return self._generation
 
-    def replan(self, margin: float = 0.25) -> bool:
+    def replan(self, margin: float = 0.25, due=None) -> bool:
         """Under ``compressor="auto"``: measures the link again and, if the float32
         all-reduce of the planned gradients that it predicts moved by more than
         ``margin`` (relative) since the plan's measurement, plans again with the new
         figures (the CPU's are kept). Every worker must call it at the same point, after
-        a step (``tfgc.keras.AutoPlanCallback`` does, at the end of each epoch).
+        a step (``tfgc.keras.AutoPlanCallback`` does, at the end of each interval).
+        ``due`` (a bool on every worker, or None on every worker): whether the link is
+        to be measured now; worker 0's is followed (all-gathered), so a worker whose
+        clock says otherwise still does as the others. None: measured.
         Returns whether the plan changed; a new plan takes effect at the next step."""
-        return self._auto_planner("replan").replan(margin)
+        return self._auto_planner("replan").replan(margin, due)
 
     def track_regimes(self):
         """Under ``compressor="auto"``: from the next step on, worker 0 sums every
@@ -670,9 +673,20 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         step_var = state.step(replica_id)
         device = self._replica_devices[replica_id]
         guard_op = self._generation_guard()
+        # A residual that a change of plan took off error feedback goes out with this
+        # step's gradient, and is zeroed as the step's state is written.
+        carried = {i: state.carried(variables[i], replica_id) for i in entries
+                   if variables[i] is not None and isinstance(tensors[i], tf.Tensor)}
+        carried = {i: v for i, v in carried.items() if v is not None}
         with tf.device(device), \
                 tf.control_dependencies([guard_op] if guard_op is not None else []):
+            if carried:
+                tensors = [t + tf.cast(carried[i], t.dtype) if i in carried else t
+                           for i, t in enumerate(tensors)]
+            zeroed = [(v, tf.zeros_like(v)) for v in carried.values()]
             commit = paths.guard.StepCommit()
+            if zeroed:
+                commit.defer(None, zeroed, [])
             base = paths.ReductionStep(
                 compressor=None, tensors=tensors, variables=variables, mask=[False] * len(tensors),
                 state=state, step_var=step_var, launcher=self._launchers[replica_id],
@@ -699,7 +713,10 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                 outputs = paths.base.reduce_dense(base, dense)
                 reduced = [outputs[i] for i in range(len(tensors))]
                 # All float32: the counter still counts the step, as identity's does.
-                step_var.assign_add(1)
+                with tf.control_dependencies(reduced):
+                    for variable, zeros in zeroed:
+                        variable.assign(zeros)
+                    step_var.assign_add(1)
                 ok = None
             self._auto.track(tensors, variables, mask, reduced, replica_id, ok)
         return reduced, ok, state, len(grouped)

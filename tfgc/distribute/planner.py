@@ -57,7 +57,8 @@ of PowerSGD at ``Auto.low_rank`` on every measured gradient (``LowRank``). Until
 first measurement (after the first step, ``AutoPlanCallback``) no gradient goes
 low-rank, and in a critical regime only at twice that rank or more. A plan that
 keeps a gradient low-rank at another rank keeps its residual (the state's migration
-carries fields of the same shape); one that moves it off low rank drops it.
+carries fields of the same shape); one that moves it off low rank adds the residual
+to its next gradient (``CompressionState.carried``), so nothing it held is lost.
 """
 
 import dataclasses
@@ -149,6 +150,13 @@ CANDIDATES = (
 # they are planned only once a measurement exists.
 RANKS = (1, 2, 4, 8)
 LOW_RANK = tuple(Candidate(f"psgd{r}", f"powersgd:rank={r}") for r in RANKS)
+# The low-rank candidates are timed at their least and greatest rank, on the least and
+# greatest size; the other ranks and sizes are read off the lines between
+# (``_low_rank_words``). PowerSGD's work on an n-element matrix is n r multiply-adds
+# for each factor plus the factor's orthogonalisation, close to linear in r for the
+# ranks planned. Four timed codecs instead of twelve (most of their cost is tracing:
+# 4 workers on 2 cores spent 4.5 s on twelve).
+LOW_RANK_TIMED = ((RANKS[0], RANKS[-1]), (CPU_SIZES[0], CPU_SIZES[-1]))
 # Every candidate, in the order the figures hold them and the plan's groups run.
 ALL = CANDIDATES + LOW_RANK
 BY_LABEL = {c.label: c for c in ALL}
@@ -223,13 +231,37 @@ def _cpu_words(candidates, num_workers: int) -> List[int]:
     return _CPU_WORDS[key]
 
 
+def _low_rank_words(num_workers: int) -> List[int]:
+    """The low-rank candidates' words, as ``_cpu_words(LOW_RANK, num_workers)`` lays
+    them out, from the codecs of ``LOW_RANK_TIMED`` alone: each size's time on the line
+    through the two timed sizes, each rank's on the line through the two timed ranks."""
+    key = (num_workers, ("low rank",))
+    if key not in _CPU_WORDS:
+        ranks, sizes = LOW_RANK_TIMED
+        timed = {(r, n): _cpu_seconds(BY_LABEL[f"psgd{r}"], n, num_workers)
+                 for r in ranks for n in sizes}
+
+        def between(x, x0, x1, y0, y1):
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+        words = []
+        for candidate in LOW_RANK:
+            for n in CPU_SIZES:
+                at_rank = [[between(n, *sizes, timed[(r, sizes[0])][k], timed[(r, sizes[1])][k])
+                            for r in ranks] for k in (0, 1)]
+                words.extend(_microseconds(between(candidate.rank, *ranks, *at_rank[k]))
+                             for k in (0, 1))
+        _CPU_WORDS[key] = words
+    return _CPU_WORDS[key]
+
+
 def measure(cross_device_ops, link_gbps: float, latency_ms: float) -> "Figures":
     """This worker's figures, then the slowest worker's of each (the same everywhere).
 
     The CPU timings are taken once per process (and cluster size) and kept; the link
     is timed at every call. The low-rank candidates are left to ``measure_low_rank``:
-    they are planned only once training has measured their error, and their timings
-    are most of the CPU's (4 workers on 2 cores: 5-6 s). Runs eagerly (under
+    they are planned only once training has measured their error, and their graphs
+    are ten times a quantizer's (``LOW_RANK_TIMED``). Runs eagerly (under
     ``init_scope``); every worker must call it at the same point.
     """
     n = cross_device_ops.group_size
@@ -245,7 +277,7 @@ def measure_low_rank(cross_device_ops, figures: "Figures") -> "Figures":
     if all(c.label in figures.encode_us for c in LOW_RANK):
         return figures
     with tf.init_scope():
-        agreed = _slowest(cross_device_ops, _cpu_words(LOW_RANK, figures.num_workers))
+        agreed = _slowest(cross_device_ops, _low_rank_words(figures.num_workers))
     return Figures.from_words(figures.words() + agreed, figures.num_workers,
                               figures.link_gbps, figures.latency_ms)
 

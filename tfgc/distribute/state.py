@@ -16,7 +16,10 @@ worker (each residual holds what that worker has not sent yet). So:
 * Switching compressor migrates the state: a field the new compressor also keeps
   (a residual of the same shape) is carried over, so error feedback loses nothing
   across the switch; everything else starts fresh, the rest of the old state is
-  dropped (with a warning), and so are the old variables.
+  dropped (with a warning), and so are the old variables. Under
+  ``compressor="auto"``, a residual that a variable's new plan keeps no field for is
+  kept apart instead and added to that variable's next gradient (``carried``; it
+  lives for one step and is not checkpointed).
 
 Checkpoints of different workers: Keras keeps only the chief's checkpoint (the other
 workers write to temporary directories that are deleted), yet every worker must get
@@ -86,6 +89,9 @@ class CompressionState(trackable.Trackable):
         self._slots: Dict[str, List[Tuple[object, Dict[str, tf.Variable]]]] = {}
         # Keys of the variables sent dense whose slot holds only a momentum buffer.
         self._dense = set()
+        # var_key -> per local replica: the residual of a gradient that a new plan took
+        # off error feedback (``carried``), added to its next gradient.
+        self._carried: Dict[str, List[tf.Variable]] = {}
         self._steps: List[tf.Variable] = []
         # (checkpoint name, field) -> per local replica value restored before its slot existed.
         self._pending: Dict[Tuple[str, str], List[np.ndarray]] = {}
@@ -138,7 +144,7 @@ class CompressionState(trackable.Trackable):
                 self._apply_pending(_STEP_FIELD, "step", self._steps)
             dense_momentum = bool(not planned and getattr(compressor, "applied_momentum", 0.0))
             if self._compressor_key is not None and self._compressor_key != compressor_key:
-                self._migrate(layout_of, dense_momentum, compressor_key)
+                self._migrate(layout_of, dense_momentum, compressor_key, carry=planned)
             self._compressor_key = compressor_key
             for var, compress in zip(variables, compress_mask):
                 key = var_key(var)
@@ -173,28 +179,39 @@ class CompressionState(trackable.Trackable):
             self._apply_pending(name, path, [fields[path] for _, fields in per_replica])
         return per_replica
 
-    def _migrate(self, layout_of, dense_momentum, compressor_key):
+    def _migrate(self, layout_of, dense_momentum, compressor_key, carry=False):
         """Rebuilds every slot for a new compressor (``layout_of(key)``: what builds the
-        state of a variable, None for one now sent dense), carrying residuals over."""
+        state of a variable, None for one now sent dense), carrying residuals over.
+
+        With ``carry`` (a plan's change: ``compressor="auto"``), a residual that the
+        variable's new state has no field for is kept apart (``carried``), for its next
+        gradient to take along, rather than dropped; one already kept apart joins a
+        new residual field of its shape."""
         logging.info("tfgc: compressor changed from %s to %s; carrying residuals over",
                      self._compressor_key, compressor_key)
         old, old_dense = self._slots, self._dense
         self._slots, self._dense = {}, set()
         dropped = set()
         for key, per_replica in old.items():
-            carry = [fields for _, fields in per_replica]
+            fields = [f for _, f in per_replica]
             if key in old_dense:
-                if not dense_momentum:
-                    dropped |= set(carry[0])
-                    continue
-                self._dense.add(key)
-                self._slots[key] = self._create(DENSE_MOMENTUM, key, carry=carry)
-            elif layout_of(key) is None:
-                dropped |= set(carry[0])
-                continue
-            else:
-                self._slots[key] = self._create(layout_of(key), key, carry=carry)
-            dropped |= set(carry[0]) - set(self._slots[key][0][1])
+                if dense_momentum:
+                    self._dense.add(key)
+                    self._slots[key] = self._create(DENSE_MOMENTUM, key, carry=fields)
+            elif layout_of(key) is not None:
+                self._slots[key] = self._create(layout_of(key), key, carry=fields)
+            kept = set(self._slots[key][0][1]) if key in self._slots else set()
+            left = set(fields[0]) - kept
+            if carry and "residual" in left and key not in self._dense:
+                self._carry(key, [f["residual"] for f in fields])
+                left.discard("residual")
+            dropped |= left
+        for key in list(self._carried):
+            slot = self._slots.get(key)
+            if slot is not None and "residual" in slot[0][1] \
+                    and slot[0][1]["residual"].shape == self._carried[key][0].shape:
+                for (_, fields), pending in zip(slot, self._carried.pop(key)):
+                    fields["residual"].assign_add(pending)
         if dropped:
             # The new compressor keeps no such field: what it held is not sent.
             logging.warning("tfgc: %s keeps no state field %s; the values held there under %s "
@@ -203,6 +220,27 @@ class CompressionState(trackable.Trackable):
         # Counters restart with the compressor: its shared random streams begin anew.
         for step in self._steps:
             step.assign(0)
+
+    def _carry(self, key, residuals):
+        """Keeps ``residuals`` (one per local replica) for ``key``'s next gradient, added
+        to what is kept already."""
+        if key in self._carried:
+            for pending, residual in zip(self._carried[key], residuals):
+                pending.assign_add(residual)
+            return
+        per_replica = []
+        for residual, device in zip(residuals, self._ops.local_devices):
+            with tf.device(device):
+                per_replica.append(local_variable(residual.read_value(),
+                                                  "tfgc_carried_residual"))
+        self._carried[key] = per_replica
+
+    def carried(self, var, replica_id: int) -> Optional[tf.Variable]:
+        """The residual that a change of plan took off ``var``'s error feedback, for its
+        next gradient (the reduction adds it and zeroes it in a step that commits), or
+        None."""
+        per_replica = self._carried.get(var_key(var))
+        return None if per_replica is None else per_replica[replica_id]
 
     def _apply_pending(self, name, path, variables):
         values = self._pending.pop((name, path), None)
@@ -252,7 +290,7 @@ class CompressionState(trackable.Trackable):
 
     def reset(self):
         """Zeroes every state variable (residuals, counters) of this worker."""
-        for v in self.variables():
+        for v in self.variables() + [v for vs in self._carried.values() for v in vs]:
             v.assign(tf.zeros_like(v))
 
     # -- checkpointing --------------------------------------------------------------

@@ -267,7 +267,10 @@ class AutoPlanCallback(keras.callbacks.Callback):
       the norm of its sum over the interval changed by ``threshold`` or more since the
       previous interval, and leaves that regime (back to the budget's plan) otherwise;
     * measures the link again (``CompressedAllReduce.replan``) and plans again when the
-      float32 all-reduce it predicts moved by more than ``link_margin``.
+      float32 all-reduce it predicts moved by more than ``link_margin``. A measurement
+      takes the link for a moment (a third of a second at 100 Mbit/s), so it is made
+      only once the time since the last one is long enough for it to cost at most
+      ``link_share`` of training (worker 0's clock decides for all).
 
     With regimes on, it also measures each matrix's low-rank error after the first step
     and at every interval's end (``Auto.low_rank``: the low-rank candidates' budget),
@@ -278,10 +281,11 @@ class AutoPlanCallback(keras.callbacks.Callback):
     switch). That step's retrace costs seconds, so the callback times it (the step's
     duration beyond the median of the others, ``change_s``) and, at later intervals'
     ends, asks a new plan to save at least that much over the next interval before it
-    is taken (``min_gain_s`` of ``CompressedAllReduce.adapt``). Adds ``auto_critical``
-    (how many gradients are critical) and ``auto_replanned`` (1 if the link changed the
-    plan) to the epoch's logs. Every worker must run it (Keras calls every worker's
-    callbacks at the same point).
+    is taken (``min_gain_s`` of ``CompressedAllReduce.adapt``). What the callback's own
+    work took is in ``measure_s`` (the low-rank timings) and ``costs`` (per interval's
+    end). Adds ``auto_critical`` (how many gradients are critical) and
+    ``auto_replanned`` (1 if the link changed the plan) to the epoch's logs. Every
+    worker must run it (Keras calls every worker's callbacks at the same point).
 
     Args:
       strategy: a ``tfgc.CompressedMultiWorkerMirroredStrategy`` with
@@ -290,6 +294,7 @@ class AutoPlanCallback(keras.callbacks.Callback):
         None: no regimes, the budget's plan throughout.
       link_margin: the relative change of the link that plans again; None: the link is
         measured once.
+      link_share: the share of training time the link's measurements may take.
       every_epochs: the interval, in epochs.
       every_steps: the interval in training steps instead (None: ``every_epochs``), for
         runs of a few epochs, where the first two intervals in bf16 would otherwise be
@@ -298,7 +303,7 @@ class AutoPlanCallback(keras.callbacks.Callback):
     """
 
     def __init__(self, strategy, threshold=0.5, link_margin=0.25, every_epochs: int = 1,
-                 every_steps=None):
+                 every_steps=None, link_share: float = 0.02):
         super().__init__()
         if not hasattr(strategy, "compression_plan"):
             raise ValueError("`strategy` must be a tfgc.CompressedMultiWorkerMirroredStrategy, "
@@ -311,11 +316,17 @@ class AutoPlanCallback(keras.callbacks.Callback):
         if link_margin is not None:
             check_number("link_margin", link_margin, 0, also=" or None")
         check_int("every_epochs", every_epochs, 1)
+        check_number("link_share", link_share, 0, strict=True)
+        if link_share > 1:
+            raise ValueError(f"`link_share` must be at most 1, got {link_share!r}")
         if every_steps is not None:
             check_int("every_steps", every_steps, 1)
         self._strategy = strategy
         self._threshold = threshold
         self._margin = link_margin
+        self._link_share = link_share
+        # The last measurement of the link: its seconds, and when it ended.
+        self._probe_s, self._probed_at = 0.0, None
         self._every = every_epochs
         self._every_steps = every_steps
         self._steps = 0
@@ -328,6 +339,12 @@ class AutoPlanCallback(keras.callbacks.Callback):
         self._restart_timing(None)
         # (epoch, critical names, whether the link changed the plan) per interval.
         self.history = []
+        # What the callback itself spent (``costs``): seconds of the low-rank
+        # candidates' first measurement, and per interval's end the seconds of ``adapt``
+        # and of ``replan``, whether this worker asked for the link's measurement, and
+        # whether a new plan came of them.
+        self.measure_s = 0.0
+        self.costs = []
 
     def _restart_timing(self, generation):
         """A fit begins: its first step traces, and no change is pending."""
@@ -365,11 +382,12 @@ class AutoPlanCallback(keras.callbacks.Callback):
             # The low-rank candidates' first measurement: after the first step rather
             # than at the first interval's end (a no-op without them).
             self._measured = True
+            began = time.perf_counter()
             self._strategy.cross_device_ops.measure_low_rank()
-        if self._every_steps is not None:
-            self._steps += 1
-            if self._steps % self._every_steps == 0:
-                self._end_interval(self._epoch, logs)
+            self.measure_s = time.perf_counter() - began
+        self._steps += 1
+        if self._every_steps is not None and self._steps % self._every_steps == 0:
+            self._end_interval(self._epoch, logs)
         self._note_change()
 
     def _time_step(self):
@@ -408,10 +426,23 @@ class AutoPlanCallback(keras.callbacks.Callback):
     def _end_interval(self, epoch, logs):
         cdo = self._strategy.cross_device_ops
         critical = frozenset()
+        generation = cdo.generation
+        began = time.perf_counter()
         if self._threshold is not None:
             critical = cdo.adapt(self._threshold,
                                  min_gain_s=self.change_s / self._interval_steps())
-        replanned = cdo.replan(self._margin) if self._margin is not None else False
+        adapted = time.perf_counter()
+        due = self._margin is not None and (
+            self._probed_at is None
+            or (adapted - self._probed_at) * self._link_share >= self._probe_s)
+        # Called at every interval's end, due or not: worker 0's word is all-gathered.
+        replanned = cdo.replan(self._margin, due=due) if self._margin is not None else False
+        ended = time.perf_counter()
+        if due:
+            self._probe_s, self._probed_at = ended - adapted, ended
+        self.costs.append({"step": self._steps, "adapt_s": adapted - began,
+                           "replan_s": ended - adapted, "link_due": due,
+                           "new_plan": cdo.generation != generation})
         self.history.append((epoch, sorted(critical), replanned))
         if logs is not None:
             logs.update({"auto_critical": float(len(critical)),
