@@ -917,7 +917,7 @@ def test_measured_matrices_go_low_rank_after_the_critical_intervals(cluster):
 def test_a_gradient_moved_off_low_rank_sends_its_residual_once(cluster, k):
     # Low rank, then a plan without it (quantizers; float32 alone): a step of zero
     # gradients sends the sum of the workers' residuals through the new candidates,
-    # and nothing is left held back.
+    # and nothing is left held back; a step skipped for a NaN before it sends none.
     runs = [np.load(cluster / f"moved.w{r}.npz") for r in range(2)]
     labels = list(runs[0][f"labels{k}"])
     assert any(label.startswith("psgd") for label in labels), labels
@@ -927,12 +927,18 @@ def test_a_gradient_moved_off_low_rank_sends_its_residual_once(cluster, k):
             continue
         want = runs[0][f"residual{k}_{j}"] + runs[1][f"residual{k}_{j}"]
         assert np.linalg.norm(want) > 0
+        if k == 0:  # a skipped step left what was kept apart as it was
+            for r, run in enumerate(runs):
+                np.testing.assert_array_equal(run[f"after_skip{k}_{j}"],
+                                              run[f"residual{k}_{j}"])
         for run in runs:
             out = run[f"out{k}_{j}"]
             # float32 exactly; the quantizers within a few percent (bf16: 2**-8 per
             # element, rotated 8 bits: a relative variance of 0.00025).
             assert np.linalg.norm(out - want) <= (1e-5 if k else 0.05) * np.linalg.norm(want)
             assert not np.any(run[f"carried{k}_{j}"])  # zeroed: sent once
+    for run in runs:  # and let go at the next change of plan
+        assert not np.any(run[f"kept_after{k}"])
 
 
 def test_a_model_learns_under_a_measured_plan(cluster):

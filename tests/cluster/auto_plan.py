@@ -23,8 +23,9 @@
    (``low_rank.w<rank>.json``).
 6. Reduces ``gradients`` over fresh variables with low rank planned from the second
    step, then switches to a plan without low rank (quantizers, then float32 alone)
-   and reduces zeros: writes the residuals before the switch and what the zeros
-   brought (``moved.w<rank>.npz``).
+   and reduces zeros (after, for the quantizers, a step that a NaN on worker 1
+   skips): writes the residuals before the switch and what the zeros brought, then
+   switches plans once more (``moved.w<rank>.npz``).
 """
 
 import json
@@ -137,12 +138,26 @@ def moved_off_low_rank(strategy, rank, out_dir):
                                           else np.zeros(SHAPES[j], np.float32))
         strategy.compressor = spec
         zeros = [np.zeros(shape, np.float32) for shape in SHAPES]
-        for j, out in enumerate(make_reduce(strategy, variables, owner)(zeros)):
+        reduce = make_reduce(strategy, variables, owner)
+        if k == 0:
+            # A step that worker 1's NaN skips (the quantizers' guard): nothing sent,
+            # so nothing kept apart may go.
+            reduce([z + (np.nan if rank == 1 else 0.0) for z in zeros])
+            for j, var in enumerate(variables):
+                carried = state.carried(var, 0)
+                arrays[f"after_skip{k}_{j}"] = (np.zeros([0]) if carried is None
+                                                else carried.numpy())
+        for j, out in enumerate(reduce(zeros)):
             arrays[f"out{k}_{j}"] = out
             carried = state.carried(variables[j], 0)
             arrays[f"carried{k}_{j}"] = (np.zeros([0]) if carried is None
                                          else carried.numpy())
         arrays[f"moved_to{k}"] = np.array([e.label for e in strategy.compression_plan().entries])
+        # One more change of plan: what was kept apart, sent by now, is let go.
+        strategy.compressor = MOVED_TO[1 - k]
+        make_reduce(strategy, variables, owner)(zeros)
+        arrays[f"kept_after{k}"] = np.array([state.carried(v, 0) is not None
+                                             for v in variables])
     np.savez(os.path.join(out_dir, f"moved.w{rank}.npz"), **arrays)
 
 

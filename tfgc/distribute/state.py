@@ -186,7 +186,7 @@ class CompressionState(trackable.Trackable):
         With ``carry`` (a plan's change: ``compressor="auto"``), a residual that the
         variable's new state has no field for is kept apart (``carried``), for its next
         gradient to take along, rather than dropped; one already kept apart joins a
-        new residual field of its shape."""
+        new residual field of its shape, or, sent already (zeros), is let go."""
         logging.info("tfgc: compressor changed from %s to %s; carrying residuals over",
                      self._compressor_key, compressor_key)
         old, old_dense = self._slots, self._dense
@@ -212,6 +212,8 @@ class CompressionState(trackable.Trackable):
                     and slot[0][1]["residual"].shape == self._carried[key][0].shape:
                 for (_, fields), pending in zip(slot, self._carried.pop(key)):
                     fields["residual"].assign_add(pending)
+            elif not any(np.any(v.numpy()) for v in self._carried[key]):
+                del self._carried[key]  # sent already: its memory goes
         if dropped:
             # The new compressor keeps no such field: what it held is not sent.
             logging.warning("tfgc: %s keeps no state field %s; the values held there under %s "
