@@ -316,12 +316,11 @@ def _worker(args, rank, prefix, phase):
             # Training time up to the end of this step; evaluations are left out.
             train_s = self.last_train_s = self.train_s(now)
             if rank == 0 and self.stop_at is None:
-                if train_s >= self._next_eval or self.step == total:
+                if (train_s >= self._next_eval or self.step == total
+                        or train_s >= args.budget):
                     self._due = train_s  # evaluated when the next step begins
                     while self._next_eval <= train_s:
                         self._next_eval += args.eval_every
-                elif train_s >= args.budget:
-                    self._due = train_s
             if self.stop_at is None and rank != 0 and os.path.exists(args.stop_file):
                 with open(args.stop_file) as f:
                     self.stop_at = int(f.read().split()[0])
@@ -348,6 +347,7 @@ def _worker(args, rank, prefix, phase):
     if not clock.curve or clock.curve[-1]["step"] != clock.step:
         clock._evaluate(clock.last_train_s)
     timed = [d * 1e3 for d in clock.durations[5:]] or [d * 1e3 for d in clock.durations]
+    median_ms = statistics.median(timed)
     ring = stock_ring_bytes(net, num_workers)
     if compressor is not None:
         stats = strategy.compression_stats()
@@ -369,13 +369,13 @@ def _worker(args, rank, prefix, phase):
         "final_accuracy": accs[-1], "best_accuracy": max(accs),
         "train_s": clock.last_train_s, "eval_s": clock.eval_s, "evaluations": len(accs),
         "first_step_s": clock.first_step_s, "fit_s": fit_s,
-        "median_step_ms": statistics.median(timed),
+        "median_step_ms": median_ms,
         "sent_bytes_per_step": sent, "dense_ring_bytes_per_step": ring,
         "dense_bytes": dense_bytes(net), "curve": clock.curve,
         # Steps (1-based) that took over three median steps, with their milliseconds:
         # retraces, stalls (the training time includes them).
         "slow_steps": [[k + 1, round(d * 1e3, 1)] for k, d in enumerate(clock.durations)
-                       if k and d * 1e3 > 3 * statistics.median(timed)],
+                       if k and d * 1e3 > 3 * median_ms],
     }
     if auto is not None:
         # What auto's own measurements and plan changes cost, inside the training time.
@@ -527,10 +527,10 @@ def render(report, args):
              f"{args.margin:g} point (the compute floor run). `sent/step`: what one worker "
              "sends per step (the strategy's own count; the stock ring all-reduce's "
              "2(N−1)/N of the gradients). Speed-ups: time to target of stock fp32 (or "
-             "bf16) on the same link over the setting's. A run that spent its budget shows its best accuracy and, "
-             "where the same setting reached the target on another link at step S, "
-             "S × its median step time, marked *projected* (synchronous training computes the "
-             "same steps at any link rate).", ""]
+             "bf16) on the same link over the setting's. A run that spent its budget shows "
+             "its best accuracy and, where the same setting reached the target on another "
+             "link at step S, S × its median step time, marked *projected* (synchronous "
+             "training computes the same steps at any link rate).", ""]
     for model in args.models:
         floor = next((r for r in runs if r["model"] == model and r["role"] == "floor"), None)
         target = target_for(args, runs, model)
@@ -593,12 +593,10 @@ def render(report, args):
                         " (projected)" if run.get(f"speedup_vs_{base}_kind") == "projected"
                         else ""))
                 steps = run["steps_to_target"] if run["reached"] else run["steps"]
-                first = run.get("first_step_s")  # not in runs stored before it was kept
                 lines.append(
                     f"| {setting} | {run['recommended'].replace('none, ', 'stock fp32, ', 1)} | "
                     f"{tta} | {cells[0]} | {cells[1]} | {steps} | {run['median_step_ms']:.0f} | "
-                    + ("–" if first is None else f"{first:.1f} s")
-                    + f" | {fmt_bytes(run['sent_bytes_per_step'])} | "
+                    f"{run['first_step_s']:.1f} s | {fmt_bytes(run['sent_bytes_per_step'])} | "
                     f"{run['final_accuracy']:.4f} | {run['best_accuracy']:.4f} |")
             lines.append("")
     return "\n".join(lines) + "\n"

@@ -47,6 +47,7 @@ def test_bad_arguments_stop_with_a_message(argv, words, capsys):
 def _run(setting, rate, role="run", reached_at=None, step_ms=100.0, steps=500, acc=0.8):
     run = {"model": "mlp", "rate": rate, "setting": setting, "role": role, "status": "ok",
            "epochs": 2, "reached": reached_at is not None, "median_step_ms": step_ms,
+           "first_step_s": 2.0,
            "steps": steps, "train_s": steps * step_ms / 1e3, "best_accuracy": acc,
            "final_accuracy": acc, "sent_bytes_per_step": 1000, "spec": setting,
            "recommended": f"{'none' if setting == 'stock' else setting}, momentum SGD (0.9)",

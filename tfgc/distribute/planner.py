@@ -244,14 +244,13 @@ def _low_rank_words(num_workers: int) -> List[int]:
         def between(x, x0, x1, y0, y1):
             return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
-        words = []
-        for candidate in LOW_RANK:
-            for n in CPU_SIZES:
-                at_rank = [[between(n, *sizes, timed[(r, sizes[0])][k], timed[(r, sizes[1])][k])
-                            for r in ranks] for k in (0, 1)]
-                words.extend(_microseconds(between(candidate.rank, *ranks, *at_rank[k]))
-                             for k in (0, 1))
-        _CPU_WORDS[key] = words
+        def seconds(rank, n, k):  # k: 0 encoding, 1 decoding
+            at = [between(n, *sizes, timed[(r, sizes[0])][k], timed[(r, sizes[1])][k])
+                  for r in ranks]
+            return between(rank, *ranks, *at)
+
+        _CPU_WORDS[key] = [_microseconds(seconds(c.rank, n, k))
+                           for c in LOW_RANK for n in CPU_SIZES for k in (0, 1)]
     return _CPU_WORDS[key]
 
 
@@ -285,7 +284,7 @@ def measure_low_rank(cross_device_ops, figures: "Figures") -> "Figures":
 def measure_link(cross_device_ops, figures: "Figures") -> "Figures":
     """``figures`` with the link measured again (every worker at once, as ``measure``).
 
-    ``AutoPlanCallback`` does this at every interval's end, so the probe is kept short:
+    ``AutoPlanCallback`` does this at intervals' ends, so the probe is kept short:
     the two smallest sizes always, a larger one only where the current figures predict
     its all-reduce under ``REPROBE_S`` (the same sizes on every worker, since the
     figures are agreed). A size left out keeps its earlier time scaled as the largest
