@@ -335,7 +335,32 @@ def _worker(args, rank, prefix, phase):
     if getattr(compressor, "plans_per_tensor", False):
         # compressor="auto": the plan follows the link and the critical regimes.
         auto = tfgc.keras.AutoPlanCallback(strategy, every_steps=args.auto_every_steps or None)
-        callbacks.append(auto)
+
+        class PlanLog(keras.callbacks.Callback):
+            """Each plan that a step ended with, when it differs from the last: the step,
+            the labels, the low-rank budget's share in use, and the weighing."""
+
+            def __init__(self):
+                super().__init__()
+                self.changes, self._key = [], None
+
+            def on_train_batch_end(self, batch, logs=None):
+                plan = strategy.compression_plan()
+                if plan is None or plan.key() == self._key:
+                    return
+                self._key = plan.key()
+                change = {"after_step": clock.step,
+                          "labels": {e.name: e.label for e in plan.entries},
+                          "low_rank_share": plan.low_rank_share,
+                          "predicted_ms": plan.step_seconds() * 1e3}
+                if plan.pace is not None:
+                    change.update(compute_ms=plan.pace.compute_s * 1e3,
+                                  scale=plan.pace.scale,
+                                  paced_ms=plan.paced_seconds() * 1e3)
+                self.changes.append(change)
+
+        plans = PlanLog()
+        callbacks += [auto, plans]
     net.fit(train_ds, epochs=args.run_epochs, steps_per_epoch=steps, callbacks=callbacks,
             verbose=0)
     fit_s = time.perf_counter() - t_fit
@@ -381,7 +406,7 @@ def _worker(args, rank, prefix, phase):
         # What auto's own measurements and plan changes cost, inside the training time.
         plan = strategy.compression_plan()
         result["auto"] = {"measure_s": auto.measure_s, "change_s": auto.change_s,
-                          "intervals": auto.costs}
+                          "intervals": auto.costs, "plans": plans.changes}
         if plan is not None:
             # The last plan against its own steps (the last 100, or as many as it ran).
             result["auto"]["plan"] = {

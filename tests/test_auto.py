@@ -417,6 +417,81 @@ def test_a_new_plan_is_taken_when_it_saves_more_than_a_change_costs():
     assert planner.change_pays(None, new, 1e9)  # the current plan is ruled out
 
 
+def test_the_pace_is_the_line_through_the_steps_that_ran():
+    # Two plans that ran: steps of 40 ms plus half the predicted communication.
+    pace = planner.pace_from([(0.010, 0.045), (0.030, 0.055)], 0.3)
+    assert (pace.compute_s, pace.scale, pace.low_rank_steps) == \
+        (pytest.approx(0.040), pytest.approx(0.5), 0.3)
+    assert pace.seconds(0.020, 0.5) == pytest.approx((0.040 + 0.010) * (1 + 0.3 * 0.5))
+    # One plan: its prediction as it is, the rest of the step compute; a step shorter
+    # than its prediction: communication alone, at the share measured.
+    one = planner.pace_from([(0.010, 0.050)], 0.0)
+    assert (one.compute_s, one.scale) == (pytest.approx(0.040), 1.0)
+    short = planner.pace_from([(0.200, 0.050)], 0.0)
+    assert (short.compute_s, short.scale) == (0.0, pytest.approx(0.25))
+    # Predictions too close to tell apart (0.1 ms on 55 ms steps) count as one plan.
+    close = planner.pace_from([(0.0100, 0.050), (0.0101, 0.060)], 0.0)
+    assert (close.compute_s, close.scale) == (pytest.approx(0.055 - 0.01005), 1.0)
+    # A slope past its bounds is held there; a line through negative compute goes
+    # through the origin instead.
+    steep = planner.pace_from([(0.010, 0.050), (0.030, 0.200)], 0.0)
+    assert steep.scale == planner.PACE_SCALE[1]
+    assert steep.compute_s == pytest.approx(0.125 - 2.0 * 0.020)
+    origin = planner.pace_from([(0.010, 0.010), (0.030, 0.050)], 0.0)
+    assert (origin.compute_s, origin.scale) == (0.0, pytest.approx(0.0016 / 0.0010))
+    # Nothing timed (or nothing finite): no pace.
+    assert planner.pace_from([], 0.3) is None
+    assert planner.pace_from([(float("nan"), 0.05), (0.01, 0.0)], 0.3) is None
+
+
+def test_low_rank_must_save_more_than_the_steps_it_adds_cost():
+    low_rank = planner.LowRank(2, MEASURED)
+    fig = all_figures(1.0)
+    free = planner.make_plan(GRADIENTS, fig, 0.05, low_rank=low_rank)  # the step alone
+    quantized = planner.make_plan(GRADIENTS, fig, 0.05)
+    assert free.low_rank_share > 0 and quantized.low_rank_share == 0
+    step = free.step_seconds()
+
+    def labels(plan):
+        return {e.name: e.label for e in plan.entries}
+
+    shares = []
+    for compute in (0.0, step, 10 * step, 1000 * step):
+        pace = planner.Pace(compute, 0.5, 0.3)
+        plan = planner.make_plan(GRADIENTS, fig, 0.05, low_rank=low_rank, pace=pace)
+        assert plan.pace == pace
+        assert plan.low_rank_error <= plan.low_rank_budget * (1 + 1e-9)
+        assert plan.mean_error <= 0.05 + 1e-12
+        # Never slower to the same accuracy, as the pace weighs them, than the plan of
+        # the step alone or the plan without low rank, both priced under this pace.
+        for other in (free, quantized):
+            priced = planner.make_plan(GRADIENTS, fig, 0.05, low_rank=low_rank,
+                                       only=labels(other), pace=pace)
+            assert plan.paced_seconds() <= priced.paced_seconds() * (1 + 1e-12), compute
+        shares.append(plan.low_rank_share)
+    # The more of a step is compute, the less of the budget is worth its steps. At
+    # compute C, a share u of it costs 0.3 u C a step and can save at most the scaled
+    # communication of the plan without low rank, so u <= 0.5 c / (0.3 C): where the
+    # step is mostly compute, only what loses next to nothing (fc1, nearly rank 1)
+    # stays low-rank.
+    assert all(a >= b for a, b in zip(shares, shares[1:])), shares
+    assert shares[0] > 0
+    assert shares[-1] <= 0.5 * quantized.step_seconds() / (0.3 * 1000 * step), shares
+    # No extra steps priced: the step alone decides, as without a pace.
+    unpriced = planner.make_plan(GRADIENTS, fig, 0.05, low_rank=low_rank,
+                                 pace=planner.Pace(1000 * step))
+    assert unpriced.key() == free.key()
+    # A change is weighed as the plans were chosen: the low-rank plan, kept, against
+    # the one without, under a pace where compute is most of the step.
+    pace = planner.Pace(1000 * step, 0.5, 0.3)
+    kept = planner.make_plan(GRADIENTS, fig, 0.05, low_rank=low_rank, only=labels(free),
+                             pace=pace)
+    new = planner.make_plan(GRADIENTS, fig, 0.05, low_rank=low_rank, pace=pace)
+    assert new.step_seconds() > kept.step_seconds()  # a longer step...
+    assert planner.change_pays(kept, new, 0.0)  # ... that reaches the accuracy sooner
+    assert "more steps for its low-rank error" in kept.table()
+
+
 def test_the_plan_callback_prices_a_change_by_the_step_that_retraces():
     # One worker: nothing planned, but a change of setting retraces the train function
     # as a new plan does; the callback prices the step after it against the others.
@@ -581,7 +656,8 @@ def test_each_candidates_error_stays_within_the_bound_the_budget_uses(label, kin
     ("auto:error=-1", "error"), ("auto:link_gbps=-2", "link_gbps"),
     ("auto:latency_ms=0", "latency_ms"), ("auto:error=fast", "error"),
     ("auto:budget=1", "budget"), ("auto:low_rank=3", "low_rank"),
-    ("auto:low_rank=-1", "low_rank")])
+    ("auto:low_rank=-1", "low_rank"), ("auto:low_rank_steps=-0.1", "low_rank_steps"),
+    ("auto:low_rank_steps=inf", "low_rank_steps")])
 def test_bad_settings_fail_at_construction_naming_the_argument(spec, argument):
     with pytest.raises(ValueError, match=f"`{argument}`"):
         tfgc.CompressedMultiWorkerMirroredStrategy(compressor=spec)
@@ -604,6 +680,11 @@ def test_the_plan_callback_refuses_what_it_cannot_use():
             tfgc.keras.AutoPlanCallback(strategy, **kwargs)
     with pytest.raises(ValueError, match="needs track_regimes"):
         strategy.cross_device_ops.adapt()
+    for step_s in (0.0, -1.0, float("inf"), "fast"):
+        with pytest.raises(ValueError, match="`step_s`"):
+            strategy.cross_device_ops.adapt(step_s=step_s)
+        with pytest.raises(ValueError, match="`step_s`"):
+            strategy.cross_device_ops.measure_low_rank(step_s=step_s)
     # Tracked, but nothing planned (a model whose gradients the policy all sends dense):
     # an interval ends with no regime, rather than stopping the fit.
     strategy.cross_device_ops.track_regimes()
@@ -640,6 +721,27 @@ def test_the_plan_callback_ends_an_interval_every_so_many_steps():
     # The first interval has no previous one: every planned gradient critical.
     names = [e.name for e in strategy.compression_plan().entries]
     assert callback.history[0][1] == sorted(names)
+
+
+def test_a_change_of_plan_must_pay_for_itself_over_the_rest_of_the_fit():
+    # One worker: the fit's length is Keras' epochs times steps; a change's cost is
+    # spread over the steps left of it, and over an interval where fewer are left or
+    # the length is unknown.
+    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
+    model = small_model(strategy)
+    callback = tfgc.keras.AutoPlanCallback(strategy, every_steps=5, link_margin=None)
+    left = []
+    import tf_keras as keras
+
+    class Left(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            left.append(callback._payback_steps())  # pylint: disable=protected-access
+
+    model.fit(*small_data(32), batch_size=8, epochs=3, verbose=0, callbacks=[callback, Left()])
+    # 4 steps per epoch, 12 in all: after step k, 12 - k are left, never under 5.
+    assert left == [max(12 - k, 5) for k in range(1, 13)]
+    callback.set_params({"epochs": 1})  # no steps per epoch: an interval
+    assert callback._payback_steps() == 5  # pylint: disable=protected-access
 
 
 def test_the_plan_callback_measures_the_link_within_its_share_of_training():
@@ -878,9 +980,10 @@ def test_measured_matrices_go_low_rank_after_the_critical_intervals(cluster):
     assert runs[0] == runs[1]  # the same measurements and plans on every worker
     intervals = runs[0]["intervals"]
     assert len(intervals) == 6
-    # Measured after the first step, while every gradient is critical: the kernels go
-    # low-rank at twice the budget's rank or more.
+    # Measured once the first plan's steps are timed, while every gradient is
+    # critical: the kernels go low-rank at twice the budget's rank or more.
     first = runs[0]["first"]
+    assert runs[0]["first_at"] == tfgc.keras.AutoPlanCallback.LOW_RANK_AFTER  # 0: traced
     assert all(e["critical"] for e in first)
     assert any(e["label"].startswith("psgd") for e in first), first
     assert all(int(e["label"][4:]) >= 4 for e in first if e["label"].startswith("psgd"))
@@ -911,6 +1014,15 @@ def test_measured_matrices_go_low_rank_after_the_critical_intervals(cluster):
         np.testing.assert_array_equal(first[key], other[key])
     losses = runs[0]["losses"]
     assert losses[-1] < losses[0], losses
+    # Worker 0's steps, by plan (the same on both workers, above): the first plan's
+    # and those that ran an interval, each with the communication it predicted.
+    steps = runs[0]["steps"]
+    assert len(steps) >= 2, steps
+    keys = {"auto:" + ";".join(f"{e['name']}={e['label']}@{e['path']}" for e in i["plan"])
+            for i in intervals}
+    assert set(steps) & keys, (sorted(steps), sorted(keys))
+    for comm, step in steps.values():
+        assert comm > 0 and 0 < step < 60
 
 
 @pytest.mark.parametrize("k", range(len(worker.MOVED_TO)))

@@ -175,8 +175,10 @@ def low_rank(strategy, rank, num_workers, out_dir):
 
     class Record(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            if not first:  # after the first step's measurement
-                first.append(strategy.compression_plan().as_dicts())
+            if not first and callback._measured:  # pylint: disable=protected-access
+                # The plan after the first measurement (once the first plan's steps
+                # were timed), and the step that made it.
+                first.append((strategy.compression_plan().as_dicts(), batch))
             if len(callback.history) > len(intervals):
                 plan = strategy.compression_plan()
                 intervals.append({
@@ -190,7 +192,9 @@ def low_rank(strategy, rank, num_workers, out_dir):
     losses = brief_fit(strategy, rank, num_workers, out_dir, steps_per_epoch=6, epochs=3,
                        callbacks=[callback, Record()], name="low_rank")
     with open(os.path.join(out_dir, f"low_rank.w{rank}.json"), "w") as f:
-        json.dump({"first": first[0], "intervals": intervals, "losses": losses}, f)
+        json.dump({"first": first[0][0], "first_at": first[0][1], "intervals": intervals,
+                   "losses": losses,
+                   "steps": {key: list(v) for key, v in auto._steps.items()}}, f)  # pylint: disable=protected-access
 
 
 def restart(strategy, rank, num_workers, out_dir):

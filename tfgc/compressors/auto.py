@@ -54,6 +54,16 @@ class Auto(Compressor):
         summed, is the budget of the low-rank candidates; 0: no gradient goes
         low-rank. Default 2, PowerSGD's rank that matched SGD's accuracy on CIFAR-10
         in its paper.
+      low_rank_steps: the extra steps, as a share, that training needs to reach the
+        same accuracy with every measured matrix low-rank at ``low_rank`` (a whole
+        low-rank budget; part of the budget, that part of them). Once steps have been
+        timed (``tfgc.keras.AutoPlanCallback``), a plan sends gradients low-rank only
+        where the time it saves a step pays for the steps it adds. Default 0.3: on this
+        project's time-to-accuracy runs (4 workers, momentum SGD), fixed PowerSGD at
+        rank 2 needed 1.36-1.40x the steps of float32 or bf16 to the target on the
+        CNN, and 1.55x on the wide MLP, on a schedule twice as long (which is itself
+        slower to a target); ``auto``'s own rank-4 plans on the dense schedule,
+        1.0-1.13x. 0: the time per step alone decides.
     """
 
     name = "auto"
@@ -62,13 +72,16 @@ class Auto(Compressor):
     plans_per_tensor = True
 
     def __init__(self, error: float = 0.05, link_gbps: float = 0.0, latency_ms: float = 0.1,
-                 low_rank: int = 2):
+                 low_rank: int = 2, low_rank_steps: float = 0.3):
         self.error = float(check_number("error", error, 0))
         self.link_gbps = float(check_number("link_gbps", link_gbps, 0, also=" (0: measure)"))
         self.latency_ms = check_positive_float("latency_ms", latency_ms)
         if isinstance(low_rank, bool) or low_rank not in (0, 1, 2, 4, 8):
             raise ValueError(f"`low_rank` must be 0 (none), 1, 2, 4 or 8, got {low_rank!r}")
         self.low_rank = int(low_rank)
+        self.low_rank_steps = float(check_number("low_rank_steps", low_rank_steps, 0))
+        if self.low_rank_steps == float("inf"):
+            raise ValueError("`low_rank_steps` must be finite, got inf")
 
     def compress(self, x, state, ctx):
         raise NotImplementedError(

@@ -14,16 +14,18 @@ the plan and figures ready, so that trace measures nothing.
 
 Checkpoints: the owner of the compression state (the optimizer) also tracks a
 ``PlanRecord``, which saves what the plan was made from (the gradients, the agreed
-figures, the critical set, the last norms and low-rank errors) and its key. Restored before the first
-step (Keras' ``BackupAndRestore``, a ``tf.train.Checkpoint`` restored into a new
-optimizer), it reaches the planner when the record is attached, just before the first
-plan, and that plan is made from the saved figures instead of measuring again: the same
-plan as before the restart, when the code is the same. The workers first agree that
-they all restored the same figures (an all-gather of their checksums); otherwise they
-all measure.
+figures, the critical set, the last norms and low-rank errors, the steps timed under
+each plan) and the plan itself. Restored before the first step (Keras'
+``BackupAndRestore``, a ``tf.train.Checkpoint`` restored into a new optimizer), it
+reaches the planner when the record is attached, just before the first plan, and that
+plan is the saved one, priced under the saved figures, instead of measuring again (or,
+where the restored regimes and budgets rule it out, a plan made from them). The workers
+first agree that they all restored the same record (an all-gather of their checksums);
+otherwise they all measure.
 """
 
 import json
+import math
 import time
 import weakref
 import zlib
@@ -99,6 +101,9 @@ class AutoPlanner:
         # of the matrices every step would cost the step a pass over them), and by
         # place the planned gradients that are matrices (on every worker).
         self._capture, self._matrices = None, []
+        # The plans that ran, by key: (predicted communication, worker 0's measured
+        # median step), seconds (``planner.pace_from``).
+        self._steps = {}
 
     @property
     def plan(self):
@@ -149,8 +154,9 @@ class AutoPlanner:
             return
         self._attach(owner)  # a deferred checkpoint restore reaches ``restored`` here
         auto = self._ops.compressor
+        labels = None
         if self._figures is None or self._figures[0] != generation:
-            figures = self._restored_figures(gradients)
+            figures, labels = self._restored_figures(gradients)
             if figures is None:
                 started = time.perf_counter()
                 figures = planner.measure(self._ops, auto.link_gbps, auto.latency_ms)
@@ -158,7 +164,14 @@ class AutoPlanner:
                 logging.info("tfgc: compressor='auto' measured in %.1f s: %s",
                              time.perf_counter() - started, figures.describe())
             self._figures = (generation, figures)
-        plan = self._planned(gradients, self._figures[1])
+        plan = None
+        if labels:
+            # The saved plan itself, where the restored regimes and budgets still allow
+            # it: a plan made afresh could differ (a change kept out because it did not
+            # pay, steps timed after the plan was made).
+            plan = self._planned(gradients, self._figures[1], only=labels)
+        if plan is None:
+            plan = self._planned(gradients, self._figures[1])
         self._check_agree(plan)
         self._plan = (generation, gradients, plan)
         logging.info("%s", plan.table())
@@ -185,6 +198,7 @@ class AutoPlanner:
         figures = self._figures[1]
         critical = self._critical
         return {"format": _RECORD_FORMAT, "key": plan.key(),
+                "labels": {e.name: e.label for e in plan.entries},
                 "gradients": json.loads(json.dumps(self._plan[1])),
                 "num_workers": figures.num_workers,
                 "candidates": [c.label for c in planner.ALL],
@@ -194,16 +208,18 @@ class AutoPlanner:
                 "critical": critical if critical == "all" else sorted(critical),
                 "norms": {str(k): v for k, v in self._norms.items()},
                 "low_rank": {name: [sq, {str(r): e for r, e in rel.items()}]
-                             for name, (sq, rel) in self._low_rank.items()}}
+                             for name, (sq, rel) in self._low_rank.items()},
+                "steps": [[key, comm, step] for key, (comm, step) in sorted(self._steps.items())]}
 
     def restored(self, record: dict):
         """A checkpoint's record (``PlanRecord``): the next plan is made from it."""
         self._saved = record
 
     def _restored_figures(self, gradients):
-        """The restored record's figures for these gradients, when every worker
-        restored the same ones; else None (then all measure). Takes the record. Every
-        worker calls it at the same point: it all-gathers a checksum."""
+        """The restored record's figures for these gradients and its plan's labels by
+        name, when every worker restored the same ones; else (None, None) (then all
+        measure). Takes the record. Every worker calls it at the same point: it
+        all-gathers a checksum."""
         record, self._saved = self._saved, None
         auto = self._ops.compressor
         usable = (record is not None
@@ -216,14 +232,15 @@ class AutoPlanner:
         if usable:
             figures_json = json.dumps({k: record.get(k) for k in
                                        ("link_us", "encode_us", "decode_us", "critical",
-                                        "norms", "low_rank")}, sort_keys=True)
+                                        "norms", "low_rank", "steps", "labels")},
+                                      sort_keys=True)
             word = zlib.crc32(figures_json.encode()) & 0x7FFFFFFF or 1
         words = self._ops.gather_words([word])[:, 0]
         if not usable or len(set(words.tolist())) > 1:
             if record is not None:
                 logging.info("tfgc: compressor='auto': the checkpoint's plan is not for "
                              "these gradients, this cluster or every worker; measuring")
-            return None
+            return None, None
         figures = planner.Figures(
             record["num_workers"], tuple(record["link_us"]),
             {label: tuple(us) for label, us in record["encode_us"].items()},
@@ -235,9 +252,10 @@ class AutoPlanner:
             self._norms = {int(k): v for k, v in record["norms"].items()}
             self._low_rank = {name: (sq, {int(r): e for r, e in rel.items()})
                               for name, (sq, rel) in record.get("low_rank", {}).items()}
+            self._steps = {key: (comm, step) for key, comm, step in record.get("steps", [])}
         logging.info("tfgc: compressor='auto': the plan's figures restored from the "
                      "checkpoint (%s)", figures.describe())
-        return figures
+        return figures, record.get("labels")
 
     def _planned(self, gradients, figures, only=None):
         critical = self._critical
@@ -247,8 +265,15 @@ class AutoPlanner:
         low_rank = None
         if auto.low_rank and self._low_rank:
             low_rank = planner.LowRank(auto.low_rank, dict(self._low_rank))
+        pace = planner.pace_from(list(self._steps.values()), auto.low_rank_steps)
         return planner.make_plan(gradients, figures, auto.error, critical=critical,
-                                 low_rank=low_rank, only=only)
+                                 low_rank=low_rank, only=only, pace=pace)
+
+    def _timed(self, plan, step_s):
+        """Keeps worker 0's measured step (``step_s`` from its words, NaN: none) for the
+        current plan, with the communication it predicts."""
+        if plan is not None and math.isfinite(step_s) and step_s > 0:
+            self._steps[plan.key()] = (plan.step_seconds(), step_s)
 
     def _check_agree(self, plan):
         """Stops with a message if any worker derived another plan (a bug, or workers
@@ -399,10 +424,11 @@ class AutoPlanner:
             gradients, figures = self._plan[1], self._figures[1]
             self._adopt(gradients, figures, self._planned(gradients, figures))
 
-    def adapt(self, threshold: float, min_gain_s: float = 0.0) -> frozenset:
+    def adapt(self, threshold: float, min_gain_s: float = 0.0, step_s=None) -> frozenset:
         """See ``CompressedAllReduce.adapt``."""
         check_number("threshold", threshold, 0, strict=True)
         check_number("min_gain_s", min_gain_s, 0)
+        _check_step(step_s)
         current = self.plan
         if self._sums is None:
             raise ValueError("adapt() needs track_regimes() and a step under "
@@ -417,29 +443,35 @@ class AutoPlanner:
                      for j in range(len(gradients))]
             for total in self._sums.values():
                 total.assign(tf.zeros_like(total))
-        # Worker 0's norms and least gain (as the bits of float32 words), so every worker
-        # decides alike.
-        bits = np.asarray(norms + [min_gain_s], np.float32).view(np.int32)
+        # Worker 0's norms, least gain and step (as the bits of float32 words), so every
+        # worker decides alike.
+        step = float("nan") if step_s is None else step_s
+        bits = np.asarray(norms + [min_gain_s, step], np.float32).view(np.int32)
         first = self._ops.gather_words(bits)[0].astype(np.int32).view(np.float32)
-        min_gain_s = float(first[-1])
-        now = {j: float(v) for j, v in enumerate(first[:-1])}
+        min_gain_s = float(first[-2])
+        self._timed(current, float(first[-1]))
+        now = {j: float(v) for j, v in enumerate(first[:-2])}
         critical = frozenset(gradients[j][0] for j in
                              planner.critical_layers(self._norms, now, threshold))
         self._norms = now
-        changed = critical != self._critical
         self._critical = critical
         if self._ops.compressor.low_rank:
-            changed = self._measured(gradients) or changed
-        if changed:
-            self._plan_again(gradients, current, min_gain_s)
+            self._measured(gradients)
+        # Planned again every time: the regimes, the low-rank errors or the steps timed
+        # (the pace) may have moved, and a new plan is taken only where it pays.
+        self._plan_again(gradients, current, min_gain_s)
         return critical
 
-    def measure_low_rank(self) -> bool:
+    def measure_low_rank(self, step_s=None) -> bool:
         """See ``CompressedAllReduce.measure_low_rank``."""
+        _check_step(step_s)
         current = self.plan
         if self._sums is None or current is None or not self._ops.compressor.low_rank:
             return False
         gradients = self._plan[1]
+        step = np.asarray([float("nan") if step_s is None else step_s], np.float32)
+        self._timed(current, float(self._ops.gather_words(step.view(np.int32))[0]
+                                   .astype(np.int32).view(np.float32)[0]))
         if not self._measured(gradients):
             return False
         return self._plan_again(gradients, current)
@@ -465,7 +497,7 @@ class AutoPlanner:
         differs, unless the current one still keeps within the regimes and budgets and
         the new one is predicted to save less than ``min_gain_s`` a step: a change
         retraces the train function, which costs seconds, and a new rank that saves a
-        tenth of a millisecond never pays that back within an interval."""
+        tenth of a millisecond does not pay that back."""
         figures = self._figures[1]
         plan = self._planned(gradients, figures)
         if plan.key() != current.key():
@@ -478,8 +510,8 @@ class AutoPlanner:
                 return True
             logging.info("tfgc: compressor='auto' keeps its plan: the new one would save "
                          "%.3f ms a step, less than a change costs (%.3f ms a step over "
-                         "the interval)", (kept.step_seconds() - plan.step_seconds()) * 1e3,
-                         min_gain_s * 1e3)
+                         "the steps it would run)",
+                         (kept.paced_seconds() - plan.paced_seconds()) * 1e3, min_gain_s * 1e3)
             plan = kept
         self._plan = (self._plan[0], gradients, plan)
         return False
@@ -493,3 +525,10 @@ class AutoPlanner:
     def figures(self):
         """The current figures (``planner.Figures``), or None before the first plan."""
         return None if self._figures is None else self._figures[1]
+
+
+def _check_step(step_s):
+    if step_s is not None:
+        check_number("step_s", step_s, 0, strict=True, also=" or None")
+        if not math.isfinite(step_s):
+            raise ValueError(f"`step_s` must be finite, got {step_s!r}")

@@ -59,6 +59,16 @@ low-rank, and in a critical regime only at twice that rank or more. A plan that
 keeps a gradient low-rank at another rank keeps its residual (the state's migration
 carries fields of the same shape); one that moves it off low rank adds the residual
 to its next gradient (``CompressionState.carried``), so nothing it held is lost.
+
+The steps a plan costs (``Pace``): a lossier plan needs more steps to reach the same
+accuracy, so a step it makes shorter is not by itself time saved. Once steps have been
+timed under a plan (``AutoPlanCallback`` passes the current plan's median step), the
+planner fits each plan's measured step against the communication it predicted
+(``pace_from``: compute, plus a scale of the prediction), and weighs a plan's low-rank
+error at ``Auto.low_rank_steps`` more steps for a whole low-rank budget: a plan is
+then chosen for its step times the steps it needs, so low rank is taken where it saves
+more than its extra steps cost (a slow link), and not where compute is most of the
+step (a fast one).
 """
 
 import dataclasses
@@ -520,6 +530,69 @@ class LowRank:
                                                              tf.float32))
 
 
+# -- the plan's step, as training feels it ------------------------------------------
+
+# Each plan that ran: (its predicted communication, its measured step) in seconds. A line
+# through two or more of them needs their predictions this far apart, as a share of the
+# steps' mean, before its slope is trusted over the noise of a median step; and the
+# slope is kept within these bounds.
+PACE_SPREAD = 0.05
+PACE_SCALE = (0.05, 2.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pace:
+    """What a step of training costs under a plan, from the steps that ran
+    (``pace_from``): ``compute_s`` seconds the plan does not change, plus ``scale``
+    measured seconds per second of communication the plan predicts; and what a plan's
+    low-rank error costs in steps: PowerSGD at the budget's rank on every measured
+    matrix (a whole low-rank budget) needs ``low_rank_steps`` more of them, as a share,
+    to reach the same accuracy (``Auto.low_rank_steps``), and a plan that uses a share
+    u of the budget u times as many.
+
+    ``seconds`` is then a plan's time to a given accuracy, per step of a plan that
+    loses nothing: the planner minimises it (``make_plan``), so a low-rank plan must
+    save more time a step than the steps it adds cost.
+    """
+
+    compute_s: float
+    scale: float = 1.0
+    low_rank_steps: float = 0.0
+
+    def seconds(self, comm_s: float, low_rank_share: float) -> float:
+        return ((self.compute_s + self.scale * comm_s)
+                * (1.0 + self.low_rank_steps * low_rank_share))
+
+
+def pace_from(points: Sequence[Tuple[float, float]], low_rank_steps: float) -> Optional[Pace]:
+    """The ``Pace`` of the plans that ran: ``points`` of (predicted communication,
+    measured median step), seconds, one per plan. One plan (or predictions too close
+    to tell apart): the prediction is taken as it is (scale 1), unless the step is
+    shorter than it, and the rest of the step is compute. Plans whose predictions
+    differ: the least-squares line through them, its slope within ``PACE_SCALE`` and
+    its compute at least 0. None without points."""
+    points = [(float(c), float(t)) for c, t in points
+              if math.isfinite(c) and math.isfinite(t) and c >= 0 and t > 0]
+    if not points:
+        return None
+    comm = np.array([c for c, _ in points])
+    step = np.array([t for _, t in points])
+    scale = 1.0
+    if len(points) > 1 and np.ptp(comm) > PACE_SPREAD * step.mean():
+        scale = float(np.sum((comm - comm.mean()) * (step - step.mean()))
+                      / np.sum((comm - comm.mean()) ** 2))
+    elif comm.mean() > step.mean():
+        scale = float(step.mean() / comm.mean())
+    scale = min(max(scale, PACE_SCALE[0]), PACE_SCALE[1])
+    compute = float(step.mean() - scale * comm.mean())
+    if compute < 0.0:
+        # The line passes below the origin: communication alone, through the points.
+        compute = 0.0
+        scale = min(max(float(np.sum(comm * step) / max(np.sum(comm * comm), 1e-30)),
+                        PACE_SCALE[0]), PACE_SCALE[1])
+    return Pace(compute, scale, float(low_rank_steps))
+
+
 # -- choosing -----------------------------------------------------------------------
 
 def cpu_seconds(figures: Figures, candidate: Candidate, path: str, n: int) -> float:
@@ -588,6 +661,13 @@ class Plan:
     # error the plan's low-rank gradients use of it.
     low_rank_budget: float = 0.0
     low_rank_error: float = 0.0
+    # How the steps that ran weigh the plan (``Pace``; None: by its predicted step alone).
+    pace: Optional[Pace] = None
+
+    @property
+    def low_rank_share(self) -> float:
+        """The share of the low-rank budget the plan's low-rank gradients use."""
+        return self.low_rank_error / self.low_rank_budget if self.low_rank_budget else 0.0
 
     @property
     def mean_error(self) -> float:
@@ -625,6 +705,13 @@ class Plan:
         p = self.predicted()
         return p["cpu_s"] + p["wire_s"] + p["latency_s"]
 
+    def paced_seconds(self) -> float:
+        """What the planner minimises: the step's seconds weighed by the steps its
+        low-rank error adds (``Pace.seconds``), or, without a pace, ``step_seconds``."""
+        if self.pace is None:
+            return self.step_seconds()
+        return self.pace.seconds(self.step_seconds(), self.low_rank_share)
+
     def as_dicts(self) -> List[dict]:
         return [dataclasses.asdict(e) for e in self.entries]
 
@@ -647,6 +734,12 @@ class Plan:
         tail = (f"predicted per step: cpu {p['cpu_s'] * 1e3:.1f} ms + wire "
                 f"{p['wire_s'] * 1e3:.1f} ms + latency {p['latency_s'] * 1e3:.1f} ms; "
                 f"all float32: wire {p['fp32_wire_s'] * 1e3:.1f} ms")
+        if self.pace is not None:
+            pace = self.pace
+            tail += (f"\nweighed by the steps that ran: compute {pace.compute_s * 1e3:.1f} ms "
+                     f"+ {pace.scale:.2f} x the predicted communication, "
+                     f"{pace.low_rank_steps * self.low_rank_share:.1%} more steps for its "
+                     f"low-rank error: {self.paced_seconds() * 1e3:.1f} ms a step")
         return "\n".join([head] + lines + [tail])
 
 
@@ -745,6 +838,14 @@ def _knapsack(options, budget):
     return choice[::-1]
 
 
+def _step_seconds(choice, link, num_workers) -> float:
+    """A choice's predicted seconds per step, as ``Plan.step_seconds`` counts them: each
+    option's CPU and wire time, and the latency of each compressed group's path."""
+    used = {o["candidate"].label: o["path"] for o in choice if o["candidate"].spec is not None}
+    return (sum(o["cpu"] + o["wire"] for o in choice)
+            + sum(link.latency(path, num_workers) for path in used.values()))
+
+
 def _consolidate(choice, options, budget, link, num_workers):
     """Merges a candidate's group into another where the latency of its own collectives
     costs more than the group saves: the per-gradient choice does not see that a
@@ -787,14 +888,16 @@ def change_pays(kept: Optional[Plan], new: Plan, min_gain_s: float) -> bool:
     """Whether to take ``new`` over the current plan, ``kept`` (the current choice priced
     anew by ``make_plan(..., only=...)``; None where the regimes or budgets now rule it
     out): it must save at least ``min_gain_s`` seconds a step, what changing costs
-    spread over the steps the new plan would run."""
-    return kept is None or kept.step_seconds() - new.step_seconds() >= min_gain_s
+    spread over the steps the new plan would run. Plans are compared as the planner
+    chose them: by ``Plan.paced_seconds``."""
+    return kept is None or kept.paced_seconds() - new.paced_seconds() >= min_gain_s
 
 
 def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figures,
               error_budget: float, critical=(), critical_bound: float = 2.0 ** -16,
               low_rank: Optional[LowRank] = None,
-              only: Optional[Dict[str, str]] = None) -> Optional[Plan]:
+              only: Optional[Dict[str, str]] = None,
+              pace: Optional[Pace] = None) -> Optional[Plan]:
     """The plan for ``gradients`` (name, static shape, dtype name), in their order.
 
     Every candidate's cost and error for every gradient, then the Lagrangian choice
@@ -811,6 +914,12 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
     gradient as ``only`` says, under these figures, regimes and budgets, or None where
     one of them rules that choice out (``AutoPlanner`` weighs keeping its plan
     against a new one).
+
+    With ``pace`` (from the steps that ran), the low-rank error also costs steps: of
+    the choices at a few prices of the low-rank budget, from the least that keeps
+    within it to one that sends nothing low-rank, the plan is the one with the least
+    ``Pace.seconds``. The prices are the least one plus the steps a whole budget adds
+    (``Pace.low_rank_steps`` of a step) times 1/4 to 4.
     """
     w = figures.num_workers
     link = figures.link()
@@ -887,7 +996,8 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
     def used(solved):
         return sum(o["lr"] for o in solved[2])
 
-    solved = solve(0.0)
+    price = 0.0
+    solved = solve(price)
     if used(solved) > 1.0 + 1e-9:
         # The price of a whole budget: from the step's seconds up, until the choice
         # fits (at a price high enough, only options that lose nothing remain).
@@ -903,7 +1013,17 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
                 hi = mid
             else:
                 lo = mid
-        solved = solve(hi)
+        price = hi
+        solved = solve(price)
+    if pace is not None and pace.low_rank_steps > 0 and only is None and used(solved) > 0:
+        def paced(solved):
+            return pace.seconds(_step_seconds(solved[2], link, w), used(solved))
+
+        # A whole budget's steps, in the predicted seconds the options are priced in.
+        unit = pace.low_rank_steps * paced(solved) / pace.scale
+        tries = [solved] + [solve(price + unit * f) for f in (0.25, 0.5, 1.0, 2.0, 4.0)]
+        tries.append(solve(price + unit * 1e6))  # nothing low-rank that loses anything
+        solved = min(tries, key=lambda t: (paced(t), used(t)))
     lam, budgeted, choice, fastest = solved
     entries = []
     for (name, shape, dtype, _), o, before, quick in zip(options, choice, budgeted, fastest):
@@ -921,4 +1041,4 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
                              reason=reason, critical=name in critical))
     return Plan(tuple(entries), error_budget, w, link, figures, lam,
                 low_rank_budget=lr_budget,
-                low_rank_error=sum(o["lr"] for o in choice) * lr_budget)
+                low_rank_error=sum(o["lr"] for o in choice) * lr_budget, pace=pace)

@@ -272,16 +272,20 @@ class AutoPlanCallback(keras.callbacks.Callback):
       only once the time since the last one is long enough for it to cost at most
       ``link_share`` of training (worker 0's clock decides for all).
 
-    With regimes on, it also measures each matrix's low-rank error after the first step
-    and at every interval's end (``Auto.low_rank``: the low-rank candidates' budget),
-    so that low rank can be planned from the second step on (at twice the budget's rank
-    while critical).
+    With regimes on, it also measures each matrix's low-rank error once the first plan's
+    steps have been timed (``LOW_RANK_AFTER`` steps after the first) and at every
+    interval's end (``Auto.low_rank``: the low-rank candidates' budget), so that low
+    rank can be planned from the fourth step on (at twice the budget's rank while
+    critical). Each time it passes the current plan's measured step (the median of its
+    steps, the least of them while fewer than three), from which the planner weighs
+    the steps a low-rank plan adds against the time it saves (``Auto.low_rank_steps``).
 
     A new plan takes effect at the next step (a new train function, as a compressor
     switch). That step's retrace costs seconds, so the callback times it (the step's
     duration beyond the median of the others, ``change_s``) and, at later intervals'
-    ends, asks a new plan to save at least that much over the next interval before it
-    is taken (``min_gain_s`` of ``CompressedAllReduce.adapt``). What the callback's own
+    ends, asks a new plan to save at least that much over the rest of the fit (or over
+    an interval, where the fit's length is unknown) before it is taken (``min_gain_s``
+    of ``CompressedAllReduce.adapt``). What the callback's own
     work took is in ``measure_s`` (the low-rank timings) and ``costs`` (per interval's
     end). Adds ``auto_critical`` (how many gradients are critical) and
     ``auto_replanned`` (1 if the link changed the plan) to the epoch's logs. Every
@@ -301,6 +305,9 @@ class AutoPlanCallback(keras.callbacks.Callback):
         most of training. ACCORDION's paper tests every 10 epochs of 300 or so; a short
         interval sums fewer gradients, so its norms move more from one to the next.
     """
+
+    # Ordinary steps of the first plan timed before the low-rank errors are first measured.
+    LOW_RANK_AFTER = 2
 
     def __init__(self, strategy, threshold=0.5, link_margin=0.25, every_epochs: int = 1,
                  every_steps=None, link_share: float = 0.02):
@@ -330,10 +337,13 @@ class AutoPlanCallback(keras.callbacks.Callback):
         self._every = every_epochs
         self._every_steps = every_steps
         self._steps = 0
+        self._fit_steps = 0  # steps of the current fit
         self._epoch = 0
         self._measured = False
         # Recent steps' seconds, and what the last change of plan cost (``_time_step``).
         self._durations = collections.deque(maxlen=64)
+        # The last ordinary steps' seconds since the plan changed.
+        self._plan_steps = collections.deque(maxlen=256)
         self._began = None
         self.change_s = 0.0
         self._restart_timing(None)
@@ -352,9 +362,11 @@ class AutoPlanCallback(keras.callbacks.Callback):
         self._traced = False
         self._after_change = False
         self._change_step = None
+        self._plan_steps = collections.deque(maxlen=256)
 
     def on_train_begin(self, logs=None):
         self._measured = False
+        self._fit_steps = 0
         self._restart_timing(self._strategy.cross_device_ops.generation)
         if self._threshold is not None:
             self._strategy.cross_device_ops.track_regimes()
@@ -378,14 +390,16 @@ class AutoPlanCallback(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self._time_step()
-        if not self._measured and self._threshold is not None:
-            # The low-rank candidates' first measurement: after the first step rather
-            # than at the first interval's end (a no-op without them).
+        if not self._measured and self._threshold is not None \
+                and len(self._plan_steps) >= self.LOW_RANK_AFTER:
+            # The low-rank candidates' first measurement: once the first plan's steps are
+            # timed rather than at the first interval's end (a no-op without them).
             self._measured = True
             began = time.perf_counter()
-            self._strategy.cross_device_ops.measure_low_rank()
+            self._strategy.cross_device_ops.measure_low_rank(step_s=self._plan_step_s())
             self.measure_s = time.perf_counter() - began
         self._steps += 1
+        self._fit_steps += 1
         if self._every_steps is not None and self._steps % self._every_steps == 0:
             self._end_interval(self._epoch, logs)
         self._note_change()
@@ -402,6 +416,7 @@ class AutoPlanCallback(keras.callbacks.Callback):
             self._after_change, self._change_step = False, seconds
         elif self._traced:
             self._durations.append(seconds)
+            self._plan_steps.append(seconds)
         self._traced = True  # a fit's first step traces: not an ordinary one
         if self._change_step is not None and self._durations:
             self.change_s = max(self._change_step - float(np.median(self._durations)), 0.0)
@@ -412,11 +427,31 @@ class AutoPlanCallback(keras.callbacks.Callback):
         if generation != self._generation:
             self._generation = generation
             self._after_change = True
+            self._plan_steps = collections.deque(maxlen=256)
+
+    def _plan_step_s(self):
+        """The current plan's step: the median of its ordinary steps, the least of them
+        while fewer than three (one slow step among two would be half the median), or
+        None before any."""
+        steps = self._plan_steps
+        if not steps:
+            return None
+        return float(np.median(steps)) if len(steps) >= 3 else float(min(steps))
 
     def _interval_steps(self):
         if self._every_steps is not None:
             return self._every_steps
         return max(1, ((self.params or {}).get("steps") or 1) * self._every)
+
+    def _payback_steps(self):
+        """The steps over which a change of plan must pay for itself: what is left of the
+        fit (Keras' ``epochs`` times ``steps``), or an interval where that is unknown or
+        shorter."""
+        params = self.params or {}
+        left = 0
+        if params.get("steps") and params.get("epochs"):
+            left = params["steps"] * params["epochs"] - self._fit_steps
+        return max(self._interval_steps(), left)
 
     def on_epoch_end(self, epoch, logs=None):
         if self._every_steps is None and (epoch + 1) % self._every == 0:
@@ -430,7 +465,8 @@ class AutoPlanCallback(keras.callbacks.Callback):
         began = time.perf_counter()
         if self._threshold is not None:
             critical = cdo.adapt(self._threshold,
-                                 min_gain_s=self.change_s / self._interval_steps())
+                                 min_gain_s=self.change_s / self._payback_steps(),
+                                 step_s=self._plan_step_s())
         adapted = time.perf_counter()
         due = self._margin is not None and (
             self._probed_at is None
