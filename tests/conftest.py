@@ -6,6 +6,12 @@ import pytest
 
 from tfgc.ops import _loader
 
+# Every process of the suite (its workers inherit this) times auto's candidates afresh,
+# as a first job on a machine does: timings an earlier run kept on disk
+# (``planner.CPU_CACHE_ENV``) must not decide a test's plan. The cache's own test turns
+# it on, in a directory of its own.
+os.environ.setdefault("TFGC_AUTO_CPU_CACHE", "0")
+
 
 @pytest.fixture(params=["custom", "reference"])
 def mode(request, monkeypatch):

@@ -585,6 +585,63 @@ def test_low_rank_timings_of_two_ranks_and_sizes_give_every_rank_and_size(monkey
     assert planner._low_rank_words(3) == words and not timed  # kept for the process
 
 
+def test_cpu_timings_are_kept_on_disk_for_the_next_job_on_this_machine(monkeypatch, tmp_path):
+    # Stand-in codecs whose seconds grow with the elements; a new process is a cleared
+    # ``_CPU_WORDS``.
+    timed = []
+
+    def seconds(candidate, n, num_workers, shape=None):
+        timed.append((candidate.label, n))
+        return 1e-4 + 2e-9 * n, 2e-4 + 1e-9 * n
+
+    monkeypatch.setattr(planner, "_cpu_seconds", seconds)
+    monkeypatch.setenv("TFGC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(planner.CPU_CACHE_ENV, "1")
+
+    def new_process():
+        monkeypatch.setattr(planner, "_CPU_WORDS", {})
+        timed.clear()
+
+    new_process()
+    first = planner._cpu_words(planner.CANDIDATES[1:], 4)
+    assert len(timed) == len(planner.CANDIDATES[1:]) * len(planner.CPU_SIZES)
+    assert planner.cpu_cache_path() == str(tmp_path / "auto" / "cpu.json")
+    low_rank = planner._low_rank_words(4)
+    # The next job: the same words, nothing timed, for both kinds.
+    new_process()
+    assert planner._cpu_words(planner.CANDIDATES[1:], 4) == first
+    assert planner._low_rank_words(4) == low_rank
+    assert not timed
+    # Another cluster size, other candidates or another tfgc: timed.
+    for change in (lambda: planner._cpu_words(planner.CANDIDATES[1:], 3),
+                   lambda: planner._cpu_words(planner.CANDIDATES[1:3], 4)):
+        new_process()
+        change()
+        assert timed
+    new_process()
+    monkeypatch.setattr(tfgc, "__version__", tfgc.__version__ + ".dev")
+    planner._cpu_words(planner.CANDIDATES[1:], 4)
+    assert timed
+    monkeypatch.undo()
+    monkeypatch.setattr(planner, "_cpu_seconds", seconds)
+    monkeypatch.setenv("TFGC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(planner.CPU_CACHE_ENV, "1")
+    # A damaged file, or a damaged entry, is timed again and written anew.
+    for damage in ("{not json", json.dumps({planner._disk_key(
+            (4, tuple(c.label for c in planner.CANDIDATES[1:]))): [1, 2, "x"]})):
+        (tmp_path / "auto" / "cpu.json").write_text(damage)
+        new_process()
+        assert planner._cpu_words(planner.CANDIDATES[1:], 4) == first and timed
+        new_process()
+        assert planner._cpu_words(planner.CANDIDATES[1:], 4) == first and not timed
+    # Turned off: nothing read (timed again) and nothing written.
+    monkeypatch.setenv(planner.CPU_CACHE_ENV, "0")
+    (tmp_path / "auto" / "cpu.json").unlink()
+    new_process()
+    planner._cpu_words(planner.CANDIDATES[1:], 4)
+    assert timed and not (tmp_path / "auto" / "cpu.json").exists()
+
+
 def test_a_rank_change_keeps_the_residual_and_draws_a_new_query():
     # What auto relies on when a plan moves a gradient to another rank: the state's
     # migration carries the residual (same shape) and starts the query afresh. After

@@ -72,19 +72,25 @@ step (a fast one).
 """
 
 import dataclasses
+import json
 import math
+import os
+import platform
+import tempfile
 import time
 import zlib
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
+from absl import logging
 
 from tfgc.compressors import CompressContext, get as get_compressor
 from tfgc.distribute import costmodel
 from tfgc.distribute.costmodel import ring_sent
 from tfgc.distribute.paths import auto as auto_paths
 from tfgc.distribute.paths import guard
+from tfgc.ops import build as ops_build
 
 # Bytes of the float32 vectors the link probe all-reduces, and elements of the vectors
 # each candidate encodes and decodes: a line through three sizes, from a few kilobytes
@@ -227,18 +233,103 @@ def _cpu_seconds(candidate: Candidate, n: int, num_workers: int,
 # when a new plan is made (another compressor, another model), so only the first plan
 # pays for them.
 _CPU_WORDS: Dict[Tuple[int, Tuple[str, ...]], List[int]] = {}
+# They are kept on disk as well (``cpu_cache_path``), by machine, TensorFlow, tfgc and
+# timing setup, so a later job on the same machine skips them: with 4 workers on 2 cores
+# they were 3-9 s of the first step. "0" in this variable neither reads nor writes it.
+CPU_CACHE_ENV = "TFGC_AUTO_CPU_CACHE"
+
+
+def cpu_cache_path() -> str:
+    """Where the CPU timings are kept: ``auto/cpu.json`` under tfgc's cache root
+    (``$TFGC_CACHE_DIR``, else ``$XDG_CACHE_HOME/tfgc``, else ``~/.cache/tfgc``)."""
+    return os.path.join(ops_build.cache_root(), "auto", "cpu.json")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _disk_key(key) -> str:
+    """What a timing depends on beyond this process: the machine, the software, how it
+    was timed, the candidates, the cluster size and the threads TensorFlow runs."""
+    import tfgc  # pylint: disable=import-outside-toplevel
+    threading_ = tf.config.threading
+    return json.dumps([tfgc.__version__, tf.__version__, platform.machine(), _cpu_model(),
+                       os.cpu_count(), threading_.get_intra_op_parallelism_threads(),
+                       threading_.get_inter_op_parallelism_threads(), COPIES,
+                       LOW_RANK_COPIES, CPU_SIZES, REPEATS, LOW_RANK_TIMED,
+                       [c.spec for c in ALL], key[0], list(key[1])])
+
+
+def _read_cpu_cache() -> dict:
+    try:
+        with open(cpu_cache_path()) as f:
+            cache = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return cache if isinstance(cache, dict) else {}
+
+
+def _cached_words(key, length: int, measure) -> List[int]:
+    """``_CPU_WORDS[key]``: this process's, else the disk's (``length`` words), else
+    ``measure()``'s, which are then kept in both."""
+    if key in _CPU_WORDS:
+        return _CPU_WORDS[key]
+    use_disk = os.environ.get(CPU_CACHE_ENV, "1").strip() != "0"
+    disk_key = _disk_key(key) if use_disk else None
+    words = _read_cpu_cache().get(disk_key) if use_disk else None
+    if isinstance(words, list) and len(words) == length and all(
+            isinstance(w, int) and not isinstance(w, bool) and 0 <= w < 2 ** 31 for w in words):
+        logging.info("tfgc: compressor='auto': CPU timings of %s from %s", ", ".join(key[1]),
+                     cpu_cache_path())
+    else:
+        words = measure()
+        if use_disk:
+            _write_cpu_cache(disk_key, words)
+    _CPU_WORDS[key] = words
+    return words
+
+
+def _write_cpu_cache(disk_key: str, words: List[int]):
+    """Adds an entry to the disk's timings (atomically: a reader never sees half a file;
+    another process's write in between may lose its entry, which it measures again)."""
+    path = cpu_cache_path()
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        cache = _read_cpu_cache()
+        cache[disk_key] = list(words)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".cpu.", suffix=".json")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(cache, f)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+    except OSError as exc:
+        logging.warning("tfgc: compressor='auto' could not keep its CPU timings in %s: %s",
+                        path, exc)
 
 
 def _cpu_words(candidates, num_workers: int) -> List[int]:
     key = (num_workers, tuple(c.label for c in candidates))
-    if key not in _CPU_WORDS:
+
+    def measure():
         words = []
         for candidate in candidates:
             for size in CPU_SIZES:
                 words.extend(_microseconds(s) for s in _cpu_seconds(candidate, size,
                                                                     num_workers))
-        _CPU_WORDS[key] = words
-    return _CPU_WORDS[key]
+        return words
+
+    return _cached_words(key, 2 * len(CPU_SIZES) * len(candidates), measure)
 
 
 def _low_rank_words(num_workers: int) -> List[int]:
@@ -246,7 +337,8 @@ def _low_rank_words(num_workers: int) -> List[int]:
     them out, from the codecs of ``LOW_RANK_TIMED`` alone: each size's time on the line
     through the two timed sizes, each rank's on the line through the two timed ranks."""
     key = (num_workers, ("low rank",))
-    if key not in _CPU_WORDS:
+
+    def measure():
         ranks, sizes = LOW_RANK_TIMED
         timed = {(r, n): _cpu_seconds(BY_LABEL[f"psgd{r}"], n, num_workers)
                  for r in ranks for n in sizes}
@@ -259,9 +351,10 @@ def _low_rank_words(num_workers: int) -> List[int]:
                   for r in ranks]
             return between(rank, *ranks, *at)
 
-        _CPU_WORDS[key] = [_microseconds(seconds(c.rank, n, k))
-                           for c in LOW_RANK for n in CPU_SIZES for k in (0, 1)]
-    return _CPU_WORDS[key]
+        return [_microseconds(seconds(c.rank, n, k))
+                for c in LOW_RANK for n in CPU_SIZES for k in (0, 1)]
+
+    return _cached_words(key, 2 * len(CPU_SIZES) * len(LOW_RANK), measure)
 
 
 def measure(cross_device_ops, link_gbps: float, latency_ms: float) -> "Figures":
