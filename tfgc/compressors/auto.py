@@ -56,7 +56,7 @@ class Auto(Compressor):
         in its paper.
       low_rank_steps: the extra steps, as a share, that training needs to reach the
         same accuracy with every measured matrix low-rank at ``low_rank`` (a whole
-        low-rank budget; part of the budget, that part of them). Once steps have been
+        low-rank budget; a plan using a share u of it, u times that). Once steps have been
         timed (``tfgc.keras.AutoPlanCallback``), a plan sends gradients low-rank only
         where the time it saves a step pays for the steps it adds. Default 0.3: on this
         project's time-to-accuracy runs (4 workers, momentum SGD), fixed PowerSGD at

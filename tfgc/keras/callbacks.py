@@ -431,8 +431,8 @@ class AutoPlanCallback(keras.callbacks.Callback):
 
     def _plan_step_s(self):
         """The current plan's step: the median of its ordinary steps, the least of them
-        while fewer than three (one slow step among two would be half the median), or
-        None before any."""
+        while fewer than three (the median of two is their mean, half of it a slow
+        one's), or None before any."""
         steps = self._plan_steps
         if not steps:
             return None
