@@ -33,6 +33,7 @@ import sys
 import time
 
 import _common
+from tfgc.ops.build import cpu_model  # noqa: E402  (standard library only)
 
 SWEEP = os.path.join(_common.REPO_ROOT, "tests", "cluster", "fit_sweep.py")
 
@@ -124,7 +125,7 @@ def main():
                        "sd_gap": statistics.stdev(gaps) if len(gaps) > 1 else 0.0,
                        "worst_gap": max(gaps), "margin": margin(gaps)}
     stored = {"workers": args.workers, "epochs": args.epochs, "env": base_env, "runs": runs,
-              "specs": specs, "gaps": table, "cpu": _cpu_name()}
+              "specs": specs, "gaps": table, "cpu": cpu_model()}
     _common.write_json(out_path, stored)
     report = render(stored)
     md_path = os.path.splitext(out_path)[0] + ".md"
@@ -166,17 +167,6 @@ def render(stored):
         lines.append(f"| {spec} | " + " | ".join(f"{r['accuracy'][spec]:.3f}" for r in runs)
                      + " |")
     return "\n".join(lines) + "\n"
-
-
-def _cpu_name():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 if __name__ == "__main__":

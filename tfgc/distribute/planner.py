@@ -245,24 +245,14 @@ def cpu_cache_path() -> str:
     return os.path.join(ops_build.cache_root(), "auto", "cpu.json")
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def _disk_key(key) -> str:
     """What a timing depends on beyond this process: the machine, the software, how it
     was timed, the candidates, the cluster size and the threads TensorFlow runs."""
     import tfgc  # pylint: disable=import-outside-toplevel
     threading_ = tf.config.threading
-    return json.dumps([tfgc.__version__, tf.__version__, platform.machine(), _cpu_model(),
-                       os.cpu_count(), threading_.get_intra_op_parallelism_threads(),
+    return json.dumps([tfgc.__version__, tf.__version__, platform.machine(),
+                       ops_build.cpu_model(), os.cpu_count(),
+                       threading_.get_intra_op_parallelism_threads(),
                        threading_.get_inter_op_parallelism_threads(), COPIES,
                        LOW_RANK_COPIES, CPU_SIZES, REPEATS, LOW_RANK_TIMED,
                        [c.spec for c in ALL], key[0], list(key[1])])

@@ -432,6 +432,20 @@ def build_library(src_root, out_path, obj_root, info, jobs=2, force=False,
 # Per-user cache
 
 
+def cpu_model():
+    """The CPU's model name (Linux's ``/proc/cpuinfo``), else what ``platform`` knows,
+    else "unknown"."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform  # pylint: disable=import-outside-toplevel
+    return platform.processor() or "unknown"
+
+
 def cache_root():
     """``$TFGC_CACHE_DIR``, else ``$XDG_CACHE_HOME/tfgc``, else ``~/.cache/tfgc``."""
     explicit = os.environ.get(CACHE_ENV_VAR, "").strip()
