@@ -35,7 +35,7 @@ import tensorflow as tf
 from absl import logging
 from tensorflow.python.trackable import base as trackable
 
-from tfgc.compressors.base import check_number
+from tfgc.compressors.base import check_number, check_positive_float
 from tfgc.distribute import planner
 from tfgc.distribute import state as state_lib
 from tfgc.distribute.paths import base
@@ -269,6 +269,11 @@ class AutoPlanner:
         return planner.make_plan(gradients, figures, auto.error, critical=critical,
                                  low_rank=low_rank, only=only, pace=pace)
 
+    def _first_floats(self, values):
+        """Worker 0's ``values`` (float32, sent as the bits of words), on every worker."""
+        bits = np.asarray(values, np.float32).view(np.int32)
+        return self._ops.gather_words(bits)[0].astype(np.int32).view(np.float32)
+
     def _timed(self, plan, step_s):
         """Keeps worker 0's measured step (``step_s`` from its words, NaN: none) for the
         current plan, with the communication it predicts."""
@@ -445,9 +450,7 @@ class AutoPlanner:
                 total.assign(tf.zeros_like(total))
         # Worker 0's norms, least gain and step (as the bits of float32 words), so every
         # worker decides alike.
-        step = float("nan") if step_s is None else step_s
-        bits = np.asarray(norms + [min_gain_s, step], np.float32).view(np.int32)
-        first = self._ops.gather_words(bits)[0].astype(np.int32).view(np.float32)
+        first = self._first_floats(norms + [min_gain_s, _or_nan(step_s)])
         min_gain_s = float(first[-2])
         self._timed(current, float(first[-1]))
         now = {j: float(v) for j, v in enumerate(first[:-2])}
@@ -469,9 +472,7 @@ class AutoPlanner:
         if self._sums is None or current is None or not self._ops.compressor.low_rank:
             return False
         gradients = self._plan[1]
-        step = np.asarray([float("nan") if step_s is None else step_s], np.float32)
-        self._timed(current, float(self._ops.gather_words(step.view(np.int32))[0]
-                                   .astype(np.int32).view(np.float32)[0]))
+        self._timed(current, float(self._first_floats([_or_nan(step_s)])[0]))
         if not self._measured(gradients):
             return False
         return self._plan_again(gradients, current)
@@ -529,6 +530,9 @@ class AutoPlanner:
 
 def _check_step(step_s):
     if step_s is not None:
-        check_number("step_s", step_s, 0, strict=True, also=" or None")
-        if not math.isfinite(step_s):
-            raise ValueError(f"`step_s` must be finite, got {step_s!r}")
+        check_positive_float("step_s", step_s)
+
+
+def _or_nan(step_s):
+    """A measured step as a word carries it: NaN for none."""
+    return float("nan") if step_s is None else step_s

@@ -54,11 +54,12 @@ gradient, so the end of an interval measures each matrix's error at every rank
 (``low_rank_errors``, on the last step's gradient plus its residual) and the plan may
 send a measured gradient low-rank within a second budget, L-GreCo's: the total error
 of PowerSGD at ``Auto.low_rank`` on every measured gradient (``LowRank``). Until a
-first measurement (after the first step, ``AutoPlanCallback``) no gradient goes
-low-rank, and in a critical regime only at twice that rank or more. A plan that
-keeps a gradient low-rank at another rank keeps its residual (the state's migration
-carries fields of the same shape); one that moves it off low rank adds the residual
-to its next gradient (``CompressionState.carried``), so nothing it held is lost.
+first measurement (once the first plan's steps are timed, ``AutoPlanCallback``) no
+gradient goes low-rank, and in a critical regime only at twice that rank or more. A
+plan that keeps a gradient low-rank at another rank keeps its residual (the state's
+migration carries fields of the same shape); one that moves it off low rank adds the
+residual to its next gradient (``CompressionState.carried``), so nothing it held is
+lost.
 
 The steps a plan costs (``Pace``): a lossier plan needs more steps to reach the same
 accuracy, so a step it makes shorter is not by itself time saved. Once steps have been
@@ -350,8 +351,8 @@ def _low_rank_words(num_workers: int) -> List[int]:
 def measure(cross_device_ops, link_gbps: float, latency_ms: float) -> "Figures":
     """This worker's figures, then the slowest worker's of each (the same everywhere).
 
-    The CPU timings are taken once per process (and cluster size) and kept; the link
-    is timed at every call. The low-rank candidates are left to ``measure_low_rank``:
+    The CPU timings are taken once per process (and cluster size) and kept, in the
+    process and on disk (``cpu_cache_path``); the link is timed at every call. The low-rank candidates are left to ``measure_low_rank``:
     they are planned only once training has measured their error, and their graphs
     are ten times a quantizer's (``LOW_RANK_TIMED``). Runs eagerly (under
     ``init_scope``); every worker must call it at the same point.
@@ -921,11 +922,12 @@ def _knapsack(options, budget):
     return choice[::-1]
 
 
-def _step_seconds(choice, link, num_workers) -> float:
+def _step_seconds(choice, link, num_workers, cost=lambda o: o["cpu"] + o["wire"]) -> float:
     """A choice's predicted seconds per step, as ``Plan.step_seconds`` counts them: each
-    option's CPU and wire time, and the latency of each compressed group's path."""
+    option's ``cost`` (its CPU and wire time), and the latency of each compressed group's
+    path."""
     used = {o["candidate"].label: o["path"] for o in choice if o["candidate"].spec is not None}
-    return (sum(o["cpu"] + o["wire"] for o in choice)
+    return (sum(cost(o) for o in choice)
             + sum(link.latency(path, num_workers) for path in used.values()))
 
 
@@ -937,10 +939,8 @@ def _consolidate(choice, options, budget, link, num_workers):
     add none. Moves a whole group at a time, the move that saves the most first."""
     choice = list(choice)
 
-    def step_time(c):
-        used = {o["candidate"].label: o["path"] for o in c if o["candidate"].spec is not None}
-        return (sum(_cost(o) for o in c)
-                + sum(link.latency(path, num_workers) for path in used.values()))
+    def step_time(c):  # the low-rank error's price included
+        return _step_seconds(c, link, num_workers, _cost)
 
     while True:
         now = step_time(choice)
