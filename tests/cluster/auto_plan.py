@@ -26,6 +26,10 @@
    and reduces zeros (after, for the quantizers, a step that a NaN on worker 1
    skips): writes the residuals before the switch and what the zeros brought, then
    switches plans once more (``moved.w<rank>.npz``).
+7. The same for explicit switches of compressor: one step under error feedback
+   (``SWITCHED_FROM``), then each of ``SWITCHED_TO`` (bf16 on tfgc's path; identity,
+   the stock all-reduce), a step that a NaN on worker 1 skips, a step of zeros, and a
+   switch back (``switched.w<rank>.npz``).
 """
 
 import json
@@ -107,6 +111,7 @@ def main():
     restart(strategy, rank, n, out_dir)
     low_rank(strategy, rank, n, out_dir)
     moved_off_low_rank(strategy, rank, out_dir)
+    switched_off_error_feedback(strategy, rank, out_dir)
 
 
 MOVED_TO = ["auto:link_gbps=0.001,error=0.00015,low_rank=0", "auto:link_gbps=1000,low_rank=0"]
@@ -252,6 +257,49 @@ def regimes(strategy, rank, num_workers, out_dir):
               callbacks=[Record(), auto, Norms()], name="regimes")
     with open(os.path.join(out_dir, f"regimes.w{rank}.json"), "w") as f:
         json.dump({"epochs": epochs, "history": auto.history}, f)
+
+
+SWITCHED_FROM = "ef+topk:ratio=0.01"
+SWITCHED_TO = ["bf16", "none"]
+
+
+def switched_off_error_feedback(strategy, rank, out_dir):
+    """Step 7 of the module docstring."""
+    import tensorflow as tf
+
+    import tfgc
+    from fixed_reduce import make_reduce
+
+    arrays = {}
+    zeros = [np.zeros(shape, np.float32) for shape in SHAPES]
+    for k, spec in enumerate(SWITCHED_TO):
+        strategy.compressor = SWITCHED_FROM
+        with strategy.scope():
+            variables = [tf.Variable(tf.zeros(shape)) for shape in SHAPES]
+        owner = tf.Module()
+        make_reduce(strategy, variables, owner)(gradients(rank, 0))
+        state = tfgc.distribute.state.get_state(owner)
+        for j, var in enumerate(variables):
+            slot = state.slot(var, 0) if state.has_slot(var) else {}
+            arrays[f"residual{k}_{j}"] = (slot["residual"].numpy() if "residual" in slot
+                                          else np.zeros(SHAPES[j], np.float32))
+        strategy.compressor = spec
+        reduce = make_reduce(strategy, variables, owner)
+        reduce([z + (np.nan if rank == 1 else 0.0) for z in zeros])
+        for j, var in enumerate(variables):
+            carried = state.carried(var, 0)
+            arrays[f"after_skip{k}_{j}"] = (np.zeros([0]) if carried is None
+                                            else carried.numpy())
+        for j, out in enumerate(reduce(zeros)):
+            arrays[f"out{k}_{j}"] = out
+            carried = state.carried(variables[j], 0)
+            arrays[f"carried{k}_{j}"] = (np.zeros([0]) if carried is None
+                                         else carried.numpy())
+        strategy.compressor = SWITCHED_FROM
+        make_reduce(strategy, variables, owner)(zeros)
+        arrays[f"kept_after{k}"] = np.array([state.carried(v, 0) is not None
+                                             for v in variables])
+    np.savez(os.path.join(out_dir, f"switched.w{rank}.npz"), **arrays)
 
 
 if __name__ == "__main__":

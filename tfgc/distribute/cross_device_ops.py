@@ -84,6 +84,40 @@ def check_compression_args(compressor, policy, communication, bucket_bytes,
     return compressor, policy
 
 
+def _take_carried(state, tensors, variables, mask, replica_id):
+    """The residuals that a switch of compressor took off error feedback
+    (``CompressionState.carried``), added to this step's compressed gradients.
+
+    Returns ``(tensors, the variables that held them)``; ``_let_go`` zeroes those once
+    the step commits, so what error feedback held back is sent once."""
+    carried = {i: state.carried(v, replica_id) for i, (v, m) in enumerate(zip(variables, mask))
+               if m and v is not None}
+    carried = {i: c for i, c in carried.items() if c is not None}
+    if not carried:
+        return tensors, []
+    return ([t + tf.cast(carried[i], t.dtype) if i in carried else t
+             for i, t in enumerate(tensors)], list(carried.values()))
+
+
+def _let_go(carried, reduced, ok):
+    """Zeroes ``carried`` (``_take_carried``) after ``reduced`` exists, if the step
+    committed: ``ok``, or where no path checked (None), every reduced gradient finite
+    (a sum over the workers: the same answer on every worker). A step skipped for a
+    non-finite gradient (a loss scale's overflow) keeps them for the next."""
+    if not carried:
+        return
+    with tf.control_dependencies(reduced):
+        if ok is None:
+            ok = tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(r))
+                                         for r in reduced if r.dtype.is_floating]))
+
+        def zero():
+            with tf.control_dependencies([v.assign(tf.zeros_like(v)) for v in carried]):
+                return tf.constant(True)
+
+        tf.cond(ok, zero, lambda: tf.constant(False))
+
+
 class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
     """Cross-device ops that compress gradients on their way through collectives.
 
@@ -480,17 +514,23 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         if not any(mask) or compressor.reduces_as_stock:
             # Nothing worth compressing (biases only, float64), or identity: the stock
             # strategy's own all-reduce, as it is.
-            reduced = super()._all_reduce(tf.distribute.ReduceOp.SUM, tensors, replica_id,
-                                          options) if tensors else []
-            for t in tensors:
-                wire.allreduce(paths.base.nbytes(t), dense=paths.base.nbytes(t))
-            ok = None
+            carried = []
             if any(mask):
                 # Identity keeps a state as any compressor does (a slot per kernel, the
                 # step counter, advanced once a step), so checkpoints and a switch to
                 # another compressor find what they expect.
                 state = self._state_for(ctx.owner, compressor, variables, mask)
                 with tf.device(device):
+                    tensors, carried = _take_carried(state, tensors, variables, mask,
+                                                     replica_id)
+            reduced = super()._all_reduce(tf.distribute.ReduceOp.SUM, tensors, replica_id,
+                                          options) if tensors else []
+            for t in tensors:
+                wire.allreduce(paths.base.nbytes(t), dense=paths.base.nbytes(t))
+            ok = None
+            if state is not None:
+                with tf.device(device):
+                    _let_go(carried, reduced, ok)
                     state.step(replica_id).assign_add(1)
         elif compressor.plans_per_tensor:
             reduced, ok, state, planned = self._planned_reduce(
@@ -502,6 +542,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             guard = self._generation_guard()
             with tf.device(device), \
                     tf.control_dependencies([guard] if guard is not None else []):
+                tensors, carried = _take_carried(state, tensors, variables, mask, replica_id)
                 step = paths.ReductionStep(
                     compressor=compressor, tensors=tensors, variables=variables, mask=mask,
                     state=state, step_var=state.step(replica_id), launcher=launcher,
@@ -527,6 +568,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                     reduced, ok = buckets.reduce(path, step, overlap)
                 if unfuse is not None:
                     reduced = unfuse(reduced)
+                _let_go(carried, reduced, ok)
         if compressor.applied_momentum and tensors:
             if state is None:
                 state = self._state_for(ctx.owner, compressor, variables, mask)

@@ -13,13 +13,13 @@ worker (each residual holds what that worker has not sent yet). So:
 * Within an owner, state is keyed by variable (``var_key``: the distributed
   variable's id, whichever component the optimizer hands over) and local replica. A step counter per replica counts the compressed reductions that were
   applied (steps with non-finite gradients do not count).
-* Switching compressor migrates the state: a field the new compressor also keeps
-  (a residual of the same shape) is carried over, so error feedback loses nothing
-  across the switch; everything else starts fresh, the rest of the old state is
-  dropped (with a warning), and so are the old variables. Under
-  ``compressor="auto"``, a residual that a variable's new plan keeps no field for is
-  kept apart instead and added to that variable's next gradient (``carried``; it
-  lives for one step and is not checkpointed).
+* Switching compressor (or ``compressor="auto"``'s plan) migrates the state: a field
+  the new compressor also keeps (a residual of the same shape) is carried over, so
+  error feedback loses nothing across the switch; a residual it keeps no field for is
+  kept apart and added to that variable's next gradient that commits, which the new
+  compressor sends (``carried``; it lives until then and is not checkpointed).
+  Everything else starts fresh; the rest of the old state (momentum, counters) is
+  dropped with a warning, and so are the old variables.
 
 Checkpoints of different workers: Keras keeps only the chief's checkpoint (the other
 workers write to temporary directories that are deleted), yet every worker must get
@@ -144,7 +144,7 @@ class CompressionState(trackable.Trackable):
                 self._apply_pending(_STEP_FIELD, "step", self._steps)
             dense_momentum = bool(not planned and getattr(compressor, "applied_momentum", 0.0))
             if self._compressor_key is not None and self._compressor_key != compressor_key:
-                self._migrate(layout_of, dense_momentum, compressor_key, carry=planned)
+                self._migrate(layout_of, dense_momentum, compressor_key)
             self._compressor_key = compressor_key
             for var, compress in zip(variables, compress_mask):
                 key = var_key(var)
@@ -179,14 +179,14 @@ class CompressionState(trackable.Trackable):
             self._apply_pending(name, path, [fields[path] for _, fields in per_replica])
         return per_replica
 
-    def _migrate(self, layout_of, dense_momentum, compressor_key, carry=False):
+    def _migrate(self, layout_of, dense_momentum, compressor_key):
         """Rebuilds every slot for a new compressor (``layout_of(key)``: what builds the
         state of a variable, None for one now sent dense), carrying residuals over.
 
-        With ``carry`` (a plan's change: ``compressor="auto"``), a residual that the
-        variable's new state has no field for is kept apart (``carried``), for its next
-        gradient to take along, rather than dropped; one already kept apart joins a
-        new residual field of its shape, or, sent already (zeros), is let go."""
+        A residual that the variable's new state has no field for is kept apart
+        (``carried``), for its next gradient to take along, rather than dropped; one
+        already kept apart joins a new residual field of its shape, or, sent already
+        (zeros), is let go."""
         logging.info("tfgc: compressor changed from %s to %s; carrying residuals over",
                      self._compressor_key, compressor_key)
         old, old_dense = self._slots, self._dense
@@ -202,7 +202,7 @@ class CompressionState(trackable.Trackable):
                 self._slots[key] = self._create(layout_of(key), key, carry=fields)
             kept = set(self._slots[key][0][1]) if key in self._slots else set()
             left = set(fields[0]) - kept
-            if carry and "residual" in left and key not in self._dense:
+            if "residual" in left and key not in self._dense:
                 self._carry(key, [f["residual"] for f in fields])
                 left.discard("residual")
             dropped |= left
@@ -238,9 +238,9 @@ class CompressionState(trackable.Trackable):
         self._carried[key] = per_replica
 
     def carried(self, var, replica_id: int) -> Optional[tf.Variable]:
-        """The residual that a change of plan took off ``var``'s error feedback, for its
-        next gradient (the reduction adds it and zeroes it in a step that commits), or
-        None."""
+        """The residual that a switch of compressor or plan took off ``var``'s error
+        feedback, for its next gradient (the reduction adds it and zeroes it in a step
+        that commits), or None."""
         per_replica = self._carried.get(var_key(var))
         return None if per_replica is None else per_replica[replica_id]
 

@@ -273,16 +273,18 @@ class AutoPlanCallback(keras.callbacks.Callback):
       ``link_share`` of training (worker 0's clock decides for all).
 
     With regimes on, it also measures each matrix's low-rank error once the first plan's
-    steps have been timed (``LOW_RANK_AFTER`` steps after the first) and at every
-    interval's end (``Auto.low_rank``: the low-rank candidates' budget), so that low
-    rank can be planned from the fourth step on (at twice the budget's rank while
-    critical). Each time it passes the current plan's measured step (the median of its
-    steps, the least of them while fewer than three), from which the planner weighs
-    the steps a low-rank plan adds against the time it saves (``Auto.low_rank_steps``).
+    steps have been timed (``LOW_RANK_AFTER`` steps, after the first step, which
+    traces, and ``SETTLE_STEPS`` more, which still warm up) and at every interval's end
+    (``Auto.low_rank``: the low-rank candidates' budget), so that low rank can be
+    planned from the fifth step on (at twice the budget's rank while critical). Each
+    time it passes the current plan's measured step (the median of its settled steps,
+    the least of them while fewer than three), from which the planner weighs the steps
+    a low-rank plan adds against the time it saves (``Auto.low_rank_steps``).
 
     A new plan takes effect at the next step (a new train function, as a compressor
-    switch). That step's retrace costs seconds, so the callback times it (the step's
-    duration beyond the median of the others, ``change_s``) and, at later intervals'
+    switch). That step's retrace costs seconds, so the callback times it and the steps
+    that settle after it (their durations beyond the median of the others,
+    ``change_s``) and, at later intervals'
     ends, asks a new plan to save at least that much over the rest of the fit (or over
     an interval, where the fit's length is unknown) before it is taken (``min_gain_s``
     of ``CompressedAllReduce.adapt``). What the callback's own
@@ -308,6 +310,11 @@ class AutoPlanCallback(keras.callbacks.Callback):
 
     # Ordinary steps of the first plan timed before the low-rank errors are first measured.
     LOW_RANK_AFTER = 2
+    # Steps after a trace or retrace that are not timed as the plan's: they still warm up
+    # (4 workers on 2 cores, the CNN: the second step of a fit 5-25 % over later ones;
+    # ResNet-50: the step after a retrace 3x an ordinary one). Their excess after a
+    # retrace counts in what the change cost.
+    SETTLE_STEPS = 1
 
     def __init__(self, strategy, threshold=0.5, link_margin=0.25, every_epochs: int = 1,
                  every_steps=None, link_share: float = 0.02):
@@ -361,7 +368,8 @@ class AutoPlanCallback(keras.callbacks.Callback):
         self._generation = generation
         self._traced = False
         self._after_change = False
-        self._change_step = None
+        self._change_steps = None  # the retrace's step and those settling after it
+        self._settling = 0  # steps after a trace still to settle before timing the plan
         self._plan_steps = collections.deque(maxlen=256)
 
     def on_train_begin(self, logs=None):
@@ -379,21 +387,27 @@ class AutoPlanCallback(keras.callbacks.Callback):
         if self._threshold is None:
             return
         # The step before an interval's end keeps the gradients its measurement reads.
-        if self._every_steps is not None:
-            last = (self._steps + 1) % self._every_steps == 0
-        else:
-            steps = (self.params or {}).get("steps")
-            last = steps is None or (batch == steps - 1
-                                     and (self._epoch + 1) % self._every == 0)
-        if last:
+        if self._ends_interval(batch) is not False:
             self._strategy.cross_device_ops.capture_gradients()
+
+    def _ends_interval(self, batch):
+        """Whether the step now running is its interval's last (None: unknown, an epoch
+        whose length Keras does not know)."""
+        if self._every_steps is not None:
+            return (self._steps + 1) % self._every_steps == 0
+        steps = (self.params or {}).get("steps")
+        if steps is None:
+            return None
+        return batch == steps - 1 and (self._epoch + 1) % self._every == 0
 
     def on_train_batch_end(self, batch, logs=None):
         self._time_step()
         if not self._measured and self._threshold is not None \
-                and len(self._plan_steps) >= self.LOW_RANK_AFTER:
+                and len(self._plan_steps) >= self.LOW_RANK_AFTER \
+                and not self._ends_interval(batch):
             # The low-rank candidates' first measurement: once the first plan's steps are
-            # timed rather than at the first interval's end (a no-op without them).
+            # timed rather than at the first interval's end (a no-op without them), unless
+            # this step ends an interval, whose ``adapt`` measures them anyway.
             self._measured = True
             began = time.perf_counter()
             self._strategy.cross_device_ops.measure_low_rank(step_s=self._plan_step_s())
@@ -406,21 +420,31 @@ class AutoPlanCallback(keras.callbacks.Callback):
 
     def _time_step(self):
         """The step's seconds: what a change of plan cost, when the step followed one (its
-        retrace), else one more ordinary step."""
+        retrace and the steps that settle after it), else one more ordinary step (of the
+        plan's, once settled)."""
         if self._began is None:
             return
         seconds = time.perf_counter() - self._began
         if self._after_change:
             # Priced once there are ordinary steps to compare with (a change right after
             # the first step comes before any).
-            self._after_change, self._change_step = False, seconds
+            self._after_change, self._change_steps = False, [seconds]
+            self._settling = self.SETTLE_STEPS
         elif self._traced:
             self._durations.append(seconds)
-            self._plan_steps.append(seconds)
-        self._traced = True  # a fit's first step traces: not an ordinary one
-        if self._change_step is not None and self._durations:
-            self.change_s = max(self._change_step - float(np.median(self._durations)), 0.0)
-            self._change_step = None
+            if self._settling > 0:
+                self._settling -= 1
+                if self._change_steps is not None:
+                    self._change_steps.append(seconds)
+            else:
+                self._plan_steps.append(seconds)
+        else:
+            self._traced = True  # a fit's first step traces: not an ordinary one
+            self._settling = self.SETTLE_STEPS
+        if self._change_steps is not None and self._settling == 0 and self._durations:
+            ordinary = float(np.median(self._durations))
+            self.change_s = sum(max(s - ordinary, 0.0) for s in self._change_steps)
+            self._change_steps = None
 
     def _note_change(self):
         generation = self._strategy.cross_device_ops.generation
@@ -467,6 +491,7 @@ class AutoPlanCallback(keras.callbacks.Callback):
             critical = cdo.adapt(self._threshold,
                                  min_gain_s=self.change_s / self._payback_steps(),
                                  step_s=self._plan_step_s())
+            self._measured = True  # the low-rank errors too, where they are candidates
         adapted = time.perf_counter()
         due = self._margin is not None and (
             self._probed_at is None
