@@ -78,6 +78,9 @@ MODELS = ("wide_mlp", "cnn", "mlp", "resnet50")
 # ResNet-50 (tf_keras.applications, no weights) on synthetic 32x32x3 images, 10 classes.
 RESNET_SHAPE, RESNET_EXAMPLES = (32, 32, 3), 2048
 WIDE_MLP_UNITS = (2048, 2048)
+# --auto_plan settled: steps under AutoPlanCallback before the warm-up (two intervals of
+# two steps, then the step that retraces for the settled plan).
+AUTO_SETTLE_STEPS = 5
 
 
 def parse_args(argv=None):
@@ -111,6 +114,12 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=-1,
                    help="intra-op threads per worker (inter-op: at least 2); -1 (default): "
                         "cores // workers")
+    p.add_argument("--auto_plan", choices=["first", "settled"], default="first",
+                   help="compressor='auto': time the first plan (made at the first step, "
+                        "quantizers only; default), or 'settled': the plan it keeps once "
+                        "training leaves its critical regimes, low rank included (5 steps "
+                        "with AutoPlanCallback before the warm-up: intervals of 2 steps, "
+                        "every regime ended at the second)")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds per run (one cluster); its workers are killed after that")
     p.add_argument("--out", default=DEFAULT_OUT,
@@ -313,6 +322,30 @@ def _worker(args, prefix, phase):
             if batch == total - 1:
                 self.end = self._snapshot()
 
+    settle_s = None
+    if args.auto_plan == "settled" and getattr(getattr(strategy, "compressor", None),
+                                               "plans_per_tensor", False):
+        # The plan after the critical regimes: the first interval's end (every gradient
+        # critical, nothing to compare with) measures the low-rank errors; at the second
+        # no norm moves by 1e9, so every gradient takes the budget's plan; a step more
+        # retraces for it. Worker 0 keeps summing the gradients afterwards, as under the
+        # callback in training.
+        phase[0] = "settle"
+        began = time.perf_counter()
+        callback = tfgc.keras.AutoPlanCallback(strategy, threshold=1e9, link_margin=None,
+                                               every_steps=2)
+
+        class Stop(keras.callbacks.Callback):
+            # A fit as long as a training run's, stopped early: a new plan must pay for
+            # its retrace over the rest of the fit, which a 5-step fit would not leave.
+            def on_train_batch_end(self, batch, logs=None):
+                if batch + 1 >= AUTO_SETTLE_STEPS:
+                    self.model.stop_training = True
+
+        net.fit(train_ds, epochs=1, steps_per_epoch=100 * AUTO_SETTLE_STEPS,
+                callbacks=[callback, Stop()], verbose=0)
+        settle_s = time.perf_counter() - began
+
     phase[0] = "train"
     probe = Probe()
     t_fit = time.perf_counter()
@@ -339,7 +372,7 @@ def _worker(args, prefix, phase):
         "warmup_ms": [d * 1e3 for d in probe.durations[:args.warmup]],
         "durations_ms": timed_ms,
         "veth": {k: v / steps for k, v in diff.items()},
-        "startup_s": t_strategy - t_start, "fit_s": fit_s,
+        "startup_s": t_strategy - t_start, "fit_s": fit_s, "auto_settle_s": settle_s,
         "final_loss": float(history.history["loss"][-1]),
     }
     # What the strategy itself says this worker sends per step.
@@ -459,7 +492,7 @@ def run_once(cluster, run, args, run_dir, port):
            "--dataset", args.dataset, "--batch_size", str(args.batch_size),
            "--steps", str(run["steps"]), "--warmup", str(run["warmup"]),
            "--threads", str(threads), "--min_elements", str(args.min_elements),
-           "--learning_rate", str(args.learning_rate)]
+           "--learning_rate", str(args.learning_rate), "--auto_plan", args.auto_plan]
     supervise(cluster, cmd, run_dir, port, args.timeout, "--timeout")
     results = []
     for i in range(cluster.n):
@@ -547,6 +580,7 @@ def summarize_run(run, workers):
         "threads": w0["threads"],
         "durations_ms": w0["durations_ms"],
         "warmup_ms": w0["warmup_ms"],
+        "auto_settle_s": w0.get("auto_settle_s"),
     })
     if "plan" in w0:
         run["plan"], run["plan_figures"] = w0["plan"], w0["plan_figures"]
@@ -664,7 +698,7 @@ def _drive(args, argv, holder):
         "config": {k: getattr(args, k) for k in (
             "models", "rates", "workers", "configs", "steps", "warmup", "bytes_workers",
             "bytes_rate", "bytes_steps", "dataset", "batch_size", "learning_rate",
-            "min_elements", "threads", "timeout")},
+            "min_elements", "threads", "timeout", "auto_plan")},
         "link": f"tbf rate R {' '.join(TBF)} on both ends of each worker's veth; bridge in "
                 "a switch namespace",
         "runs": runs, "complete": False,

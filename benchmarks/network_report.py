@@ -189,6 +189,15 @@ def render_markdown(report, args):
                  "workers), everything on the wire; `strategy`: "
                  "`compression_stats()` sent_bytes (for stock: the ring formula "
                  "2(N-1)/N x gradient bytes).")
+    if any(c.split("@")[0].split(":")[0] == "auto" for c in args.configs):
+        if getattr(args, "auto_plan", "first") == "settled":
+            lines.append("`auto`: the plan it keeps once training leaves its critical regimes, "
+                         "low rank included (5 steps under `AutoPlanCallback` before the "
+                         "warm-up: intervals of 2 steps, every regime ended at the second), "
+                         "listed below.")
+        else:
+            lines.append("`auto`: its first plan (made at the first step; quantizers only, "
+                         "as without `AutoPlanCallback`), listed below.")
     lines.append("")
 
     groups = list(dict.fromkeys((r["model"], r["workers"]) for r in runs if r["kind"] == "main"))
@@ -292,6 +301,22 @@ def render_markdown(report, args):
                 len(header) - 1, per_n)
             lines += _table(header, ["l"] + ["r"] * len(ns), rows)
             lines.append("")
+
+    planned = [r for r in ok if r.get("plan")]
+    if planned:
+        # What compressor="auto" sent each gradient as: labels counted, largest first.
+        lines += ["## What `auto` planned", ""]
+        for r in planned:
+            counts = {}
+            for entry in r["plan"]:
+                label = entry.split("=", 1)[1].split("@")[0]
+                counts[label] = counts.get(label, 0) + 1
+            kinds = ", ".join(f"{label} x{k}" for label, k in
+                              sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+            lines.append(f"- `{r['config']}`, {r['model']}, {r['workers']} workers, "
+                         f"{rate_label(r['rate'])}: {len(r['plan'])} gradients planned: "
+                         f"{kinds}. Figures: {r['plan_figures']}")
+        lines.append("")
 
     failures = [r for r in runs if r.get("status") == "failed"]
     if failures:
