@@ -78,9 +78,12 @@ MODELS = ("wide_mlp", "cnn", "mlp", "resnet50")
 # ResNet-50 (tf_keras.applications, no weights) on synthetic 32x32x3 images, 10 classes.
 RESNET_SHAPE, RESNET_EXAMPLES = (32, 32, 3), 2048
 WIDE_MLP_UNITS = (2048, 2048)
-# --auto_plan settled: steps under AutoPlanCallback before the warm-up (two intervals of
-# two steps, then the step that retraces for the settled plan).
-AUTO_SETTLE_STEPS = 5
+# --auto_plan settled: steps under AutoPlanCallback before the warm-up: two intervals of
+# AUTO_SETTLE_EVERY steps (each a trace or retrace, a step that settles, and six the
+# callback times for the plan's pace: with one, ResNet-50's step-to-step spread set
+# the pace's slope), then the step that retraces for the settled plan.
+AUTO_SETTLE_EVERY = 8
+AUTO_SETTLE_STEPS = 2 * AUTO_SETTLE_EVERY + 1
 
 
 def parse_args(argv=None):
@@ -117,9 +120,9 @@ def parse_args(argv=None):
     p.add_argument("--auto_plan", choices=["first", "settled"], default="first",
                    help="compressor='auto': time the first plan (made at the first step, "
                         "quantizers only; default), or 'settled': the plan it keeps once "
-                        "training leaves its critical regimes, low rank included (5 steps "
-                        "with AutoPlanCallback before the warm-up: intervals of 2 steps, "
-                        "every regime ended at the second)")
+                        "training leaves its critical regimes, low rank included (17 steps "
+                        "with AutoPlanCallback before the warm-up: intervals of 8 steps, "
+                        "every regime ended at the second interval's end)")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds per run (one cluster); its workers are killed after that")
     p.add_argument("--out", default=DEFAULT_OUT,
@@ -327,13 +330,13 @@ def _worker(args, prefix, phase):
                                                "plans_per_tensor", False):
         # The plan after the critical regimes: the first interval's end (every gradient
         # critical, nothing to compare with) measures the low-rank errors; at the second
-        # no norm moves by 1e9, so every gradient takes the budget's plan; a step more
-        # retraces for it. Worker 0 keeps summing the gradients afterwards, as under the
-        # callback in training.
+        # no norm moves by 1e9, so every gradient takes the budget's plan, weighed by
+        # the two plans' timed steps; a step more retraces for it. Worker 0 keeps
+        # summing the gradients afterwards, as under the callback in training.
         phase[0] = "settle"
         began = time.perf_counter()
         callback = tfgc.keras.AutoPlanCallback(strategy, threshold=1e9, link_margin=None,
-                                               every_steps=2)
+                                               every_steps=AUTO_SETTLE_EVERY)
 
         class Stop(keras.callbacks.Callback):
             # A fit as long as a training run's, stopped early: a new plan must pay for
@@ -397,6 +400,9 @@ def _worker(args, prefix, phase):
         # compressor="auto": what it chose for each gradient, and from what figures.
         result["plan"] = [f"{e.name}={e.label}@{e.path}" for e in plan.entries]
         result["plan_figures"] = plan.figures.describe()
+        if plan.pace is not None:
+            result["plan_pace"] = [plan.pace.compute_s, plan.pace.scale,
+                                   plan.pace.low_rank_steps]
     with open(prefix + ".json", "w") as f:
         json.dump(result, f)
 
@@ -584,6 +590,7 @@ def summarize_run(run, workers):
     })
     if "plan" in w0:
         run["plan"], run["plan_figures"] = w0["plan"], w0["plan_figures"]
+        run["plan_pace"] = w0.get("plan_pace")
     if "compression_stats" in w0:
         run["compression_stats"] = w0["compression_stats"]
         run["strategy_reductions"] = w0["strategy_reductions"]

@@ -192,9 +192,9 @@ def render_markdown(report, args):
     if any(c.split("@")[0].split(":")[0] == "auto" for c in args.configs):
         if getattr(args, "auto_plan", "first") == "settled":
             lines.append("`auto`: the plan it keeps once training leaves its critical regimes, "
-                         "low rank included (5 steps under `AutoPlanCallback` before the "
-                         "warm-up: intervals of 2 steps, every regime ended at the second), "
-                         "listed below.")
+                         "low rank included (17 steps under `AutoPlanCallback` before the "
+                         "warm-up: intervals of 8 steps, every regime ended at the second "
+                         "interval's end), listed below.")
         else:
             lines.append("`auto`: its first plan (made at the first step; quantizers only, "
                          "as without `AutoPlanCallback`), listed below.")
@@ -313,9 +313,14 @@ def render_markdown(report, args):
                 counts[label] = counts.get(label, 0) + 1
             kinds = ", ".join(f"{label} x{k}" for label, k in
                               sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+            pace = r.get("plan_pace")
+            weighed = ("" if not pace else
+                       f" Weighed by the steps that ran: compute {pace[0] * 1e3:.1f} ms + "
+                       f"{pace[1]:.2f} x the predicted communication, {pace[2]:g} more "
+                       "steps for a whole low-rank budget.")
             lines.append(f"- `{r['config']}`, {r['model']}, {r['workers']} workers, "
                          f"{rate_label(r['rate'])}: {len(r['plan'])} gradients planned: "
-                         f"{kinds}. Figures: {r['plan_figures']}")
+                         f"{kinds}.{weighed} Figures: {r['plan_figures']}")
         lines.append("")
 
     failures = [r for r in runs if r.get("status") == "failed"]

@@ -22,6 +22,7 @@ import tensorflow as tf
 
 import tfgc
 from cluster_scripts import assert_fit_identical_and_learning, cluster_script, run_cluster
+from tfgc.compressors import get as get_compressor
 from tfgc.distribute import planner
 
 SCRIPT, worker = cluster_script("auto_plan")
@@ -524,6 +525,61 @@ def test_the_plan_callback_prices_a_change_by_the_step_that_retraces():
     timed = list(callback._plan_steps)  # pylint: disable=protected-access
     assert len(timed) == len(steps) - 12 - tfgc.keras.AutoPlanCallback.SETTLE_STEPS
     np.testing.assert_allclose(timed, steps[-len(timed):], rtol=0.2, atol=2e-3)
+
+
+def _drive(callback, monkeypatch, durations, change_after=None):
+    """Runs ``callback``'s hooks over steps of the given seconds on a fake clock, the
+    strategy's setting changed (a new generation) at the end of step ``change_after``."""
+    from tfgc.keras import callbacks as callbacks_module
+    now = [0.0]
+    monkeypatch.setattr(callbacks_module, "time",
+                        type("Clock", (), {"perf_counter": staticmethod(lambda: now[0])}))
+    cdo = callback._strategy.cross_device_ops  # pylint: disable=protected-access
+    callback.set_params({"epochs": 1, "steps": len(durations), "verbose": 0})
+    callback.on_train_begin()
+    callback.on_epoch_begin(0)
+    for k, seconds in enumerate(durations):
+        callback.on_train_batch_begin(k)
+        now[0] += seconds
+        if k == change_after:
+            cdo.overlap_bytes = cdo.overlap_bytes + 1
+        callback.on_train_batch_end(k)
+
+
+def test_the_plan_callback_times_settled_steps_and_prices_a_change_exactly(monkeypatch):
+    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
+    cdo = strategy.cross_device_ops
+    measured = []
+    measure = cdo.measure_low_rank
+    monkeypatch.setattr(cdo, "measure_low_rank",
+                        lambda step_s=None: measured.append(step_s) or measure(step_s))
+    callback = tfgc.keras.AutoPlanCallback(strategy, every_steps=50, link_margin=None)
+    assert callback.SETTLE_STEPS == 1 and callback.LOW_RANK_AFTER == 2
+    # The trace, a settling step, three of the plan's, then (after a change) its
+    # retrace, a settling step and two of the new plan's.
+    _drive(callback, monkeypatch, [10.0, 2.0, 1.0, 0.8, 1.2, 5.0, 1.5, 0.9, 1.1],
+           change_after=4)
+    # Measured once, after the second of the plan's steps, at the lesser of the two.
+    assert measured == [pytest.approx(0.8)]
+    assert list(callback._plan_steps) == pytest.approx([0.9, 1.1])  # pylint: disable=protected-access
+    # The retrace's and the settling step's excess over the median of the ordinary
+    # steps (1.0, 0.8 and 1.2, priced once the settling step ended; the trace's and the
+    # first settling step's are not among them).
+    assert callback.change_s == pytest.approx((5.0 - 1.0) + (1.5 - 1.0))
+
+
+def test_the_first_low_rank_measurement_is_the_interval_end_when_they_meet(monkeypatch):
+    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
+    cdo = strategy.cross_device_ops
+    measured = []
+    monkeypatch.setattr(cdo, "measure_low_rank", lambda step_s=None: measured.append(step_s))
+    callback = tfgc.keras.AutoPlanCallback(strategy, every_steps=4, link_margin=None)
+    # The fourth step is both the second of the plan's timed steps and the interval's
+    # end, whose adapt measures the low-rank errors: no second measurement, then or
+    # later.
+    _drive(callback, monkeypatch, [3.0, 1.5, 1.0, 1.0, 1.0, 1.0])
+    assert measured == []
+    assert len(callback.costs) == 1 and callback.costs[0]["step"] == 4
 
 
 def test_no_gradient_goes_low_rank_unmeasured_or_on_a_fast_link():
@@ -1122,9 +1178,10 @@ def test_a_gradient_moved_off_low_rank_sends_its_residual_once(cluster, k):
 
 @pytest.mark.parametrize("k", range(len(worker.SWITCHED_TO)))
 def test_a_switch_off_error_feedback_sends_the_residual_once(cluster, k):
-    # Error feedback, then a compressor that keeps no residual (bf16 on tfgc's path,
-    # identity on the stock all-reduce): a step that worker 1's NaN skips keeps what
-    # was kept apart; a step of zeros sends the sum of the workers' residuals, once.
+    # Error feedback, then a compressor that keeps no residual (QSGD and bf16 on tfgc's
+    # path, identity on the stock all-reduce): a step that worker 1's NaN skips keeps
+    # what was kept apart; a step of zeros sends the sum of the workers' residuals,
+    # once.
     runs = [np.load(cluster / f"switched.w{r}.npz") for r in range(2)]
     compressed = [j for j, shape in enumerate(worker.SHAPES) if len(shape) == 2]
     for j in range(len(worker.SHAPES)):
@@ -1138,13 +1195,22 @@ def test_a_switch_off_error_feedback_sends_the_residual_once(cluster, k):
         for run in runs:
             np.testing.assert_array_equal(run[f"after_skip{k}_{j}"],
                                           run[f"residual{k}_{j}"])
-            # bf16: each worker's value rounded to 8 significant bits, summed in float32.
-            tolerance = 2.0 ** -7 if worker.SWITCHED_TO[k] == "bf16" else 1e-6
+            # bf16: each worker's value rounded to 8 significant bits, summed in float32;
+            # QSGD: unbiased, E||error||^2 within its variance bound of ||sum||^2 (two
+            # workers' independent errors), allowed three standard deviations' worth.
+            spec = worker.SWITCHED_TO[k]
+            tolerance = {"bf16": 2.0 ** -7, "none": 1e-6}.get(spec) or 3 * np.sqrt(
+                get_compressor(spec).variance_bound(int(np.prod(worker.SHAPES[j]))))
             out = run[f"out{k}_{j}"]
             assert np.linalg.norm(out - want) <= tolerance * np.linalg.norm(want)
             assert not np.any(run[f"carried{k}_{j}"])  # zeroed: sent once
-    for run in runs:  # and let go at the next switch
-        assert not np.any(run[f"kept_after{k}"])
+            # Back under error feedback, the zeros joined the new residual: still zero.
+            assert run[f"residual_after{k}_{j}"].shape == worker.SHAPES[j]
+            assert not np.any(run[f"residual_after{k}_{j}"])
+    for run in runs:
+        # Awaiting sending after the skipped step; once sent, steps read only the flag.
+        assert run[f"pending_after_skip{k}"] and not run[f"pending_after_send{k}"]
+        assert not np.any(run[f"kept_after{k}"])  # and let go at the next switch
 
 
 def test_a_model_learns_under_a_measured_plan(cluster):

@@ -27,9 +27,10 @@
    skips): writes the residuals before the switch and what the zeros brought, then
    switches plans once more (``moved.w<rank>.npz``).
 7. The same for explicit switches of compressor: one step under error feedback
-   (``SWITCHED_FROM``), then each of ``SWITCHED_TO`` (bf16 on tfgc's path; identity,
-   the stock all-reduce), a step that a NaN on worker 1 skips, a step of zeros, and a
-   switch back (``switched.w<rank>.npz``).
+   (``SWITCHED_FROM``), then each of ``SWITCHED_TO`` (QSGD, whose guard checks the
+   step, and bf16, on tfgc's path; identity, the stock all-reduce), a step that a NaN
+   on worker 1 skips, a step of zeros, and a switch back with a step of zeros
+   (``switched.w<rank>.npz``).
 """
 
 import json
@@ -260,7 +261,7 @@ def regimes(strategy, rank, num_workers, out_dir):
 
 
 SWITCHED_FROM = "ef+topk:ratio=0.01"
-SWITCHED_TO = ["bf16", "none"]
+SWITCHED_TO = ["qsgd", "bf16", "none"]
 
 
 def switched_off_error_feedback(strategy, rank, out_dir):
@@ -290,15 +291,23 @@ def switched_off_error_feedback(strategy, rank, out_dir):
             carried = state.carried(var, 0)
             arrays[f"after_skip{k}_{j}"] = (np.zeros([0]) if carried is None
                                             else carried.numpy())
+        arrays[f"pending_after_skip{k}"] = bool(state.carried_pending(0).numpy())
         for j, out in enumerate(reduce(zeros)):
             arrays[f"out{k}_{j}"] = out
             carried = state.carried(variables[j], 0)
             arrays[f"carried{k}_{j}"] = (np.zeros([0]) if carried is None
                                          else carried.numpy())
+        arrays[f"pending_after_send{k}"] = bool(state.carried_pending(0).numpy())
+        # Back to error feedback: what was kept apart, sent by now, joins the new
+        # residual as zeros; a step of zeros leaves that residual at zero.
         strategy.compressor = SWITCHED_FROM
         make_reduce(strategy, variables, owner)(zeros)
         arrays[f"kept_after{k}"] = np.array([state.carried(v, 0) is not None
                                              for v in variables])
+        for j, var in enumerate(variables):
+            slot = state.slot(var, 0) if state.has_slot(var) else {}
+            arrays[f"residual_after{k}_{j}"] = (slot["residual"].numpy() if "residual" in slot
+                                                else np.zeros([0]))
     np.savez(os.path.join(out_dir, f"switched.w{rank}.npz"), **arrays)
 
 

@@ -84,38 +84,54 @@ def check_compression_args(compressor, policy, communication, bucket_bytes,
     return compressor, policy
 
 
-def _take_carried(state, tensors, variables, mask, replica_id):
-    """The residuals that a switch of compressor took off error feedback
-    (``CompressionState.carried``), added to this step's compressed gradients.
+def _take_carried(state, tensors, variables, replica_id):
+    """The residuals that a switch of compressor or plan took off error feedback
+    (``CompressionState.carried``), added to this step's gradients (compressed or not)
+    while they await sending (``carried_pending``), each on its own so that no
+    gradient waits for another's.
 
-    Returns ``(tensors, the variables that held them)``; ``_let_go`` zeroes those once
+    Returns ``(tensors, the variables that hold them)``; ``_let_go`` zeroes those once
     the step commits, so what error feedback held back is sent once."""
-    carried = {i: state.carried(v, replica_id) for i, (v, m) in enumerate(zip(variables, mask))
-               if m and v is not None}
+    carried = {i: state.carried(v, replica_id) for i, v in enumerate(variables)
+               if v is not None}
     carried = {i: c for i, c in carried.items() if c is not None}
     if not carried:
         return tensors, []
-    return ([t + tf.cast(carried[i], t.dtype) if i in carried else t
-             for i, t in enumerate(tensors)], list(carried.values()))
+    pending = state.carried_pending(replica_id).read_value()
+    out = list(tensors)
+    for i, c in carried.items():
+        t = tensors[i]
+        out[i] = tf.cond(pending, lambda t=t, c=c: t + tf.cast(c, t.dtype),
+                         lambda t=t: tf.identity(t))
+    return out, list(carried.values())
 
 
-def _let_go(carried, reduced, ok):
-    """Zeroes ``carried`` (``_take_carried``) after ``reduced`` exists, if the step
-    committed: ``ok``, or where no path checked (None), every reduced gradient finite
-    (a sum over the workers: the same answer on every worker). A step skipped for a
-    non-finite gradient (a loss scale's overflow) keeps them for the next."""
+def _let_go(state, carried, reduced, ok, replica_id):
+    """Zeroes ``carried`` (``_take_carried``) after ``reduced`` exists, and clears the
+    flag that they await sending, if the step committed: ``ok``, or where no path
+    checked (None), every reduced gradient finite (sums over the workers: the same
+    answer on every worker). A step skipped for a non-finite gradient (a loss scale's
+    overflow) keeps them for the next; a step after they went costs a flag's read."""
     if not carried:
         return
-    with tf.control_dependencies(reduced):
-        if ok is None:
-            ok = tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(r))
-                                         for r in reduced if r.dtype.is_floating]))
+    flag = state.carried_pending(replica_id)
+
+    def settle():
+        committed = ok
+        if committed is None:
+            committed = tf.math.is_finite(tf.add_n(
+                [tf.reduce_sum(tf.cast(r, tf.float32)) for r in reduced
+                 if r.dtype.is_floating]))
 
         def zero():
-            with tf.control_dependencies([v.assign(tf.zeros_like(v)) for v in carried]):
+            writes = [v.assign(tf.zeros_like(v)) for v in carried]
+            with tf.control_dependencies(writes + [flag.assign(False)]):
                 return tf.constant(True)
 
-        tf.cond(ok, zero, lambda: tf.constant(False))
+        return tf.cond(committed, zero, lambda: tf.constant(False))
+
+    with tf.control_dependencies(reduced):
+        tf.cond(flag.read_value(), settle, lambda: tf.constant(False))
 
 
 class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
@@ -521,8 +537,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                 # another compressor find what they expect.
                 state = self._state_for(ctx.owner, compressor, variables, mask)
                 with tf.device(device):
-                    tensors, carried = _take_carried(state, tensors, variables, mask,
-                                                     replica_id)
+                    tensors, carried = _take_carried(state, tensors, variables, replica_id)
             reduced = super()._all_reduce(tf.distribute.ReduceOp.SUM, tensors, replica_id,
                                           options) if tensors else []
             for t in tensors:
@@ -530,7 +545,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             ok = None
             if state is not None:
                 with tf.device(device):
-                    _let_go(carried, reduced, ok)
+                    _let_go(state, carried, reduced, ok, replica_id)
                     state.step(replica_id).assign_add(1)
         elif compressor.plans_per_tensor:
             reduced, ok, state, planned = self._planned_reduce(
@@ -542,7 +557,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             guard = self._generation_guard()
             with tf.device(device), \
                     tf.control_dependencies([guard] if guard is not None else []):
-                tensors, carried = _take_carried(state, tensors, variables, mask, replica_id)
+                tensors, carried = _take_carried(state, tensors, variables, replica_id)
                 step = paths.ReductionStep(
                     compressor=compressor, tensors=tensors, variables=variables, mask=mask,
                     state=state, step_var=state.step(replica_id), launcher=launcher,
@@ -568,7 +583,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                     reduced, ok = buckets.reduce(path, step, overlap)
                 if unfuse is not None:
                     reduced = unfuse(reduced)
-                _let_go(carried, reduced, ok)
+                _let_go(state, carried, reduced, ok, replica_id)
         if compressor.applied_momentum and tensors:
             if state is None:
                 state = self._state_for(ctx.owner, compressor, variables, mask)
@@ -578,6 +593,12 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         for i, r in zip(tensor_pos, reduced):
             results[i] = r
 
+        if state is not None:
+            for i in slices_pos:
+                # A residual kept from a compressor that sent this embedding's gradient
+                # densified: its rows now go as they are, which cannot add it.
+                state.drop_carried(ctx.variables[i], "its gradient now goes as rows "
+                                   "(IndexedSlices), which cannot take it along")
         rows_pos = [i for i in slices_pos if modes[i] == embeddings.ROWS]
         row_compressor, planned_stock = compressor, set()
         if rows_pos and compressor.plans_per_tensor:
@@ -718,20 +739,12 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         step_var = state.step(replica_id)
         device = self._replica_devices[replica_id]
         guard_op = self._generation_guard()
-        # A residual that a change of plan took off error feedback goes out with this
-        # step's gradient, and is zeroed as the step's state is written.
-        carried = {i: state.carried(variables[i], replica_id) for i in entries
-                   if variables[i] is not None and isinstance(tensors[i], tf.Tensor)}
-        carried = {i: v for i, v in carried.items() if v is not None}
         with tf.device(device), \
                 tf.control_dependencies([guard_op] if guard_op is not None else []):
-            if carried:
-                tensors = [t + tf.cast(carried[i], t.dtype) if i in carried else t
-                           for i, t in enumerate(tensors)]
-            zeroed = [(v, tf.zeros_like(v)) for v in carried.values()]
+            # A residual that a change of plan took off error feedback goes out with
+            # this step's gradient, and is zeroed once the step commits.
+            tensors, carried = _take_carried(state, tensors, variables, replica_id)
             commit = paths.guard.StepCommit()
-            if zeroed:
-                commit.defer(None, zeroed, [])
             base = paths.ReductionStep(
                 compressor=None, tensors=tensors, variables=variables, mask=[False] * len(tensors),
                 state=state, step_var=step_var, launcher=self._launchers[replica_id],
@@ -759,10 +772,9 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                 reduced = [outputs[i] for i in range(len(tensors))]
                 # All float32: the counter still counts the step, as identity's does.
                 with tf.control_dependencies(reduced):
-                    for variable, zeros in zeroed:
-                        variable.assign(zeros)
                     step_var.assign_add(1)
                 ok = None
+            _let_go(state, carried, reduced, ok, replica_id)
             self._auto.track(tensors, variables, mask, reduced, replica_id, ok)
         return reduced, ok, state, len(grouped)
 

@@ -92,6 +92,9 @@ class CompressionState(trackable.Trackable):
         # var_key -> per local replica: the residual of a gradient that a new plan took
         # off error feedback (``carried``), added to its next gradient.
         self._carried: Dict[str, List[tf.Variable]] = {}
+        # Per local replica: whether anything kept apart awaits sending, so that a
+        # step after it went reads one flag rather than every kept-apart residual.
+        self._carried_pending: List[tf.Variable] = []
         self._steps: List[tf.Variable] = []
         # (checkpoint name, field) -> per local replica value restored before its slot existed.
         self._pending: Dict[Tuple[str, str], List[np.ndarray]] = {}
@@ -130,10 +133,13 @@ class CompressionState(trackable.Trackable):
         layouts = {var_key(v): c for v, c, m in zip(variables, per_variable, compress_mask)
                    if m}
 
+        named = {var_key(v) for v in variables}
+
         def layout_of(key):
-            # A variable this call does not name keeps the one compressor's layout
-            # (a plan names all of its variables: the others are sent dense).
-            return layouts.get(key, None if planned else compressor)
+            # A variable this call names but does not compress has none (sent dense);
+            # one it does not name keeps the one compressor's layout (a plan names all
+            # of its variables: the others are sent dense).
+            return layouts.get(key, None if planned or key in named else compressor)
 
         with self._lock, tf.init_scope():
             if not self._steps:
@@ -226,6 +232,13 @@ class CompressionState(trackable.Trackable):
     def _carry(self, key, residuals):
         """Keeps ``residuals`` (one per local replica) for ``key``'s next gradient, added
         to what is kept already."""
+        if not self._carried_pending:
+            for device in self._ops.local_devices:
+                with tf.device(device):
+                    self._carried_pending.append(local_variable(tf.constant(True),
+                                                                 "tfgc_carried_pending"))
+        for flag in self._carried_pending:
+            flag.assign(True)
         if key in self._carried:
             for pending, residual in zip(self._carried[key], residuals):
                 pending.assign_add(residual)
@@ -243,6 +256,19 @@ class CompressionState(trackable.Trackable):
         that commits), or None."""
         per_replica = self._carried.get(var_key(var))
         return None if per_replica is None else per_replica[replica_id]
+
+    def carried_pending(self, replica_id: int) -> Optional[tf.Variable]:
+        """A bool variable: whether what is kept apart (``carried``) still awaits sending
+        on this replica (the reduction clears it as it zeroes them); None before
+        anything was kept apart."""
+        return self._carried_pending[replica_id] if self._carried_pending else None
+
+    def drop_carried(self, var, why: str):
+        """Lets go of what is kept apart for ``var`` unsent (its gradient takes another
+        way, which cannot add it), with a warning that says so and ``why``."""
+        if self._carried.pop(var_key(var), None) is not None:
+            logging.warning("tfgc: the error-feedback residual of %s kept from the previous "
+                            "compressor is dropped: %s", getattr(var, "name", var), why)
 
     def _apply_pending(self, name, path, variables):
         values = self._pending.pop((name, path), None)

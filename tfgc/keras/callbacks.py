@@ -283,7 +283,7 @@ class AutoPlanCallback(keras.callbacks.Callback):
 
     A new plan takes effect at the next step (a new train function, as a compressor
     switch). That step's retrace costs seconds, so the callback times it and the steps
-    that settle after it (their durations beyond the median of the others,
+    that settle after it (their durations beyond the median of the ordinary steps,
     ``change_s``) and, at later intervals'
     ends, asks a new plan to save at least that much over the rest of the fit (or over
     an interval, where the fit's length is unknown) before it is taken (``min_gain_s``
@@ -427,17 +427,18 @@ class AutoPlanCallback(keras.callbacks.Callback):
         seconds = time.perf_counter() - self._began
         if self._after_change:
             # Priced once there are ordinary steps to compare with (a change right after
-            # the first step comes before any).
+            # the first step comes before any). A change before the last was priced
+            # is not priced at all: its retrace and this one are not told apart.
             self._after_change, self._change_steps = False, [seconds]
             self._settling = self.SETTLE_STEPS
+        elif self._settling > 0:
+            # Warming up after a trace: neither an ordinary step nor the plan's.
+            self._settling -= 1
+            if self._change_steps is not None:
+                self._change_steps.append(seconds)
         elif self._traced:
             self._durations.append(seconds)
-            if self._settling > 0:
-                self._settling -= 1
-                if self._change_steps is not None:
-                    self._change_steps.append(seconds)
-            else:
-                self._plan_steps.append(seconds)
+            self._plan_steps.append(seconds)
         else:
             self._traced = True  # a fit's first step traces: not an ordinary one
             self._settling = self.SETTLE_STEPS
