@@ -89,8 +89,8 @@ class CompressionState(trackable.Trackable):
         self._slots: Dict[str, List[Tuple[object, Dict[str, tf.Variable]]]] = {}
         # Keys of the variables sent dense whose slot holds only a momentum buffer.
         self._dense = set()
-        # var_key -> per local replica: the residual of a gradient that a new plan took
-        # off error feedback (``carried``), added to its next gradient.
+        # var_key -> per local replica: the residual of a gradient that a new compressor
+        # or plan took off error feedback (``carried``), added to its next gradient.
         self._carried: Dict[str, List[tf.Variable]] = {}
         # Per local replica: whether anything kept apart awaits sending, so that a
         # step after it went reads one flag rather than every kept-apart residual.
