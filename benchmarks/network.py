@@ -120,9 +120,10 @@ def parse_args(argv=None):
     p.add_argument("--auto_plan", choices=["first", "settled"], default="first",
                    help="compressor='auto': time the first plan (made at the first step, "
                         "quantizers only; default), or 'settled': the plan it keeps once "
-                        "training leaves its critical regimes, low rank included (17 steps "
-                        "with AutoPlanCallback before the warm-up: intervals of 8 steps, "
-                        "every regime ended at the second interval's end)")
+                        "training leaves its critical regimes, low rank included "
+                        f"({AUTO_SETTLE_STEPS} steps with AutoPlanCallback before the "
+                        f"warm-up: intervals of {AUTO_SETTLE_EVERY} steps, every regime "
+                        "ended at the second interval's end)")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds per run (one cluster); its workers are killed after that")
     p.add_argument("--out", default=DEFAULT_OUT,
@@ -340,7 +341,8 @@ def _worker(args, prefix, phase):
 
         class Stop(keras.callbacks.Callback):
             # A fit as long as a training run's, stopped early: a new plan must pay for
-            # its retrace over the rest of the fit, which a 5-step fit would not leave.
+            # its retrace over the rest of the fit, which a fit of AUTO_SETTLE_STEPS
+            # would not leave.
             def on_train_batch_end(self, batch, logs=None):
                 if batch + 1 >= AUTO_SETTLE_STEPS:
                     self.model.stop_training = True
@@ -706,6 +708,7 @@ def _drive(args, argv, holder):
             "models", "rates", "workers", "configs", "steps", "warmup", "bytes_workers",
             "bytes_rate", "bytes_steps", "dataset", "batch_size", "learning_rate",
             "min_elements", "threads", "timeout", "auto_plan")},
+        "auto_settle": {"steps": AUTO_SETTLE_STEPS, "every": AUTO_SETTLE_EVERY},
         "link": f"tbf rate R {' '.join(TBF)} on both ends of each worker's veth; bridge in "
                 "a switch namespace",
         "runs": runs, "complete": False,

@@ -191,9 +191,11 @@ def render_markdown(report, args):
                  "2(N-1)/N x gradient bytes).")
     if any(c.split("@")[0].split(":")[0] == "auto" for c in args.configs):
         if getattr(args, "auto_plan", "first") == "settled":
+            settle = report["auto_settle"]
             lines.append("`auto`: the plan it keeps once training leaves its critical regimes, "
-                         "low rank included (17 steps under `AutoPlanCallback` before the "
-                         "warm-up: intervals of 8 steps, every regime ended at the second "
+                         f"low rank included ({settle['steps']} steps under "
+                         "`AutoPlanCallback` before the warm-up: intervals of "
+                         f"{settle['every']} steps, every regime ended at the second "
                          "interval's end), listed below.")
         else:
             lines.append("`auto`: its first plan (made at the first step; quantizers only, "

@@ -352,9 +352,10 @@ def measure(cross_device_ops, link_gbps: float, latency_ms: float) -> "Figures":
     """This worker's figures, then the slowest worker's of each (the same everywhere).
 
     The CPU timings are taken once per process (and cluster size) and kept, in the
-    process and on disk (``cpu_cache_path``); the link is timed at every call. The low-rank candidates are left to ``measure_low_rank``:
-    they are planned only once training has measured their error, and their graphs
-    are ten times a quantizer's (``LOW_RANK_TIMED``). Runs eagerly (under
+    process and on disk (``cpu_cache_path``); the link is timed at every call. The
+    low-rank candidates are left to ``measure_low_rank``: they are planned only once
+    training has measured their error, and their graphs are ten times a quantizer's
+    (``LOW_RANK_TIMED``). Runs eagerly (under
     ``init_scope``); every worker must call it at the same point.
     """
     n = cross_device_ops.group_size

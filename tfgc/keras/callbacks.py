@@ -402,9 +402,9 @@ class AutoPlanCallback(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self._time_step()
+        ends = self._ends_interval(batch)
         if not self._measured and self._threshold is not None \
-                and len(self._plan_steps) >= self.LOW_RANK_AFTER \
-                and not self._ends_interval(batch):
+                and len(self._plan_steps) >= self.LOW_RANK_AFTER and not ends:
             # The low-rank candidates' first measurement: once the first plan's steps are
             # timed rather than at the first interval's end (a no-op without them), unless
             # this step ends an interval, whose ``adapt`` measures them anyway.
@@ -414,7 +414,7 @@ class AutoPlanCallback(keras.callbacks.Callback):
             self.measure_s = time.perf_counter() - began
         self._steps += 1
         self._fit_steps += 1
-        if self._every_steps is not None and self._steps % self._every_steps == 0:
+        if self._every_steps is not None and ends:
             self._end_interval(self._epoch, logs)
         self._note_change()
 
