@@ -14,6 +14,7 @@
 """
 
 import json
+import math
 import time
 
 import numpy as np
@@ -430,19 +431,159 @@ def test_the_pace_is_the_line_through_the_steps_that_ran():
     assert (one.compute_s, one.scale) == (pytest.approx(0.040), 1.0)
     short = planner.pace_from([(0.200, 0.050)], 0.0)
     assert (short.compute_s, short.scale) == (0.0, pytest.approx(0.25))
-    # Predictions too close to tell apart (0.1 ms on 55 ms steps) count as one plan.
+    # Predictions too close to tell apart (0.1 ms on 55 ms steps) count as one plan,
+    # at the points' mean weighed by their errors (the drift's alone: a share of each).
     close = planner.pace_from([(0.0100, 0.050), (0.0101, 0.060)], 0.0)
-    assert (close.compute_s, close.scale) == (pytest.approx(0.055 - 0.01005), 1.0)
+    w = np.array([0.050, 0.060]) ** -2
+    assert (close.compute_s, close.scale) == (
+        pytest.approx(np.average([0.050, 0.060], weights=w)
+                      - np.average([0.0100, 0.0101], weights=w)), 1.0)
+    assert not close.measured_slope and not one.measured_slope
     # A slope past its bounds is held there; a line through negative compute goes
     # through the origin instead.
     steep = planner.pace_from([(0.010, 0.050), (0.030, 0.200)], 0.0)
     assert steep.scale == planner.PACE_SCALE[1]
-    assert steep.compute_s == pytest.approx(0.125 - 2.0 * 0.020)
+    w = np.array([0.050, 0.200]) ** -2  # the drift's errors, a share of each step
+    assert steep.compute_s == pytest.approx(np.average([0.050, 0.200], weights=w)
+                                            - 2.0 * np.average([0.010, 0.030], weights=w))
     origin = planner.pace_from([(0.010, 0.010), (0.030, 0.050)], 0.0)
-    assert (origin.compute_s, origin.scale) == (0.0, pytest.approx(0.0016 / 0.0010))
+    w = np.array([0.010, 0.050]) ** -2
+    centre = (w[0] * 0.0001 + w[1] * 0.0015) / (w[0] * 0.0001 + w[1] * 0.0009)
+    assert (origin.compute_s, origin.scale) == (0.0, pytest.approx(centre))
+    # Its interval is the slope's through the origin (errors: 10 % of each step, not
+    # given, and the drift's 1 %), all of it communication.
+    errors = np.array([0.010, 0.050]) * math.hypot(planner.PACE_PRIOR, planner.PACE_DRIFT)
+    half = planner.PACE_Z / math.sqrt(np.sum(errors ** -2 * np.array([0.010, 0.030]) ** 2))
+    assert [p.scale for p in origin.others] == pytest.approx(
+        [max(centre - half, planner.PACE_SCALE[0]), min(centre + half, planner.PACE_SCALE[1])])
+    assert all(p.compute_s == 0.0 for p in origin.others)
+    assert origin.others[0].scale <= origin.scale <= origin.others[1].scale
     # Nothing timed (or nothing finite): no pace.
     assert planner.pace_from([], 0.3) is None
     assert planner.pace_from([(float("nan"), 0.05), (0.01, 0.0)], 0.3) is None
+
+
+def test_the_pace_weighs_each_plan_by_its_error_and_bounds_its_slope():
+    # Two plans, each step's error (2 and 1 ms) combined with the drift's (1 % of it).
+    pace = planner.pace_from([(0.010, 0.045, 0.002), (0.030, 0.055, 0.001)], 0.3)
+    errors = [math.hypot(0.002, planner.PACE_DRIFT * 0.045),
+              math.hypot(0.001, planner.PACE_DRIFT * 0.055)]
+    assert pace.scale == pytest.approx(0.5) and pace.compute_s == pytest.approx(0.040)
+    half = planner.PACE_Z * math.hypot(*errors) / 0.020  # the slope's error, two points
+    assert [p.scale for p in pace.others] == pytest.approx([0.5 - half, 0.5 + half])
+    # Each end's line passes through the points' mean, weighed by the errors.
+    w = np.array(errors) ** -2
+    x, y = np.average([0.010, 0.030], weights=w), np.average([0.045, 0.055], weights=w)
+    for other in pace.others:
+        assert other.compute_s + other.scale * x == pytest.approx(y)
+        assert other.low_rank_steps == 0.3 and not other.others
+    # A point without an error (none given, None, NaN) has PACE_PRIOR of its step; an
+    # error of 0, the drift's alone.
+    unknown = planner.pace_from([(0.010, 0.045, 0.1 * 0.045), (0.030, 0.055, 0.1 * 0.055)], 0.3)
+    for points in ([(0.010, 0.045), (0.030, 0.055, None)],
+                   [(0.010, 0.045, float("nan")), (0.030, 0.055)]):
+        assert planner.pace_from(points, 0.3) == unknown
+    exact = planner.pace_from([(0.010, 0.045, 0.0), (0.030, 0.055, 0.0)], 0.3)
+    assert exact.others[1].scale - exact.others[0].scale == pytest.approx(
+        2 * planner.PACE_Z * planner.PACE_DRIFT * math.hypot(0.045, 0.055) / 0.020)
+    # Three plans on the line 40 ms + half the communication, and a fourth 10 ms off
+    # it measured from two steps: its error keeps it from tilting the line, which the
+    # same point, as precise as the others, tilts.
+    line = [(c, 0.040 + 0.5 * c, 0.0002) for c in (0.010, 0.020, 0.030)]
+    weighed = planner.pace_from(line + [(0.040, 0.070, 0.010)], 0.0)
+    tilted = planner.pace_from(line + [(0.040, 0.070, 0.0002)], 0.0)
+    assert abs(weighed.scale - 0.5) < 0.05 < abs(tilted.scale - 0.5)
+    # Noise wider than the bounds: the ends are held at them.
+    wide = planner.pace_from([(0.010, 0.045, 0.02), (0.030, 0.055, 0.02)], 0.3)
+    assert [p.scale for p in wide.others[:2]] == list(planner.PACE_SCALE)
+    # Three plans that scatter about their line more than their errors say: the
+    # interval widens by the square root of chi^2 over n - 2; on a line, it does not.
+    comm = [0.010, 0.020, 0.030]
+    for steps, widened in (([0.045, 0.060, 0.055], True), ([0.045, 0.050, 0.055], False)):
+        pace = planner.pace_from([(c, t, 0.0002) for c, t in zip(comm, steps)], 0.0)
+        e = np.array([math.hypot(0.0002, planner.PACE_DRIFT * t) for t in steps])
+        w = e ** -2
+        x, y = np.average(comm, weights=w), np.average(steps, weights=w)
+        sxx = np.sum(w * (np.array(comm) - x) ** 2)
+        b = np.sum(w * (np.array(comm) - x) * (np.array(steps) - y)) / sxx
+        chi2 = np.sum(w * (np.array(steps) - y - b * (np.array(comm) - x)) ** 2)
+        half = planner.PACE_Z / math.sqrt(sxx) * (math.sqrt(chi2) if widened else 1.0)
+        assert bool(chi2 > 1) == widened
+        assert [p.scale for p in pace.others[:2]] == pytest.approx(
+            [max(b - half, planner.PACE_SCALE[0]), min(b + half, planner.PACE_SCALE[1])])
+
+
+def test_a_change_is_weighed_at_the_bend_where_the_pace_has_no_compute_left():
+    # Steps mostly communication, and noisy: the interval of slopes reaches past the
+    # one at which the line through the points' mean has no compute left (y / x),
+    # where a change's gain bends; that line is weighed too.
+    pace = planner.pace_from([(0.040, 0.045, 0.01), (0.080, 0.055, 0.01)], 0.3)
+    lo, hi, bend = pace.others
+    errors = [math.hypot(0.01, planner.PACE_DRIFT * t) for t in (0.045, 0.055)]
+    w = np.array(errors) ** -2
+    x, y = np.average([0.040, 0.080], weights=w), np.average([0.045, 0.055], weights=w)
+    assert lo.scale < y / x < hi.scale
+    assert (bend.compute_s, bend.scale) == (0.0, pytest.approx(y / x))
+    assert hi.compute_s == 0.0 and lo.compute_s == pytest.approx(y - lo.scale * x)
+    # A narrow interval has no bend in it.
+    assert len(planner.pace_from([(0.040, 0.045, 0.0001), (0.080, 0.055, 0.0001)],
+                                 0.3).others) == 2
+
+
+def test_a_checkpoints_timed_steps_read_back_with_or_without_their_errors():
+    from tfgc.distribute import autoplan
+    rows = [["auto:a=bf16@allreduce", 0.02, 0.05, 0.001], ["auto:a=psgd8@low_rank", 0.01, 0.048]]
+    rows.append(["auto:a=qsgd8@allgather", 0.015, 0.049, None])  # not given
+    steps = autoplan.steps_from_record(json.loads(json.dumps(rows)))
+    assert steps["auto:a=bf16@allreduce"] == (0.02, 0.05, 0.001)
+    # Rows without an error (older records) or with None: unknown, NaN.
+    for key in ("auto:a=psgd8@low_rank", "auto:a=qsgd8@allgather"):
+        assert steps[key][:2] == tuple(rows[[r[0] for r in rows].index(key)][1:3])
+        assert math.isnan(steps[key][2])
+
+
+def test_a_change_must_pay_at_every_slope_the_steps_allow():
+    # The current plan sends low rank (fewer bytes, more steps); the other quantizes.
+    # The steps say the link weighs less than predicted (a slope of 0.15): at that
+    # slope the low-rank plan's extra steps cost more than its bytes save, but from
+    # about 0.31 on they cost less.
+    low_rank = planner.LowRank(2, MEASURED)
+    fig = all_figures(1.0)
+    labels = {}
+    for name, plan in (("free", planner.make_plan(GRADIENTS, fig, 0.05, low_rank=low_rank)),
+                       ("quantized", planner.make_plan(GRADIENTS, fig, 0.05))):
+        labels[name] = {e.name: e.label for e in plan.entries}
+    quantized = planner.make_plan(GRADIENTS, fig, 0.05, only=labels["quantized"])
+    free = planner.make_plan(GRADIENTS, fig, 0.05, low_rank=low_rank, only=labels["free"])
+    c_free, c_quantized = free.step_seconds(), quantized.step_seconds()
+    compute, slope = 0.2, 0.15
+
+    def priced(pace):
+        return [planner.make_plan(GRADIENTS, fig, 0.05, low_rank=low_rank,
+                                  only=labels[name], pace=pace)
+                for name in ("free", "quantized")]
+
+    # The low-rank plan ran long (its step known within 0.3 ms); the quantized one
+    # ran two steps, whose spread gives an error of 10 ms, or many (0.3 ms).
+    outcomes = {}
+    for se in (0.010, 0.0003):
+        pace = planner.pace_from([(c_free, compute + slope * c_free, 0.0003),
+                                  (c_quantized, compute + slope * c_quantized, se)], 3.0)
+        assert pace.scale == pytest.approx(slope) and pace.measured_slope
+        kept, new = priced(pace)
+        # At the fitted slope the quantized plan is faster to the same accuracy...
+        assert kept.paced_seconds() - new.paced_seconds() > 0.002
+        outcomes[se] = (planner.change_pays(kept, new, 0.0),
+                        max(p.scale for p in pace.others))
+    # ... but two noisy steps allow slopes where the low-rank plan is: no change. Many
+    # steps pin the slope where the quantized plan stays faster: the change is taken.
+    assert outcomes[0.010][0] is False and outcomes[0.010][1] > 0.35
+    assert outcomes[0.0003][0] is True and outcomes[0.0003][1] < 0.3
+    # The crossing the comment above states: with this compute, the
+    # quantized plan gains at a slope of 0.15 and 0.3, and loses at 0.35.
+    for scale, sign in ((0.15, 1), (0.3, 1), (0.35, -1)):
+        kept, new = priced(planner.Pace(compute, scale, 3.0))
+        assert sign * (kept.paced_seconds() - new.paced_seconds()) > 0, scale
 
 
 def test_low_rank_must_save_more_than_the_steps_it_adds_cost():
@@ -552,15 +693,18 @@ def test_the_plan_callback_times_settled_steps_and_prices_a_change_exactly(monke
     measured = []
     measure = cdo.measure_low_rank
     monkeypatch.setattr(cdo, "measure_low_rank",
-                        lambda step_s=None: measured.append(step_s) or measure(step_s))
+                        lambda step_s=None, step_se_s=None:
+                        measured.append((step_s, step_se_s)) or measure(step_s, step_se_s))
     callback = tfgc.keras.AutoPlanCallback(strategy, every_steps=50, link_margin=None)
     assert callback.SETTLE_STEPS == 1 and callback.LOW_RANK_AFTER == 2
     # The trace, a settling step, three of the plan's, then (after a change) its
     # retrace, a settling step and two of the new plan's.
     _drive(callback, monkeypatch, [10.0, 2.0, 1.0, 0.8, 1.2, 5.0, 1.5, 0.9, 1.1],
            change_after=4)
-    # Measured once, after the second of the plan's steps, at the lesser of the two.
-    assert measured == [pytest.approx(0.8)]
+    # Measured once, after the second of the plan's steps, at the lesser of the two,
+    # with the error of two steps of their spread (1.4826 times the median absolute
+    # deviation, 0.1 s).
+    assert measured == [(pytest.approx(0.8), pytest.approx(1.4826 * 0.1))]
     assert list(callback._plan_steps) == pytest.approx([0.9, 1.1])  # pylint: disable=protected-access
     # The retrace's and the settling step's excess over the median of the ordinary
     # steps (1.0, 0.8 and 1.2, priced once the settling step ended; the trace's and the
@@ -568,11 +712,42 @@ def test_the_plan_callback_times_settled_steps_and_prices_a_change_exactly(monke
     assert callback.change_s == pytest.approx((5.0 - 1.0) + (1.5 - 1.0))
 
 
+def test_a_plans_step_error_comes_from_its_own_steps_once_it_has_enough(monkeypatch):
+    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
+    callback = tfgc.keras.AutoPlanCallback(strategy, every_steps=100, link_margin=None)
+    SPREAD = callback.SPREAD_FROM
+    # A noisy plan (steps of 1 and 3 s), a change, then a steady one (2 s +- 0.01).
+    noisy = [1.0, 3.0] * SPREAD
+    steady = [2.0 + 0.01 * (-1) ** k for k in range(2 * SPREAD)]
+
+    def error(steps, n):
+        steps = np.asarray(steps)
+        mad = np.median(np.abs(steps - np.median(steps)))
+        return 1.2533 * 1.4826 * mad / math.sqrt(n)
+
+    # Fewer of the steady plan's steps than SPREAD_FROM: the recent steps' spread
+    # (both plans'), over the steady plan's count.
+    _drive(callback, monkeypatch, [5.0, 1.0] + noisy + [5.0, 1.0] + steady[:3],
+           change_after=1 + len(noisy))
+    assert callback._plan_step_se() == pytest.approx(error(noisy + steady[:3], 3))  # pylint: disable=protected-access
+    # As many or more: its own.
+    _drive(callback, monkeypatch, [5.0, 1.0] + noisy + [5.0, 1.0] + steady,
+           change_after=1 + len(noisy))
+    assert callback._plan_step_se() == pytest.approx(error(steady, len(steady)))  # pylint: disable=protected-access
+    assert callback._plan_step_se() < 0.01  # pylint: disable=protected-access
+    # Two steps that agree, and no others: the spread is the prior's share of the step.
+    fresh = tfgc.keras.AutoPlanCallback(strategy, every_steps=100, link_margin=None)
+    _drive(fresh, monkeypatch, [5.0, 1.0, 2.0, 2.0])
+    assert fresh._plan_step_se() == pytest.approx(  # pylint: disable=protected-access
+        fresh.SPREAD_PRIOR * 2.0)
+
+
 def test_the_first_low_rank_measurement_is_the_interval_end_when_they_meet(monkeypatch):
     strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
     cdo = strategy.cross_device_ops
     measured = []
-    monkeypatch.setattr(cdo, "measure_low_rank", lambda step_s=None: measured.append(step_s))
+    monkeypatch.setattr(cdo, "measure_low_rank",
+                        lambda step_s=None, step_se_s=None: measured.append(step_s))
     callback = tfgc.keras.AutoPlanCallback(strategy, every_steps=4, link_margin=None)
     # The fourth step is both the second of the plan's timed steps and the interval's
     # end, whose adapt measures the low-rank errors: no second measurement, then or
@@ -805,6 +980,11 @@ def test_the_plan_callback_refuses_what_it_cannot_use():
             strategy.cross_device_ops.adapt(step_s=step_s)
         with pytest.raises(ValueError, match="`step_s`"):
             strategy.cross_device_ops.measure_low_rank(step_s=step_s)
+    for step_se_s in (-1.0, float("nan"), float("inf"), "fast", True):
+        with pytest.raises(ValueError, match="`step_se_s`"):
+            strategy.cross_device_ops.adapt(step_s=0.05, step_se_s=step_se_s)
+        with pytest.raises(ValueError, match="`step_se_s`"):
+            strategy.cross_device_ops.measure_low_rank(step_s=0.05, step_se_s=step_se_s)
     # Tracked, but nothing planned (a model whose gradients the policy all sends dense):
     # an interval ends with no regime, rather than stopping the fit.
     strategy.cross_device_ops.track_regimes()
@@ -1144,8 +1324,8 @@ def test_measured_matrices_go_low_rank_after_the_critical_intervals(cluster):
     keys = {"auto:" + ";".join(f"{e['name']}={e['label']}@{e['path']}" for e in i["plan"])
             for i in intervals}
     assert set(steps) & keys, (sorted(steps), sorted(keys))
-    for comm, step in steps.values():
-        assert comm > 0 and 0 < step < 60
+    for comm, step, se in steps.values():
+        assert comm > 0 and 0 < step < 60 and 0 <= se < step
 
 
 @pytest.mark.parametrize("k", range(len(worker.MOVED_TO)))

@@ -102,7 +102,7 @@ class AutoPlanner:
         # place the planned gradients that are matrices (on every worker).
         self._capture, self._matrices = None, []
         # The plans that ran, by key: (predicted communication, worker 0's measured
-        # median step), seconds (``planner.pace_from``).
+        # median step, its standard error), seconds (``planner.pace_from``).
         self._steps = {}
 
     @property
@@ -209,7 +209,8 @@ class AutoPlanner:
                 "norms": {str(k): v for k, v in self._norms.items()},
                 "low_rank": {name: [sq, {str(r): e for r, e in rel.items()}]
                              for name, (sq, rel) in self._low_rank.items()},
-                "steps": [[key, comm, step] for key, (comm, step) in sorted(self._steps.items())]}
+                "steps": [[key, comm, step, se if math.isfinite(se) else None]
+                          for key, (comm, step, se) in sorted(self._steps.items())]}
 
     def restored(self, record: dict):
         """A checkpoint's record (``PlanRecord``): the next plan is made from it."""
@@ -252,7 +253,7 @@ class AutoPlanner:
             self._norms = {int(k): v for k, v in record["norms"].items()}
             self._low_rank = {name: (sq, {int(r): e for r, e in rel.items()})
                               for name, (sq, rel) in record.get("low_rank", {}).items()}
-            self._steps = {key: (comm, step) for key, comm, step in record.get("steps", [])}
+            self._steps = steps_from_record(record.get("steps", []))
         logging.info("tfgc: compressor='auto': the plan's figures restored from the "
                      "checkpoint (%s)", figures.describe())
         return figures, record.get("labels")
@@ -274,11 +275,12 @@ class AutoPlanner:
         bits = np.asarray(values, np.float32).view(np.int32)
         return self._ops.gather_words(bits)[0].astype(np.int32).view(np.float32)
 
-    def _timed(self, plan, step_s):
-        """Keeps worker 0's measured step (``step_s`` from its words, NaN: none) for the
-        current plan, with the communication it predicts."""
+    def _timed(self, plan, step_s, step_se_s):
+        """Keeps worker 0's measured step and its standard error (from its words, NaN:
+        none; an error not given stays NaN, which ``planner.pace_from`` reads as
+        unknown) for the current plan, with the communication it predicts."""
         if plan is not None and math.isfinite(step_s) and step_s > 0:
-            self._steps[plan.key()] = (plan.step_seconds(), step_s)
+            self._steps[plan.key()] = (plan.step_seconds(), step_s, step_se_s)
 
     def _check_agree(self, plan):
         """Stops with a message if any worker derived another plan (a bug, or workers
@@ -429,11 +431,12 @@ class AutoPlanner:
             gradients, figures = self._plan[1], self._figures[1]
             self._adopt(gradients, figures, self._planned(gradients, figures))
 
-    def adapt(self, threshold: float, min_gain_s: float = 0.0, step_s=None) -> frozenset:
+    def adapt(self, threshold: float, min_gain_s: float = 0.0, step_s=None,
+              step_se_s=None) -> frozenset:
         """See ``CompressedAllReduce.adapt``."""
         check_number("threshold", threshold, 0, strict=True)
         check_number("min_gain_s", min_gain_s, 0)
-        _check_step(step_s)
+        _check_step(step_s, step_se_s)
         current = self.plan
         if self._sums is None:
             raise ValueError("adapt() needs track_regimes() and a step under "
@@ -448,12 +451,12 @@ class AutoPlanner:
                      for j in range(len(gradients))]
             for total in self._sums.values():
                 total.assign(tf.zeros_like(total))
-        # Worker 0's norms, least gain and step (as the bits of float32 words), so every
-        # worker decides alike.
-        first = self._first_floats(norms + [min_gain_s, _or_nan(step_s)])
-        min_gain_s = float(first[-2])
-        self._timed(current, float(first[-1]))
-        now = {j: float(v) for j, v in enumerate(first[:-2])}
+        # Worker 0's norms, least gain, step and its error (as the bits of float32
+        # words), so every worker decides alike.
+        first = self._first_floats(norms + [min_gain_s, _or_nan(step_s), _or_nan(step_se_s)])
+        min_gain_s = float(first[-3])
+        self._timed(current, float(first[-2]), float(first[-1]))
+        now = {j: float(v) for j, v in enumerate(first[:-3])}
         critical = frozenset(gradients[j][0] for j in
                              planner.critical_layers(self._norms, now, threshold))
         self._norms = now
@@ -465,14 +468,15 @@ class AutoPlanner:
         self._plan_again(gradients, current, min_gain_s)
         return critical
 
-    def measure_low_rank(self, step_s=None) -> bool:
+    def measure_low_rank(self, step_s=None, step_se_s=None) -> bool:
         """See ``CompressedAllReduce.measure_low_rank``."""
-        _check_step(step_s)
+        _check_step(step_s, step_se_s)
         current = self.plan
         if self._sums is None or current is None or not self._ops.compressor.low_rank:
             return False
         gradients = self._plan[1]
-        self._timed(current, float(self._first_floats([_or_nan(step_s)])[0]))
+        self._timed(current, *(float(v) for v in
+                               self._first_floats([_or_nan(step_s), _or_nan(step_se_s)])))
         if not self._measured(gradients):
             return False
         return self._plan_again(gradients, current)
@@ -496,23 +500,27 @@ class AutoPlanner:
     def _plan_again(self, gradients, current, min_gain_s: float = 0.0) -> bool:
         """Plans from the current figures, regimes and errors, and adopts a plan that
         differs, unless the current one still keeps within the regimes and budgets and
-        the new one is predicted to save less than ``min_gain_s`` a step: a change
+        the new one is predicted to save less than ``min_gain_s`` a step, under the
+        pace and the paces its measured slope allows (``planner.change_pays``): a change
         retraces the train function, which costs seconds, and a new rank that saves a
-        tenth of a millisecond does not pay that back."""
+        tenth of a millisecond does not pay that back, nor does one that only the
+        steps' noise favours."""
         figures = self._figures[1]
         plan = self._planned(gradients, figures)
         if plan.key() != current.key():
             kept = None
-            if min_gain_s > 0:
+            if min_gain_s > 0 or (plan.pace is not None and plan.pace.measured_slope):
                 kept = self._planned(gradients, figures,
                                      only={e.name: e.label for e in current.entries})
             if planner.change_pays(kept, plan, min_gain_s):
                 self._adopt(gradients, figures, plan)
                 return True
             logging.info("tfgc: compressor='auto' keeps its plan: the new one would save "
-                         "%.3f ms a step, less than a change costs (%.3f ms a step over "
-                         "the steps it would run)",
-                         (kept.paced_seconds() - plan.paced_seconds()) * 1e3, min_gain_s * 1e3)
+                         "%.3f ms a step at the measured pace and %.3f ms at the least the "
+                         "steps allow, less than a change costs (%.3f ms a step over the "
+                         "steps it would run)",
+                         (kept.paced_seconds() - plan.paced_seconds()) * 1e3,
+                         planner.least_gain(kept, plan) * 1e3, min_gain_s * 1e3)
             plan = kept
         self._plan = (self._plan[0], gradients, plan)
         return False
@@ -528,9 +536,20 @@ class AutoPlanner:
         return None if self._figures is None else self._figures[1]
 
 
-def _check_step(step_s):
+def steps_from_record(rows) -> dict:
+    """The plans' timed steps as ``snapshot`` wrote them ([key, communication, step,
+    standard error or None] rows), by key; an error of None, or a row written before
+    steps had one, is unknown (NaN: ``planner.pace_from`` takes ``PACE_PRIOR``)."""
+    return {key: (float(comm), float(step),
+                  float("nan") if len(rest) == 0 or rest[0] is None else float(rest[0]))
+            for key, comm, step, *rest in rows}
+
+
+def _check_step(step_s, step_se_s=None):
     if step_s is not None:
         check_positive_float("step_s", step_s)
+    if step_se_s is not None and check_number("step_se_s", step_se_s, 0) == float("inf"):
+        raise ValueError(f"`step_se_s` must be finite, got {step_se_s!r}")
 
 
 def _or_nan(step_s):

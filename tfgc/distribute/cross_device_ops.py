@@ -676,31 +676,35 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         gradient is treated as in a critical regime until ``adapt`` says otherwise."""
         self._auto_planner("track_regimes").track_regimes()
 
-    def adapt(self, threshold: float = 0.5, min_gain_s: float = 0.0, step_s=None) -> frozenset:
+    def adapt(self, threshold: float = 0.5, min_gain_s: float = 0.0, step_s=None,
+              step_se_s=None) -> frozenset:
         """Under ``compressor="auto"`` after ``track_regimes``: ends an interval. The norm
         of each planned gradient's sum over the interval is compared with the previous
         interval's (``planner.critical_layers``: a change of ``threshold`` or more, or
         no previous norm, is a critical regime), the sums restart, and the plan is made
         again, critical ones limited to bf16's error. A new plan whose predicted step
-        (``Plan.paced_seconds``) is less than ``min_gain_s`` seconds shorter than the
-        current plan's (priced anew) is not taken while the current one still keeps
+        (``Plan.paced_seconds``, under the measured pace and the paces at both ends of
+        its slope's interval: ``planner.change_pays``) is less than ``min_gain_s``
+        seconds shorter than the current plan's (priced anew) is not taken while the current one still keeps
         within the regimes and budgets (``AutoPlanCallback`` passes what a change cost
-        the last time, spread over the rest of the fit). ``step_s``: the current plan's measured
-        step in seconds (its median; None: not timed), which weighs the low-rank
-        error's extra steps against the time a step saves (``planner.Pace``). The
-        norms, ``min_gain_s`` and ``step_s`` are worker 0's (all-gathered), so every
-        worker decides the same; every worker must call it at the same point. Returns
-        the critical names."""
-        return self._auto_planner("adapt").adapt(threshold, min_gain_s, step_s)
+        the last time, spread over the rest of the fit). ``step_s``: the current plan's
+        measured step in seconds (its median; None: not timed), which weighs the
+        low-rank error's extra steps against the time a step saves (``planner.Pace``),
+        and ``step_se_s`` its standard error (None: unknown, taken as
+        ``planner.PACE_PRIOR`` of the step), which weighs the plan's step in the pace
+        and bounds its slope. The norms, ``min_gain_s`` and the step
+        are worker 0's (all-gathered), so every worker decides the same; every worker
+        must call it at the same point. Returns the critical names."""
+        return self._auto_planner("adapt").adapt(threshold, min_gain_s, step_s, step_se_s)
 
-    def measure_low_rank(self, step_s=None) -> bool:
+    def measure_low_rank(self, step_s=None, step_se_s=None) -> bool:
         """Under ``compressor="auto"`` with regimes tracked and ``low_rank`` on: measures
         every matrix's low-rank error now (on the last step's gradients, as ``adapt``
         does at an interval's end) and plans again; True when the plan changed.
-        ``step_s`` as for ``adapt`` (worker 0's). ``tfgc.keras.AutoPlanCallback`` calls
+        ``step_s`` and ``step_se_s`` as for ``adapt`` (worker 0's). ``tfgc.keras.AutoPlanCallback`` calls
         it once the first plan's steps have been timed, so that low rank need not wait
         for an interval. Eager; every worker must call it at the same point."""
-        return self._auto_planner("measure_low_rank").measure_low_rank(step_s)
+        return self._auto_planner("measure_low_rank").measure_low_rank(step_s, step_se_s)
 
     def capture_gradients(self):
         """Under ``compressor="auto"`` with ``low_rank`` on: the next step keeps each

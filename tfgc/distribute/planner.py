@@ -69,7 +69,10 @@ planner fits each plan's measured step against the communication it predicted
 error at ``Auto.low_rank_steps`` more steps for a whole low-rank budget: a plan is
 then chosen for its step times the steps it needs, so low rank is taken where it saves
 more than its extra steps cost (a slow link), and not where compute is most of the
-step (a fast one).
+step (a fast one). The fit weighs each plan by its step's standard error, and a change
+of plan is taken only where it pays at both ends of the slope's interval as well
+(``change_pays``): two plans whose steps differ by less than their noise do not swap
+back and forth.
 """
 
 import dataclasses
@@ -617,12 +620,24 @@ class LowRank:
 
 # -- the plan's step, as training feels it ------------------------------------------
 
-# Each plan that ran: (its predicted communication, its measured step) in seconds. A line
-# through two or more of them needs their predictions this far apart, as a share of the
-# steps' mean, before its slope is trusted over the noise of a median step; and the
-# slope is kept within these bounds.
+# Each plan that ran: (its predicted communication, its measured step, that step's
+# standard error) in seconds. A line through two or more of them needs their
+# predictions this far apart, as a share of the steps' mean, before its slope is trusted
+# over the noise of a median step; and the slope is kept within these bounds.
 PACE_SPREAD = 0.05
 PACE_SCALE = (0.05, 2.0)
+# A measured step's standard error is at least this share of it: two plans run in
+# different stretches of training, whose steps differ by more than their own spread
+# says (the data a step reads, the machine's other work).
+PACE_DRIFT = 0.01
+# A step's spread where nothing measured it (and a step whose error is not given has
+# an error of this share of it): 1.4826 times the median absolute deviation of the
+# steps stored in benchmarks/results (runs of 8 steps or more) was 4-10 % of their
+# median step in most runs; the 90th percentile of each file's runs, 8.5-19 %.
+PACE_PRIOR = 0.1
+# The slopes the steps allow: this many standard errors either side of the fitted one
+# (about 95 %). A change of plan must pay along the lines at both ends.
+PACE_Z = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -638,44 +653,101 @@ class Pace:
     ``seconds`` is then a plan's time to a given accuracy, per step of a plan that
     loses nothing: the planner minimises it (``make_plan``), so a low-rank plan must
     save more time a step than the steps it adds cost.
+
+    ``others``: the paces at the ends of the slope's interval, where the steps measured
+    it, and at the bend between them where there is one (``pace_from``); a change of
+    plan must pay under each of them too (``change_pays``), so that two noisy steps do
+    not swing the plan back and forth.
     """
 
     compute_s: float
     scale: float = 1.0
     low_rank_steps: float = 0.0
+    others: Tuple["Pace", ...] = ()
 
     def seconds(self, comm_s: float, low_rank_share: float) -> float:
         return ((self.compute_s + self.scale * comm_s)
                 * (1.0 + self.low_rank_steps * low_rank_share))
 
+    @property
+    def measured_slope(self) -> bool:
+        """Whether the scale is a measured slope with an interval (``others``)."""
+        return bool(self.others)
 
-def pace_from(points: Sequence[Tuple[float, float]], low_rank_steps: float) -> Optional[Pace]:
+
+def pace_from(points: Sequence[Tuple[float, ...]], low_rank_steps: float) -> Optional[Pace]:
     """The ``Pace`` of the plans that ran: ``points`` of (predicted communication,
-    measured median step), seconds, one per plan. One plan (or predictions too close
-    to tell apart): the prediction is taken as it is (scale 1), unless the step is
-    shorter than it, and the rest of the step is compute. Plans whose predictions
-    differ: the least-squares line through them, its slope within ``PACE_SCALE`` and
-    its compute at least 0. None without points."""
-    points = [(float(c), float(t)) for c, t in points
-              if math.isfinite(c) and math.isfinite(t) and c >= 0 and t > 0]
-    if not points:
+    measured median step[, its standard error]), seconds, one per plan. A step whose
+    error is not given (or not finite) has ``PACE_PRIOR`` of it; each error is at least
+    ``PACE_DRIFT`` of its step (added in quadrature), and each point weighs the
+    inverse of its error squared.
+
+    One plan (or predictions too close to tell apart): the prediction is taken as it is
+    (scale 1), unless the step is shorter than it, and the rest of the step is compute.
+    Plans whose predictions differ: the weighted least-squares line through them, its
+    slope within ``PACE_SCALE`` and its compute at least 0; where that line passes
+    below the origin, the line through the origin instead. ``others`` then holds the
+    lines at the slope's ends of ``PACE_Z`` standard errors (the slope's error is
+    1 / sqrt(sum of w (x - mean x)^2), x the predictions, or 1 / sqrt(sum of w x^2)
+    through the origin; times sqrt(chi^2 / (n - 2)) where three or more plans scatter
+    about the line more than their errors say), through the points' weighted mean
+    (their compute at least 0), and the line whose compute reaches 0 where that falls
+    between the ends (a change's gain bends there). None without points."""
+    kept = []
+    for point in points:
+        c, t = float(point[0]), float(point[1])
+        se = float(point[2]) if len(point) > 2 and point[2] is not None else float("nan")
+        if math.isfinite(c) and math.isfinite(t) and c >= 0 and t > 0:
+            if not (math.isfinite(se) and se >= 0):
+                se = PACE_PRIOR * t
+            kept.append((c, t, math.hypot(se, PACE_DRIFT * t)))
+    if not kept:
         return None
-    comm = np.array([c for c, _ in points])
-    step = np.array([t for _, t in points])
-    scale = 1.0
-    if len(points) > 1 and np.ptp(comm) > PACE_SPREAD * step.mean():
-        scale = float(np.sum((comm - comm.mean()) * (step - step.mean()))
-                      / np.sum((comm - comm.mean()) ** 2))
-    elif comm.mean() > step.mean():
-        scale = float(step.mean() / comm.mean())
-    scale = min(max(scale, PACE_SCALE[0]), PACE_SCALE[1])
-    compute = float(step.mean() - scale * comm.mean())
-    if compute < 0.0:
+    lrs = float(low_rank_steps)
+    comm = np.array([c for c, _, _ in kept])
+    step = np.array([t for _, t, _ in kept])
+    weight = 1.0 / np.array([e for _, _, e in kept]) ** 2
+    x, y = float(np.average(comm, weights=weight)), float(np.average(step, weights=weight))
+
+    def bounded(scale):
+        return min(max(scale, PACE_SCALE[0]), PACE_SCALE[1])
+
+    def scatter(fitted):
+        """The Birge ratio: how much more the points scatter about the line than
+        their errors say (at least 1; 1 for two points)."""
+        if len(kept) < 3:
+            return 1.0
+        chi2 = float(np.sum(weight * (step - fitted) ** 2))
+        return max(1.0, math.sqrt(chi2 / (len(kept) - 2)))
+
+    measured = len(kept) > 1 and bool(np.ptp(comm) > PACE_SPREAD * step.mean())
+    if measured:
+        sxx = float(np.sum(weight * (comm - x) ** 2))
+        centre = float(np.sum(weight * (comm - x) * (step - y))) / sxx
+        half = PACE_Z / math.sqrt(sxx) * scatter(y + centre * (comm - x))
+    else:
+        centre = y / x if x > y else 1.0
+    scale = bounded(centre)
+    compute = y - scale * x
+    origin = compute < 0.0
+    if origin:
         # The line passes below the origin: communication alone, through the points.
-        compute = 0.0
-        scale = min(max(float(np.sum(comm * step) / max(np.sum(comm * comm), 1e-30)),
-                        PACE_SCALE[0]), PACE_SCALE[1])
-    return Pace(compute, scale, float(low_rank_steps))
+        sww = float(np.sum(weight * comm * comm))
+        centre = float(np.sum(weight * comm * step)) / max(sww, 1e-30)
+        scale, compute = bounded(centre), 0.0
+        if measured:
+            half = PACE_Z / math.sqrt(max(sww, 1e-30)) * scatter(centre * comm)
+
+    def line(s):
+        return Pace(0.0 if origin else max(y - s * x, 0.0), s, lrs)
+
+    others = ()
+    if measured:
+        ends = (bounded(centre - half), bounded(centre + half))
+        others = tuple(line(s) for s in ends)
+        if compute > 0.0 and x > 0.0 and ends[0] < y / x < ends[1]:
+            others += (line(y / x),)
+    return Pace(compute, scale, lrs, others)
 
 
 # -- choosing -----------------------------------------------------------------------
@@ -790,12 +862,14 @@ class Plan:
         p = self.predicted()
         return p["cpu_s"] + p["wire_s"] + p["latency_s"]
 
-    def paced_seconds(self) -> float:
+    def paced_seconds(self, pace: Optional[Pace] = None) -> float:
         """What the planner minimises: the step's seconds weighed by the steps its
-        low-rank error adds (``Pace.seconds``), or, without a pace, ``step_seconds``."""
-        if self.pace is None:
+        low-rank error adds (``Pace.seconds``; ``pace``, or the plan's own), or,
+        without a pace, ``step_seconds``."""
+        pace = pace or self.pace
+        if pace is None:
             return self.step_seconds()
-        return self.pace.seconds(self.step_seconds(), self.low_rank_share)
+        return pace.seconds(self.step_seconds(), self.low_rank_share)
 
     def as_dicts(self) -> List[dict]:
         return [dataclasses.asdict(e) for e in self.entries]
@@ -973,8 +1047,18 @@ def change_pays(kept: Optional[Plan], new: Plan, min_gain_s: float) -> bool:
     anew by ``make_plan(..., only=...)``; None where the regimes or budgets now rule it
     out): it must save at least ``min_gain_s`` seconds a step, what changing costs
     spread over the steps the new plan would run. Plans are compared as the planner
-    chose them: by ``Plan.paced_seconds``."""
-    return kept is None or kept.paced_seconds() - new.paced_seconds() >= min_gain_s
+    chose them (``Plan.paced_seconds``), under the new plan's pace and, where the steps
+    measured its slope, under the paces at both ends of the slope's interval too."""
+    return kept is None or bool(least_gain(kept, new) >= min_gain_s)
+
+
+def least_gain(kept: Plan, new: Plan) -> float:
+    """The least that ``new`` saves a step over ``kept`` under its pace and the paces
+    the measured steps allow (``Pace.others``): the gain is linear in the slope but
+    for a bend where the line's compute reaches 0, so the interval's ends and that
+    bend bound it."""
+    paces = [new.pace] + list(new.pace.others if new.pace is not None else ())
+    return float(min(kept.paced_seconds(p) - new.paced_seconds(p) for p in paces))
 
 
 def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figures,

@@ -1,6 +1,7 @@
 """Callbacks that put compression statistics into Keras logs, the progress bar and TensorBoard."""
 
 import collections
+import math
 import os
 import time
 from typing import Dict, List, Tuple
@@ -11,6 +12,7 @@ import tf_keras as keras
 
 from tfgc.compressors import serialize_config
 from tfgc.compressors.base import check_int, check_number
+from tfgc.distribute import planner
 from tfgc.distribute import state as state_lib
 from tfgc.distribute.state import flatten_fields
 
@@ -278,18 +280,19 @@ class AutoPlanCallback(keras.callbacks.Callback):
     (``Auto.low_rank``: the low-rank candidates' budget), so that low rank can be
     planned from the fifth step on (at twice the budget's rank while critical). Each
     time it passes the current plan's measured step (the median of its settled steps,
-    the least of them while fewer than three), from which the planner weighs the steps
-    a low-rank plan adds against the time it saves (``Auto.low_rank_steps``).
+    the least of them while fewer than three) and that step's standard error, from which
+    the planner weighs the steps a low-rank plan adds against the time it saves
+    (``Auto.low_rank_steps``), and takes a change only where it pays for every slope
+    the steps' noise allows.
 
     A new plan takes effect at the next step (a new train function, as a compressor
     switch). That step's retrace costs seconds, so the callback times it and the steps
     that settle after it (their durations beyond the median of the ordinary steps,
-    ``change_s``) and, at later intervals'
-    ends, asks a new plan to save at least that much over the rest of the fit (or over
-    an interval, where the fit's length is unknown) before it is taken (``min_gain_s``
-    of ``CompressedAllReduce.adapt``). What the callback's own
-    work took is in ``measure_s`` (the low-rank timings) and ``costs`` (per interval's
-    end). Adds ``auto_critical`` (how many gradients are critical) and
+    ``change_s``) and, at later intervals' ends, asks a new plan to save at least that
+    much over the rest of the fit (or over an interval, where the fit's length is
+    unknown) before it is taken (``min_gain_s`` of ``CompressedAllReduce.adapt``).
+    What the callback's own work took is in ``measure_s`` (the low-rank timings) and
+    ``costs`` (per interval's end). Adds ``auto_critical`` (how many gradients are critical) and
     ``auto_replanned`` (1 if the link changed the plan) to the epoch's logs. Every
     worker must run it (Keras calls every worker's callbacks at the same point).
 
@@ -315,6 +318,11 @@ class AutoPlanCallback(keras.callbacks.Callback):
     # ResNet-50: the step after a retrace 3x an ordinary one). Their excess after a
     # retrace counts in what the change cost.
     SETTLE_STEPS = 1
+    # A plan's steps that measure their own spread (``_plan_step_se``); fewer borrow the
+    # recent steps', and while those are fewer too, the spread is at least
+    # ``SPREAD_PRIOR`` of the step (``planner.PACE_PRIOR``, from the stored runs).
+    SPREAD_FROM = 8
+    SPREAD_PRIOR = planner.PACE_PRIOR
 
     def __init__(self, strategy, threshold=0.5, link_margin=0.25, every_epochs: int = 1,
                  every_steps=None, link_share: float = 0.02):
@@ -410,7 +418,8 @@ class AutoPlanCallback(keras.callbacks.Callback):
             # this step ends an interval, whose ``adapt`` measures them anyway.
             self._measured = True
             began = time.perf_counter()
-            self._strategy.cross_device_ops.measure_low_rank(step_s=self._plan_step_s())
+            self._strategy.cross_device_ops.measure_low_rank(
+                step_s=self._plan_step_s(), step_se_s=self._plan_step_se())
             self.measure_s = time.perf_counter() - began
         self._steps += 1
         self._fit_steps += 1
@@ -454,6 +463,27 @@ class AutoPlanCallback(keras.callbacks.Callback):
             self._after_change = True
             self._plan_steps = collections.deque(maxlen=256)
 
+    def _plan_step_se(self):
+        """The standard error of ``_plan_step_s``, from the steps' spread sigma (1.4826
+        times their median absolute deviation, a normal's sigma): for the median of n
+        steps, 1.2533 sigma (a median's error over a mean's, for normal noise) over
+        sqrt(n); for the least of two, or one step, sigma (the least of two normal
+        draws lies 0.564 sigma low, and spreads 0.826 sigma about that, together
+        about sigma). The spread is the plan's own steps' once it has ``SPREAD_FROM``,
+        the recent ordinary steps' before (earlier plans' included), and at least
+        ``SPREAD_PRIOR`` of the step while those are fewer as well (two steps that
+        happen to agree say little of the spread). None before any step."""
+        steps = self._plan_steps
+        if not steps:
+            return None
+        pool = np.asarray(steps if len(steps) >= self.SPREAD_FROM else self._durations)
+        sigma = 1.4826 * float(np.median(np.abs(pool - np.median(pool)))) if len(pool) else 0.0
+        if len(pool) < self.SPREAD_FROM:
+            sigma = max(sigma, self.SPREAD_PRIOR * self._plan_step_s())
+        if len(steps) < 3:
+            return sigma
+        return 1.2533 * sigma / math.sqrt(len(steps))
+
     def _plan_step_s(self):
         """The current plan's step: the median of its ordinary steps, the least of them
         while fewer than three (the median of two is their mean, half of it a slow
@@ -491,7 +521,8 @@ class AutoPlanCallback(keras.callbacks.Callback):
         if self._threshold is not None:
             critical = cdo.adapt(self._threshold,
                                  min_gain_s=self.change_s / self._payback_steps(),
-                                 step_s=self._plan_step_s())
+                                 step_s=self._plan_step_s(),
+                                 step_se_s=self._plan_step_se())
             self._measured = True  # the low-rank errors too, where they are candidates
         adapted = time.perf_counter()
         due = self._margin is not None and (
