@@ -729,16 +729,16 @@ def test_a_plans_step_error_comes_from_its_own_steps_once_it_has_enough(monkeypa
     # (both plans'), over the steady plan's count.
     _drive(callback, monkeypatch, [5.0, 1.0] + noisy + [5.0, 1.0] + steady[:3],
            change_after=1 + len(noisy))
-    assert callback._plan_step_se() == pytest.approx(error(noisy + steady[:3], 3))  # pylint: disable=protected-access
+    assert callback._plan_step()["step_se_s"] == pytest.approx(error(noisy + steady[:3], 3))  # pylint: disable=protected-access
     # As many or more: its own.
     _drive(callback, monkeypatch, [5.0, 1.0] + noisy + [5.0, 1.0] + steady,
            change_after=1 + len(noisy))
-    assert callback._plan_step_se() == pytest.approx(error(steady, len(steady)))  # pylint: disable=protected-access
-    assert callback._plan_step_se() < 0.01  # pylint: disable=protected-access
+    assert callback._plan_step()["step_se_s"] == pytest.approx(error(steady, len(steady)))  # pylint: disable=protected-access
+    assert callback._plan_step()["step_se_s"] < 0.01  # pylint: disable=protected-access
     # Two steps that agree, and no others: the spread is the prior's share of the step.
     fresh = tfgc.keras.AutoPlanCallback(strategy, every_steps=100, link_margin=None)
     _drive(fresh, monkeypatch, [5.0, 1.0, 2.0, 2.0])
-    assert fresh._plan_step_se() == pytest.approx(  # pylint: disable=protected-access
+    assert fresh._plan_step()["step_se_s"] == pytest.approx(  # pylint: disable=protected-access
         fresh.SPREAD_PRIOR * 2.0)
 
 

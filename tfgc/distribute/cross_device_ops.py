@@ -685,25 +685,26 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         again, critical ones limited to bf16's error. A new plan whose predicted step
         (``Plan.paced_seconds``, under the measured pace and the paces at both ends of
         its slope's interval: ``planner.change_pays``) is less than ``min_gain_s``
-        seconds shorter than the current plan's (priced anew) is not taken while the current one still keeps
-        within the regimes and budgets (``AutoPlanCallback`` passes what a change cost
-        the last time, spread over the rest of the fit). ``step_s``: the current plan's
-        measured step in seconds (its median; None: not timed), which weighs the
-        low-rank error's extra steps against the time a step saves (``planner.Pace``),
-        and ``step_se_s`` its standard error (None: unknown, taken as
-        ``planner.PACE_PRIOR`` of the step), which weighs the plan's step in the pace
-        and bounds its slope. The norms, ``min_gain_s`` and the step
-        are worker 0's (all-gathered), so every worker decides the same; every worker
-        must call it at the same point. Returns the critical names."""
+        seconds shorter than the current plan's (priced anew) is not taken while the
+        current one still keeps within the regimes and budgets (``AutoPlanCallback``
+        passes what a change cost the last time, spread over the rest of the fit).
+        ``step_s``: the current plan's measured step in seconds (its median; None: not
+        timed), which weighs the low-rank error's extra steps against the time a step
+        saves (``planner.Pace``), and ``step_se_s`` its standard error (None: unknown,
+        taken as ``planner.PACE_PRIOR`` of the step), which weighs the plan's step in
+        the pace and bounds its slope. The norms, ``min_gain_s`` and the step are
+        worker 0's (all-gathered), so every worker decides the same; every worker must
+        call it at the same point. Returns the critical names."""
         return self._auto_planner("adapt").adapt(threshold, min_gain_s, step_s, step_se_s)
 
     def measure_low_rank(self, step_s=None, step_se_s=None) -> bool:
         """Under ``compressor="auto"`` with regimes tracked and ``low_rank`` on: measures
         every matrix's low-rank error now (on the last step's gradients, as ``adapt``
         does at an interval's end) and plans again; True when the plan changed.
-        ``step_s`` and ``step_se_s`` as for ``adapt`` (worker 0's). ``tfgc.keras.AutoPlanCallback`` calls
-        it once the first plan's steps have been timed, so that low rank need not wait
-        for an interval. Eager; every worker must call it at the same point."""
+        ``step_s`` and ``step_se_s`` as for ``adapt`` (worker 0's).
+        ``tfgc.keras.AutoPlanCallback`` calls it once the first plan's steps have been
+        timed, so that low rank need not wait for an interval. Eager; every worker must
+        call it at the same point."""
         return self._auto_planner("measure_low_rank").measure_low_rank(step_s, step_se_s)
 
     def capture_gradients(self):

@@ -292,8 +292,9 @@ class AutoPlanCallback(keras.callbacks.Callback):
     much over the rest of the fit (or over an interval, where the fit's length is
     unknown) before it is taken (``min_gain_s`` of ``CompressedAllReduce.adapt``).
     What the callback's own work took is in ``measure_s`` (the low-rank timings) and
-    ``costs`` (per interval's end). Adds ``auto_critical`` (how many gradients are critical) and
-    ``auto_replanned`` (1 if the link changed the plan) to the epoch's logs. Every
+    ``costs`` (per interval's end). Adds ``auto_critical`` (how many gradients are
+    critical) and ``auto_replanned`` (1 if the link changed the plan) to the epoch's
+    logs. Every
     worker must run it (Keras calls every worker's callbacks at the same point).
 
     Args:
@@ -318,7 +319,7 @@ class AutoPlanCallback(keras.callbacks.Callback):
     # ResNet-50: the step after a retrace 3x an ordinary one). Their excess after a
     # retrace counts in what the change cost.
     SETTLE_STEPS = 1
-    # A plan's steps that measure their own spread (``_plan_step_se``); fewer borrow the
+    # A plan's steps that measure their own spread (``_plan_step``); fewer borrow the
     # recent steps', and while those are fewer too, the spread is at least
     # ``SPREAD_PRIOR`` of the step (``planner.PACE_PRIOR``, from the stored runs).
     SPREAD_FROM = 8
@@ -418,8 +419,7 @@ class AutoPlanCallback(keras.callbacks.Callback):
             # this step ends an interval, whose ``adapt`` measures them anyway.
             self._measured = True
             began = time.perf_counter()
-            self._strategy.cross_device_ops.measure_low_rank(
-                step_s=self._plan_step_s(), step_se_s=self._plan_step_se())
+            self._strategy.cross_device_ops.measure_low_rank(**self._plan_step())
             self.measure_s = time.perf_counter() - began
         self._steps += 1
         self._fit_steps += 1
@@ -463,35 +463,32 @@ class AutoPlanCallback(keras.callbacks.Callback):
             self._after_change = True
             self._plan_steps = collections.deque(maxlen=256)
 
-    def _plan_step_se(self):
-        """The standard error of ``_plan_step_s``, from the steps' spread sigma (1.4826
-        times their median absolute deviation, a normal's sigma): for the median of n
-        steps, 1.2533 sigma (a median's error over a mean's, for normal noise) over
-        sqrt(n); for the least of two, or one step, sigma (the least of two normal
-        draws lies 0.564 sigma low, and spreads 0.826 sigma about that, together
-        about sigma). The spread is the plan's own steps' once it has ``SPREAD_FROM``,
-        the recent ordinary steps' before (earlier plans' included), and at least
-        ``SPREAD_PRIOR`` of the step while those are fewer as well (two steps that
-        happen to agree say little of the spread). None before any step."""
+    def _plan_step(self):
+        """The current plan's step and its standard error, as ``adapt`` and
+        ``measure_low_rank`` take them (``step_s``, ``step_se_s``; both None before any
+        ordinary step).
+
+        The step: the median of its ordinary steps, the least of them while fewer than
+        three (the median of two is their mean, half of it a slow one's). Its error,
+        from the steps' spread sigma (1.4826 times their median absolute deviation, a
+        normal's sigma): for the median of n steps, 1.2533 sigma (a median's error over
+        a mean's, for normal noise) over sqrt(n); for the least of two, or one step,
+        sigma (the least of two normal draws lies 0.564 sigma low, and spreads 0.826
+        sigma about that, together about sigma). The spread is the plan's own steps'
+        once it has ``SPREAD_FROM``, the recent ordinary steps' before (earlier plans'
+        included), and at least ``SPREAD_PRIOR`` of the step while those are fewer as
+        well (two steps that happen to agree say little of the spread)."""
         steps = self._plan_steps
         if not steps:
-            return None
-        pool = np.asarray(steps if len(steps) >= self.SPREAD_FROM else self._durations)
+            return {"step_s": None, "step_se_s": None}
+        n = len(steps)
+        step = float(np.median(steps)) if n >= 3 else float(min(steps))
+        pool = np.asarray(steps if n >= self.SPREAD_FROM else self._durations)
         sigma = 1.4826 * float(np.median(np.abs(pool - np.median(pool)))) if len(pool) else 0.0
         if len(pool) < self.SPREAD_FROM:
-            sigma = max(sigma, self.SPREAD_PRIOR * self._plan_step_s())
-        if len(steps) < 3:
-            return sigma
-        return 1.2533 * sigma / math.sqrt(len(steps))
-
-    def _plan_step_s(self):
-        """The current plan's step: the median of its ordinary steps, the least of them
-        while fewer than three (the median of two is their mean, half of it a slow
-        one's), or None before any."""
-        steps = self._plan_steps
-        if not steps:
-            return None
-        return float(np.median(steps)) if len(steps) >= 3 else float(min(steps))
+            sigma = max(sigma, self.SPREAD_PRIOR * step)
+        return {"step_s": step,
+                "step_se_s": sigma if n < 3 else 1.2533 * sigma / math.sqrt(n)}
 
     def _interval_steps(self):
         if self._every_steps is not None:
@@ -521,8 +518,7 @@ class AutoPlanCallback(keras.callbacks.Callback):
         if self._threshold is not None:
             critical = cdo.adapt(self._threshold,
                                  min_gain_s=self.change_s / self._payback_steps(),
-                                 step_s=self._plan_step_s(),
-                                 step_se_s=self._plan_step_se())
+                                 **self._plan_step())
             self._measured = True  # the low-rank errors too, where they are candidates
         adapted = time.perf_counter()
         due = self._margin is not None and (
