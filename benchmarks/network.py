@@ -74,9 +74,12 @@ DEFAULT_CONFIGS = [
     "ef+topk:ratio=0.001@auto", "ef+topk:ratio=0.01@auto",
 ]
 ARGUMENT_ERRORS = ("ValueError", "TypeError", "KeyError")
-MODELS = ("wide_mlp", "cnn", "mlp", "resnet50")
+MODELS = ("wide_mlp", "cnn", "mlp", "resnet50", "mobilenetv2", "encoder")
 # ResNet-50 (tf_keras.applications, no weights) on synthetic 32x32x3 images, 10 classes.
 RESNET_SHAPE, RESNET_EXAMPLES = (32, 32, 3), 2048
+# Models built by benchmarks/models.py, on its synthetic data: MobileNetV2, and the
+# BERT-like encoder whose token embedding's gradient is an IndexedSlices.
+USER_MODELS = ("mobilenetv2", "encoder")
 WIDE_MLP_UNITS = (2048, 2048)
 # --auto_plan settled: steps under AutoPlanCallback before the warm-up: two intervals of
 # AUTO_SETTLE_EVERY steps (each a trace or retrace, a step that settles, and six the
@@ -90,7 +93,10 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", choices=MODELS, default=["wide_mlp"],
-                   help="wide_mlp: 784-2048-2048-10 (defined here); cnn, mlp: tfgc.apps.models")
+                   help="wide_mlp: 784-2048-2048-10 (defined here); cnn, mlp: "
+                        "tfgc.apps.models; resnet50: tf_keras.applications on 32x32 "
+                        "images; mobilenetv2, encoder: as benchmarks/models.py builds "
+                        "them, on its synthetic data")
     p.add_argument("--rates", nargs="+", default=["100mbit", "1gbit", "10gbit"],
                    help="link rates in tc's syntax (default: 100mbit 1gbit 10gbit)")
     p.add_argument("--workers", type=int, nargs="+", default=[4],
@@ -263,6 +269,12 @@ def _worker(args, prefix, phase):
         x = rng.randn(RESNET_EXAMPLES, *RESNET_SHAPE).astype(np.float32)
         y = rng.randint(0, 10, RESNET_EXAMPLES).astype(np.int64)
         dataset = "gaussian 32x32x3 images"
+    elif args.model in USER_MODELS:
+        import models as user_models  # benchmarks/models.py
+
+        x, y = user_models.synthetic_data(args.model, rank, args.batch_size * num_workers)
+        dataset = ("uniform token ids" if args.model == "encoder"
+                   else "gaussian 32x32x3 images")
     else:
         try:
             ds = data_lib.load_dataset(args.dataset, seed=0)
@@ -276,8 +288,11 @@ def _worker(args, prefix, phase):
 
     phase[0] = "model"
     keras.utils.set_random_seed(0)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     with strategy.scope():
-        if args.model == "wide_mlp":
+        if args.model in USER_MODELS:
+            net, loss = user_models.build_model(keras, args.model)
+        elif args.model == "wide_mlp":
             net = build_wide_mlp(keras, ds.x_train.shape[1:], ds.num_classes, seed=0)
         elif args.model == "resnet50":
             net = keras.applications.ResNet50(weights=None, input_shape=RESNET_SHAPE,
@@ -288,7 +303,7 @@ def _worker(args, prefix, phase):
         # Plain SGD under a compressor that applies the momentum itself (dgc, momentum=m).
         net.compile(optimizer=make_optimizer("momentum", args.learning_rate,
                                              getattr(strategy, "compressor", None)),
-                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+                    loss=loss)
     params = int(sum(np.prod(v.shape) for v in net.trainable_variables))
     dense_bytes = int(sum(np.prod(v.shape) * v.dtype.size for v in net.trainable_variables))
 

@@ -586,6 +586,89 @@ def test_a_change_must_pay_at_every_slope_the_steps_allow():
         assert sign * (kept.paced_seconds() - new.paced_seconds()) > 0, scale
 
 
+def test_the_planner_keeps_its_plan_unless_a_change_pays_at_every_slope():
+    # AutoPlanner._plan_again, as adapt and measure_low_rank call it, on a one-worker
+    # strategy's planner given figures for 4 workers, measured errors and two plans'
+    # steps on a slope of 0.3. The current plan is the planner's choice at the least
+    # slope two noisy steps allow (0.05). No least gain is asked (min_gain_s 0), yet
+    # the kept plan is priced too: under that interval the new plan loses at its low
+    # end, so the plan stays; steps that pin the slope near 0.3 change it.
+    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
+    ops = strategy.cross_device_ops
+    auto = ops._auto  # pylint: disable=protected-access
+    auto.track_regimes()
+    fig = all_figures(1.0)
+    gradients = tuple(GRADIENTS)
+    low_rank = planner.LowRank(2, MEASURED)
+    free = planner.make_plan(GRADIENTS, fig, 0.05, low_rank=low_rank)
+    quantized = planner.make_plan(GRADIENTS, fig, 0.05)
+    compute, slope = 0.2, 0.3
+
+    def steps(se):
+        return {plan.key(): (plan.step_seconds(), compute + slope * plan.step_seconds(),
+                             error) for plan, error in ((free, 0.0003), (quantized, se))}
+
+    noisy = planner.pace_from(list(steps(0.010).values()), 0.3)
+    least = min(noisy.others, key=lambda pace: pace.scale)
+    assert least.scale == planner.PACE_SCALE[0]
+    current = planner.make_plan(GRADIENTS, fig, 0.05, low_rank=low_rank, pace=least)
+    outcomes = {}
+    for se in (0.010, 0.0003):
+        # pylint: disable=protected-access
+        auto._critical, auto._low_rank = frozenset(), dict(MEASURED)
+        auto._figures = (ops.generation, fig)
+        auto._plan = (ops.generation, gradients, current)
+        auto._steps = steps(se)
+        fresh = auto._planned(gradients, fig)
+        assert fresh.pace.measured_slope and fresh.pace.scale == pytest.approx(slope)
+        assert fresh.key() != current.key()  # the planner alone would change
+        generation = ops.generation
+        changed = auto._plan_again(gradients, current, 0.0)
+        outcomes[se] = changed
+        assert (ops.generation == generation + 1) == changed
+        assert auto.plan.key() == (fresh.key() if changed else current.key())
+        if not changed:
+            # The kept plan priced anew, under the pace the steps measured.
+            assert auto.plan.pace == fresh.pace
+    assert outcomes == {0.010: False, 0.0003: True}
+
+
+def test_embedding_rows_travel_as_the_plans_quantizer_or_the_fewest_bytes_in_budget():
+    # AutoPlanner.row_compressor under plans of given labels: float32 everywhere sends
+    # the rows on the stock gather; otherwise the quantizer carrying most elements; a
+    # plan that quantizes nothing but sends low-rank, the quantizer of the fewest bytes
+    # an element within its error budget, ties to the least error.
+    import dataclasses
+
+    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
+    ops = strategy.cross_device_ops
+    auto = ops._auto  # pylint: disable=protected-access
+    base = planner.make_plan(GRADIENTS, figures(), 0.05)
+
+    def rows(labels, budget=0.05):
+        plan = dataclasses.replace(
+            base, error_budget=budget,
+            entries=tuple(dataclasses.replace(e, label=label)
+                          for e, label in zip(base.entries, labels)))
+        auto._plan = (ops.generation, tuple(GRADIENTS), plan)  # pylint: disable=protected-access
+        return auto.row_compressor()
+
+    def compressor(label):
+        return planner.BY_LABEL[label].compressor
+
+    assert [e.name for e in base.entries] == ["embed", "fc1", "fc2", "conv", "head"]
+    assert rows(["fp32"] * 5) is None
+    # fc1 (4 M elements) outweighs embed and fc2 together (3 M).
+    assert rows(["qsgd8", "bf16", "qsgd8", "fp32", "rqsgd4"]) == compressor("bf16")
+    assert rows(["rqsgd4", "psgd2", "qsgd8", "fp32", "fp32"]) == compressor("rqsgd4")
+    low_rank = ["psgd2", "psgd4", "psgd1", "fp32", "fp32"]
+    # 8 bits an element: rotated 8-bit QSGD (0.00025) ties plain (0.032) on bytes.
+    assert rows(low_rank) == compressor("rqsgd8")
+    assert rows(low_rank, 0.07) == compressor("rqsgd4")  # 4 bits, bound 0.068
+    assert rows(low_rank, 1e-4) == compressor("bf16")  # only bf16's 2**-16 fits
+    assert rows(low_rank, 0.0) is None
+
+
 def test_low_rank_must_save_more_than_the_steps_it_adds_cost():
     low_rank = planner.LowRank(2, MEASURED)
     fig = all_figures(1.0)

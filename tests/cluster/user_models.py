@@ -219,8 +219,18 @@ def train_one(strategy, keras, tf, model_name, spec, args, x, y, probe_x, probe_
              ("steps", "nonfinite_steps", "total_dense_bytes", "total_payload_bytes",
               "total_sent_bytes", "total_dense_sent_bytes")}
     stats["ratio"] = after_stats["ratio"]
+    # How the embedding's gradient travelled: in auto's plan (as a dense table) or not,
+    # and the reason where it went uncompressed.
+    plan = strategy.compression_plan() if spec.startswith("auto") else None
+    tables = [w.name for layer in net.layers if isinstance(layer, keras.layers.Embedding)
+              for w in layer.trainable_weights]
+    embedding = {"planned": [e.name for e in plan.entries if e.name in tables] if plan else [],
+                 "uncompressed": [u["reason"] for u in strategy.uncompressed_gradients()
+                                  if u["variable"] in tables],
+                 "tables": tables}
     return {"spec": spec, "model": model_name, "loss_before": before, "loss_after": after,
             "losses": [float(v) for v in history.history["loss"]], "stats": stats,
+            "embedding": embedding,
             "weights": [np.asarray(w.numpy()) for w in net.weights],
             "trainable": [any(w is t for t in net.trainable_weights) for w in net.weights],
             "net": net}

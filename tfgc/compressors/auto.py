@@ -78,7 +78,9 @@ class Auto(Compressor):
         self.latency_ms = check_positive_float("latency_ms", latency_ms)
         if isinstance(low_rank, bool) or low_rank not in (0, 1, 2, 4, 8):
             raise ValueError(f"`low_rank` must be 0 (none), 1, 2, 4 or 8, got {low_rank!r}")
-        self.low_rank = int(low_rank)
+        # Not ``low_rank``: that attribute (None here) says whether a compressor itself
+        # sends low-rank factors, and the paths and embeddings read it so.
+        self.budget_rank = int(low_rank)
         self.low_rank_steps = float(check_number("low_rank_steps", low_rank_steps, 0))
         if self.low_rank_steps == float("inf"):
             raise ValueError("`low_rank_steps` must be finite, got inf")

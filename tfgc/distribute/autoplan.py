@@ -36,7 +36,7 @@ from absl import logging
 from tensorflow.python.trackable import base as trackable
 
 from tfgc.compressors.base import check_number, check_positive_float
-from tfgc.distribute import planner
+from tfgc.distribute import embeddings, planner
 from tfgc.distribute import state as state_lib
 from tfgc.distribute.paths import base
 
@@ -113,22 +113,33 @@ class AutoPlanner:
         return self._plan[2]
 
     def row_compressor(self):
-        """What embedding rows travel as under the current plan: the compressing
+        """What embedding rows travel as under the current plan: the quantizing
         candidate that carries most of the planned elements (the plan's view of the
-        link, whose bytes the rows' varying count does not let it weigh itself), or
-        None (the stock gather) when it sends everything as float32."""
+        link, whose bytes the rows' varying count does not let it weigh itself); where
+        the plan quantizes nothing but sends some gradients low-rank (rows change from
+        step to step: no residual or query of their own), the quantizer that sends the
+        fewest bytes an element within the plan's error budget (ties: the least
+        error); None (the stock gather) when it sends everything as float32."""
         plan = self.plan
         if plan is None:
             return None
         elements = {}
         for e in plan.entries:
-            # Rows change from step to step: no residual or query of their own.
             if e.label != "fp32" and e.candidate.rank is None:
                 elements[e.label] = elements.get(e.label, 0) + int(np.prod(e.shape))
-        if not elements:
+        if elements:
+            # Ties go to the candidate with less error (max keeps the first).
+            return max(planner.CANDIDATES,
+                       key=lambda c: elements.get(c.label, 0)).compressor
+        if not any(e.candidate.rank for e in plan.entries):
             return None
-        # Ties go to the candidate with less error (max keeps the first).
-        return max(planner.CANDIDATES, key=lambda c: elements.get(c.label, 0)).compressor
+        block = (embeddings.BLOCK_ENTRIES,)
+        within = [c for c in planner.CANDIDATES[1:]
+                  if c.variance_bound(embeddings.BLOCK_ENTRIES) <= plan.error_budget]
+        if not within:
+            return None
+        return min(within, key=lambda c: planner.sent_bytes(
+            c, "allgather", block, "float32", max(plan.num_workers, 2))).compressor
 
     # -- at trace time -----------------------------------------------------------------
 
@@ -264,8 +275,8 @@ class AutoPlanner:
             critical = frozenset(name for name, _, _ in gradients)
         auto = self._ops.compressor
         low_rank = None
-        if auto.low_rank and self._low_rank:
-            low_rank = planner.LowRank(auto.low_rank, dict(self._low_rank))
+        if auto.budget_rank and self._low_rank:
+            low_rank = planner.LowRank(auto.budget_rank, dict(self._low_rank))
         pace = planner.pace_from(list(self._steps.values()), auto.low_rank_steps)
         return planner.make_plan(gradients, figures, auto.error, critical=critical,
                                  low_rank=low_rank, only=only, pace=pace)
@@ -306,7 +317,7 @@ class AutoPlanner:
         if self._sums is None or replica_id != 0:
             return
         planned = [(t, v, r) for t, v, m, r in zip(tensors, variables, mask, reduced) if m]
-        if self._ops.compressor.low_rank > 0:
+        if self._ops.compressor.budget_rank > 0:
             self._matrices = [j for j, (t, _, _) in enumerate(planned)
                               if planner.LOW_RANK[0].compressor.supports(t.shape, t.dtype)]
         if self._ops.worker_rank != 0:
@@ -461,7 +472,7 @@ class AutoPlanner:
                              planner.critical_layers(self._norms, now, threshold))
         self._norms = now
         self._critical = critical
-        if self._ops.compressor.low_rank:
+        if self._ops.compressor.budget_rank:
             self._measured(gradients)
         # Planned again every time: the regimes, the low-rank errors or the steps timed
         # (the pace) may have moved, and a new plan is taken only where it pays.
@@ -472,7 +483,7 @@ class AutoPlanner:
         """See ``CompressedAllReduce.measure_low_rank``."""
         _check_step(step_s, step_se_s)
         current = self.plan
-        if self._sums is None or current is None or not self._ops.compressor.low_rank:
+        if self._sums is None or current is None or not self._ops.compressor.budget_rank:
             return False
         gradients = self._plan[1]
         self._timed(current, *(float(v) for v in

@@ -24,9 +24,11 @@ three modes (``mode``):
   path. Its state is a tensor of the table's shape, so every row keeps its residual
   (or momentum) from step to step, also while the batch does not touch it, and the
   sparsifiers choose among all the rows' entries.
-* under ``auto``, ``ROWS`` with the candidate its plan sends most of the dense
-  gradients' elements with (``AutoPlanner.row_compressor``), or the stock gather when
-  it plans everything as float32;
+* under ``auto``, ``ROWS`` with the quantizer its plan sends most of the dense
+  gradients' elements with, or, where it quantizes none but sends some low-rank, the
+  quantizer of the fewest bytes within its error budget
+  (``AutoPlanner.row_compressor``); the stock gather when it plans everything as
+  float32;
 * ``STOCK``: ``none`` (bit-identical to the stock strategy), variance-based
   compression (no second moment for an embedding), and tables the policy or the
   compressor does not take (GradiVeQ compresses convolutions only, unless
