@@ -667,6 +667,11 @@ def test_embedding_rows_travel_as_the_plans_quantizer_or_the_fewest_bytes_in_bud
     assert rows(low_rank, 0.07) == compressor("rqsgd4")  # 4 bits, bound 0.068
     assert rows(low_rank, 1e-4) == compressor("bf16")  # only bf16's 2**-16 fits
     assert rows(low_rank, 0.0) is None
+    # While a gradient is critical, the rows take no more error than critical ones do.
+    base = dataclasses.replace(base, entries=tuple(
+        dataclasses.replace(e, critical=e.name == "fc1") for e in base.entries))
+    assert rows(low_rank) == compressor("bf16")
+    assert rows(["fp32", "fp32", "rqsgd4", "fp32", "fp32"]) == compressor("rqsgd4")
 
 
 def test_low_rank_must_save_more_than_the_steps_it_adds_cost():
@@ -1029,6 +1034,24 @@ def test_each_candidates_error_stays_within_the_bound_the_budget_uses(label, kin
 
 
 # -- settings ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("spec", ["auto", "auto:low_rank=0", "auto:low_rank=8",
+                                  "auto:error=0.07,link_gbps=1.5,low_rank_steps=0.5"])
+def test_the_settings_round_trip_through_their_spec_and_config(spec):
+    # Every argument comes back as given, low_rank included (kept as budget_rank): the
+    # workers compare serialized settings, and logs and results print them.
+    from tfgc.compressors import registry
+    from tfgc.compressors.auto import Auto
+
+    auto = get_compressor(spec)
+    assert get_compressor(registry.serialize(auto)) == auto
+    assert Auto(**auto.get_config()) == auto
+    assert auto.get_config()["low_rank"] == auto.budget_rank
+    assert auto.low_rank is None  # not a compressor that sends low-rank factors itself
+    assert get_compressor(registry.describe(auto)) == auto
+    others = [get_compressor(f"auto:low_rank={r}") for r in (0, 1, 2, 4, 8)]
+    assert sum(other == auto for other in others) == (1 if auto.error == 0.05 else 0)
+
 
 @pytest.mark.parametrize("spec, argument", [
     ("auto:error=-1", "error"), ("auto:link_gbps=-2", "link_gbps"),

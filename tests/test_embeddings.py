@@ -40,6 +40,9 @@ def table(shape=(VOCAB, DIM)):
     ("powersgd", embeddings.DENSE), ("efsignsgd", embeddings.DENSE),
     ("threshold", embeddings.DENSE), ("adaptive", embeddings.DENSE),
     ("graddrop", embeddings.DENSE), ("importance", embeddings.DENSE),
+    # auto's rows take a quantizer of its plan, whatever its low-rank budget.
+    ("auto", embeddings.ROWS), ("auto:low_rank=8", embeddings.ROWS),
+    ("auto:low_rank=0", embeddings.ROWS),
 ])
 def test_mode_of_each_compressor(spec, expected):
     assert embeddings.mode(compressors.get(spec), POLICY, table(), tf.float32) == expected

@@ -220,14 +220,20 @@ def train_one(strategy, keras, tf, model_name, spec, args, x, y, probe_x, probe_
               "total_sent_bytes", "total_dense_sent_bytes")}
     stats["ratio"] = after_stats["ratio"]
     # How the embedding's gradient travelled: in auto's plan (as a dense table) or not,
-    # and the reason where it went uncompressed.
+    # and the reason where it went uncompressed. Keras 3 may name a variable otherwise
+    # than the strategy sees it, so a table is also known by its shape, a rows reason
+    # by its words.
     plan = strategy.compression_plan() if spec.startswith("auto") else None
-    tables = [w.name for layer in net.layers if isinstance(layer, keras.layers.Embedding)
-              for w in layer.trainable_weights]
-    embedding = {"planned": [e.name for e in plan.entries if e.name in tables] if plan else [],
-                 "uncompressed": [u["reason"] for u in strategy.uncompressed_gradients()
-                                  if u["variable"] in tables],
-                 "tables": tables}
+    tables = [(w.name, tuple(w.shape)) for layer in net.layers
+              if isinstance(layer, keras.layers.Embedding) for w in layer.trainable_weights]
+    embedding = {
+        "planned": [e.name for e in plan.entries
+                    if any(e.name == n or tuple(e.shape) == s for n, s in tables)]
+        if plan else [],
+        "uncompressed": [u["reason"] for u in strategy.uncompressed_gradients()
+                         if any(u["variable"] == n for n, _ in tables)
+                         or "embedding rows" in u["reason"]],
+        "tables": [n for n, _ in tables]}
     return {"spec": spec, "model": model_name, "loss_before": before, "loss_after": after,
             "losses": [float(v) for v in history.history["loss"]], "stats": stats,
             "embedding": embedding,

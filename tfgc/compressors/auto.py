@@ -85,6 +85,11 @@ class Auto(Compressor):
         if self.low_rank_steps == float("inf"):
             raise ValueError("`low_rank_steps` must be finite, got inf")
 
+    def get_config(self):
+        config = super().get_config()
+        config["low_rank"] = self.budget_rank  # kept as ``budget_rank`` (see __init__)
+        return config
+
     def compress(self, x, state, ctx):
         raise NotImplementedError(
             "compressor 'auto' is a plan, not an encoding: the cross-device ops compress each "

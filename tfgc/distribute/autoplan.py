@@ -118,8 +118,9 @@ class AutoPlanner:
         link, whose bytes the rows' varying count does not let it weigh itself); where
         the plan quantizes nothing but sends some gradients low-rank (rows change from
         step to step: no residual or query of their own), the quantizer that sends the
-        fewest bytes an element within the plan's error budget (ties: the least
-        error); None (the stock gather) when it sends everything as float32."""
+        fewest bytes an element within the plan's error budget, or within bf16's bound
+        while some gradient is critical (ties: the least error); None (the stock
+        gather) when it sends everything as float32 or no quantizer fits."""
         plan = self.plan
         if plan is None:
             return None
@@ -133,9 +134,12 @@ class AutoPlanner:
                        key=lambda c: elements.get(c.label, 0)).compressor
         if not any(e.candidate.rank for e in plan.entries):
             return None
+        budget = plan.error_budget
+        if any(e.critical for e in plan.entries):
+            budget = min(budget, planner.CRITICAL_BOUND)  # as critical gradients take
         block = (embeddings.BLOCK_ENTRIES,)
         within = [c for c in planner.CANDIDATES[1:]
-                  if c.variance_bound(embeddings.BLOCK_ENTRIES) <= plan.error_budget]
+                  if c.variance_bound(embeddings.BLOCK_ENTRIES) <= budget]
         if not within:
             return None
         return min(within, key=lambda c: planner.sent_bytes(

@@ -9,14 +9,14 @@ three modes (``mode``):
 
 * ``ROWS``, compressors whose payload is a function of the values alone and whose
   combination is the sum of the decoded payloads (QSGD, TernGrad, the casts, random-k
-  and FFT without error feedback): the rows are cut into blocks of a fixed number of rows, each block is
-  compressed as a [rows, row size] matrix, and the blocks and their row indices are
-  all-gathered, padded to the largest count among the workers (counts and the
-  guard's control words go first, in an all-gather of their own). A worker's repeated
-  rows are added before they are compressed, so it never sends more rows than the
-  table has. Every worker decodes
-  every worker's blocks, drops the padding and returns the rows in rank order: an
-  IndexedSlices like the stock one, its rows quantized.
+  and FFT without error feedback): the rows are cut into blocks of a fixed number
+  of rows, each block is compressed as a [rows, row size] matrix, and the blocks and
+  their row indices are all-gathered, padded to the largest count among the workers
+  (counts and the guard's control words go first, in an all-gather of their own). A
+  worker's repeated rows are added before they are compressed, so it never sends
+  more rows than the table has. Every worker decodes every worker's blocks, drops
+  the padding and returns the rows in rank order: an IndexedSlices like the stock
+  one, its rows quantized.
 * ``DENSE``, compressors with state (error feedback, so 1-bit SGD and EF-signSGD
   too, DGC, PowerSGD, the thresholds), those that pick entries by size (top-k,
   importance, gradient dropping) and signSGD's vote: the rows are summed into a dense

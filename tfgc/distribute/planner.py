@@ -153,6 +153,9 @@ class Candidate:
         raise ValueError(f"no variance bound for candidate {self.spec!r}")
 
 
+# The most error a gradient in a critical regime may take from a quantizer: bf16's.
+CRITICAL_BOUND = 2.0 ** -16
+
 # From the least error to the most; the order also breaks ties. The rotated ones
 # (``QSGD(rotate=True)``) cost a Hadamard transform per encoding and decoding and
 # lose far less: bounds 0.00025 (8 bits) and 0.068 (4 bits) against 8-bit QSGD's
@@ -1062,7 +1065,7 @@ def least_gain(kept: Plan, new: Plan) -> float:
 
 
 def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figures,
-              error_budget: float, critical=(), critical_bound: float = 2.0 ** -16,
+              error_budget: float, critical=(), critical_bound: float = CRITICAL_BOUND,
               low_rank: Optional[LowRank] = None,
               only: Optional[Dict[str, str]] = None,
               pace: Optional[Pace] = None) -> Optional[Plan]:

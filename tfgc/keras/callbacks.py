@@ -278,12 +278,12 @@ class AutoPlanCallback(keras.callbacks.Callback):
     steps have been timed (``LOW_RANK_AFTER`` steps, after the first step, which
     traces, and ``SETTLE_STEPS`` more, which still warm up) and at every interval's end
     (``Auto.budget_rank``, its ``low_rank`` argument: the low-rank candidates'
-    budget), so that low rank can be planned from the fifth step on (at twice the budget's rank while critical). Each
-    time it passes the current plan's measured step (the median of its settled steps,
-    the least of them while fewer than three) and that step's standard error, from which
-    the planner weighs the steps a low-rank plan adds against the time it saves
-    (``Auto.low_rank_steps``), and takes a change only where it pays for every slope
-    the steps' noise allows.
+    budget), so that low rank can be planned from the fifth step on (at twice the
+    budget's rank while critical). Each time it passes the current plan's measured
+    step (the median of its settled steps, the least of them while fewer than three)
+    and that step's standard error, from which the planner weighs the steps a
+    low-rank plan adds against the time it saves (``Auto.low_rank_steps``), and takes
+    a change only where it pays for every slope the steps' noise allows.
 
     A new plan takes effect at the next step (a new train function, as a compressor
     switch). That step's retrace costs seconds, so the callback times it and the steps
