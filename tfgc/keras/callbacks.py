@@ -294,8 +294,8 @@ class AutoPlanCallback(keras.callbacks.Callback):
     What the callback's own work took is in ``measure_s`` (the low-rank timings) and
     ``costs`` (per interval's end). Adds ``auto_critical`` (how many gradients are
     critical) and ``auto_replanned`` (1 if the link changed the plan) to the epoch's
-    logs. Every
-    worker must run it (Keras calls every worker's callbacks at the same point).
+    logs. Every worker must run it (Keras calls every worker's callbacks at the same
+    point).
 
     Args:
       strategy: a ``tfgc.CompressedMultiWorkerMirroredStrategy`` with
