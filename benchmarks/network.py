@@ -415,7 +415,7 @@ def _worker(args, prefix, phase):
     plan = strategy.compression_plan() if hasattr(strategy, "compression_plan") else None
     if plan is not None:
         # compressor="auto": what it chose for each gradient, and from what figures.
-        result["plan"] = [f"{e.name}={e.label}@{e.path}" for e in plan.entries]
+        result["plan"] = plan.key()[len("auto:"):].split(";")
         result["plan_figures"] = plan.figures.describe()
         if plan.pace is not None:
             result["plan_pace"] = [plan.pace.compute_s, plan.pace.scale,

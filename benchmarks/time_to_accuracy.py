@@ -410,8 +410,10 @@ def _worker(args, rank, prefix, phase):
         if plan is not None:
             # The last plan against its own steps (the last 100, or as many as it ran).
             result["auto"]["plan"] = {
-                "labels": {e.name: e.label for e in plan.entries},
-                "sent_bytes": sum(e.sent_bytes for e in plan.entries),
+                "labels": {**{e.name: e.label for e in plan.entries},
+                           **{t.name: f"rows:{t.label}" for t in plan.rows_tables}},
+                "sent_bytes": sum(e.sent_bytes for e in plan.entries)
+                + sum(t.sent_bytes for t in plan.rows_tables),
                 "predicted_ms": {k: v * 1e3 for k, v in plan.predicted().items()},
                 "last_steps_median_ms": statistics.median(timed[-100:])}
     with open(prefix + ".json", "w") as f:

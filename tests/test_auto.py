@@ -633,6 +633,90 @@ def test_the_planner_keeps_its_plan_unless_a_change_pays_at_every_slope():
     assert outcomes == {0.010: False, 0.0003: True}
 
 
+TABLE_AFTER = 2  # the embedding table's index among TABLE_GRADIENTS
+
+
+def table_gradients(shape):
+    """GRADIENTS with an embedding table of ``shape`` after fc1."""
+    return GRADIENTS[:TABLE_AFTER] + [("table", shape, "float32")] + GRADIENTS[TABLE_AFTER:]
+
+
+@pytest.mark.parametrize("shape,rows,dense", [
+    # Every row of a small table touched: summed, it goes low-rank for less than its rows.
+    ((2000, 256), 2000, True),
+    # A large vocabulary of which a batch touches few rows: the rows are far fewer bytes.
+    ((50000, 256), 800, False),
+])
+def test_each_table_goes_as_rows_or_dense_whichever_the_plan_prices_faster(shape, rows, dense):
+    fig = all_figures(0.1)
+    gradients = table_gradients(shape)
+    measured = dict(MEASURED, table=spectrum_errors(0.7 ** np.arange(256)))
+    kwargs = dict(low_rank=planner.LowRank(2, measured))
+    tables = {TABLE_AFTER: (rows, 4 * rows)}
+    fixed = {d: planner.plan_tables(gradients, tables, fig, 0.05, dense=d, **kwargs)
+             for d in (frozenset(), frozenset([0]))}
+    plan = planner.plan_tables(gradients, tables, fig, 0.05, **kwargs)
+    # The choice is the faster of the two, each priced in full.
+    assert plan.key() == min(fixed.values(), key=planner.Plan.paced_seconds).key()
+    (table,) = plan.tables
+    assert table.dense == dense and table.rows == rows and table.name == "table"
+    names = [e.name for e in plan.entries]
+    assert ("table" in names) == dense
+    assert names == [g[0] for g in gradients if g[0] != "table" or dense]  # in order
+    rows_plan = fixed[frozenset()]
+    (as_rows,) = rows_plan.tables
+    assert f"table=rows:{as_rows.label}" in rows_plan.key()
+    # Dense, the table loses no more than its rows would, outside the quantizers'
+    # budget, which the other gradients keep to.
+    dense_plan = fixed[frozenset([0])]
+    (entry,) = [e for e in dense_plan.entries if e.name == "table"]
+    rows_bound = planner.BY_LABEL[as_rows.label].variance_bound(int(np.prod(shape)))
+    assert entry.candidate.rank is not None or entry.error <= rows_bound
+    others = [e for e in dense_plan.entries if e.name != "table"]
+    assert dense_plan.mean_error == pytest.approx(
+        sum(e.error * np.prod(e.shape) for e in others if e.candidate.rank is None)
+        / sum(np.prod(e.shape) for e in others))
+    assert dense_plan.mean_error <= 0.05
+    # The rows' bytes and time count in the step as the entries' do.
+    assert as_rows.sent_bytes > 0 and as_rows.wire_s == pytest.approx(
+        as_rows.sent_bytes * fig.link().beta)
+    assert rows_plan.step_seconds() > planner.make_plan(
+        [g for g in gradients if g[0] != "table"], fig, 0.05, **kwargs).step_seconds()
+    # More rows, more bytes: a rows table is priced from its count.
+    more = planner.plan_tables(gradients, {TABLE_AFTER: (2 * rows, 8 * rows)}, fig, 0.05,
+                               dense=frozenset(), **kwargs)
+    assert more.tables[0].sent_bytes > as_rows.sent_bytes
+
+
+def test_a_dense_table_takes_no_quantizer_lossier_than_its_rows():
+    # A budget that keeps the other gradients near bf16: the rows go as bf16, and so
+    # must the table dense, though outside the budget rotated 4 bits would be faster.
+    fig, gradients = all_figures(0.1), table_gradients((2000, 256))
+    plan = planner.plan_tables(gradients, {TABLE_AFTER: (2000, 8000)}, fig, 1e-4,
+                               dense=frozenset([0]))
+    (table,) = plan.tables
+    (entry,) = [e for e in plan.entries if e.name == "table"]
+    bound = planner.BY_LABEL[table.label].variance_bound(2000 * 256)
+    assert table.dense and table.label == "bf16"
+    assert entry.error <= bound and plan.mean_error <= 1e-4
+    uncapped = planner.make_plan(gradients, fig, 1e-4, capped={"table": float("inf")})
+    (free,) = [e for e in uncapped.entries if e.name == "table"]
+    assert free.error > bound  # the cap is what holds it
+
+
+def test_a_table_not_counted_yet_goes_as_rows_priced_at_nothing():
+    gradients = table_gradients((2000, 256))
+    plan = planner.plan_tables(gradients, {TABLE_AFTER: (0, 0)}, all_figures(0.1), 0.05)
+    (table,) = plan.tables
+    assert not table.dense and table.sent_bytes == 0 and table.cpu_s == 0
+    assert "rows not counted yet" in plan.table()
+    # Under a float32 plan the rows take the stock gather, priced from their occurrences.
+    fast = planner.plan_tables(gradients, {TABLE_AFTER: (100, 400)}, all_figures(1000.0), 0.0)
+    (table,) = fast.tables
+    assert table.label == "fp32"
+    assert table.sent_bytes == 400 * (256 * 4 + 4) * (fast.num_workers - 1)
+
+
 def test_embedding_rows_travel_as_the_plans_quantizer_or_the_fewest_bytes_in_budget():
     # AutoPlanner.row_compressor under plans of given labels: float32 everywhere sends
     # the rows on the stock gather; otherwise the quantizer carrying most elements; a
@@ -1503,3 +1587,40 @@ def test_a_model_learns_under_a_measured_plan(cluster):
     results = assert_fit_identical_and_learning(cluster, 2)
     assert len(results["plan"]) >= 1
     assert "tfgc: compressor='auto' plan" in results["table"]
+
+
+def test_each_embedding_table_goes_dense_or_as_rows_as_the_plan_prices_it(cluster):
+    # Step 8 of the worker: a small table whose every row a step touches and a large one
+    # of which it touches FEW_ROWS, on a slow given link under AutoPlanCallback.
+    runs = _per_worker(cluster, "tables")
+    for a, b in zip(runs[0]["plans"], runs[1]["plans"]):
+        assert a["digest"] == b["digest"] and a["tables"] == b["tables"]
+    plans = runs[0]["plans"]
+    first = {t["name"].split("/")[0]: t for t in plans[0]["tables"]}
+    # The first plan comes before any step counted the rows: both go as rows.
+    assert set(first) == {"small_table", "large_table"}
+    assert not any(t["dense"] or t["rows"] for t in first.values()), plans[0]["table"]
+    for plan in plans[1:]:
+        tables = {t["name"].split("/")[0]: t for t in plan["tables"]}
+        small, large = tables["small_table"], tables["large_table"]
+        assert small["dense"] and not large["dense"], plan["table"]
+        assert 0 < large["rows"] <= worker.FEW_ROWS and small["rows"] > worker.FEW_ROWS
+        # The dense table is planned (compressed: the link is slow); the rows quantized.
+        entry = [e for e in plan["entries"] if e["name"] == small["name"]]
+        assert len(entry) == 1 and entry[0]["label"] != "fp32"
+        assert large["label"] != "fp32" and f"{large['name']}=rows:{large['label']}" \
+            in plan["key"]
+    # What the last plan's steps sent is what it counted: its entries, its rows and the
+    # gradients it leaves dense (on two workers the ring sends each one's bytes once).
+    last, stats = plans[-1], runs[0]["stats"]
+    counted = (sum(e["sent_bytes"] for e in last["entries"])
+               + sum(t["sent_bytes"] for t in last["tables"] if not t["dense"])
+               + sum(u["bytes"] for u in runs[0]["uncompressed"]
+                     if not u["reason"].startswith("auto's plan")))  # not in the entries
+    assert abs(stats["sent_bytes"] - counted) <= 0.01 * counted, (stats, last["table"])
+    # Every worker ends with the same weights, and the loss went down.
+    weights = [np.load(cluster / f"tables.w{r}.npz") for r in range(2)]
+    for key in weights[0].files:
+        np.testing.assert_array_equal(weights[0][key], weights[1][key])
+    losses = runs[0]["losses"]
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0]

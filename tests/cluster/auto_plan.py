@@ -31,8 +31,14 @@
    step, and bf16, on tfgc's path; identity, the stock all-reduce), a step that a NaN
    on worker 1 skips, a step of zeros, and a switch back with a step of zeros
    (``switched.w<rank>.npz``).
+8. Trains a model of two embedding tables under ``AutoPlanCallback`` on a slow given
+   link: a small one of which each step touches nearly every row, and a large one of which it
+   touches ``FEW_ROWS``. Writes the plan (with its tables) after the first step and after
+   each interval, the losses and the weights, then the statistics of two more steps
+   under the last plan (``tables.w<rank>.json``, ``tables.w<rank>.npz``).
 """
 
+import dataclasses
 import json
 import os
 import sys
@@ -113,6 +119,7 @@ def main():
     low_rank(strategy, rank, n, out_dir)
     moved_off_low_rank(strategy, rank, out_dir)
     switched_off_error_feedback(strategy, rank, out_dir)
+    tables(strategy, rank, out_dir)
 
 
 MOVED_TO = ["auto:link_gbps=0.001,error=0.00015,low_rank=0", "auto:link_gbps=1000,low_rank=0"]
@@ -309,6 +316,72 @@ def switched_off_error_feedback(strategy, rank, out_dir):
             arrays[f"residual_after{k}_{j}"] = (slot["residual"].numpy() if "residual" in slot
                                                 else np.zeros([0]))
     np.savez(os.path.join(out_dir, f"switched.w{rank}.npz"), **arrays)
+
+
+# Step 8: the small table (nearly every row touched each step) and the large one
+# (FEW_ROWS of it touched), and the tokens per sequence.
+SMALL_TABLE, LARGE_TABLE, FEW_ROWS, TOKENS = (96, 64), (4096, 64), 16, 24
+
+
+def tables(strategy, rank, out_dir):
+    """Step 8 of the module docstring."""
+    import tensorflow as tf
+    import tf_keras as keras
+
+    import tfgc
+
+    strategy.compressor = "auto:link_gbps=0.001,low_rank=2,low_rank_steps=0"
+    rng = np.random.RandomState(7 + rank)
+    batches, batch = 12, 32
+    # Each sequence: tokens of one half of the small table, the half its label says
+    # (about every row of it each batch), and of FEW_ROWS rows of the large one.
+    half = SMALL_TABLE[0] // 2
+    labels = rng.randint(2, size=(batches, batch))
+    small = rng.randint(half, size=(batches, batch, TOKENS)) + half * labels[:, :, None]
+    few = rng.choice(LARGE_TABLE[0], size=(batches, FEW_ROWS), replace=False)
+    large = np.stack([f[rng.randint(FEW_ROWS, size=(batch, TOKENS))] for f in few])
+    data = tf.data.Dataset.from_tensor_slices(
+        ((small.reshape(-1, TOKENS), large.reshape(-1, TOKENS)), labels.reshape(-1)))
+    data = data.batch(batch).repeat()
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        a, b = keras.Input([TOKENS], dtype="int32"), keras.Input([TOKENS], dtype="int32")
+        x = keras.layers.Concatenate()([
+            keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(
+                *SMALL_TABLE, name="small_table")(a)),
+            keras.layers.Flatten()(keras.layers.Embedding(*LARGE_TABLE, name="large_table")(b))])
+        x = keras.layers.Dense(32, activation="relu")(x)
+        net = keras.Model([a, b], keras.layers.Dense(2)(x))
+        net.compile(optimizer=keras.optimizers.Adam(0.01),
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    plans = []
+
+    def record():
+        plan = strategy.compression_plan()
+        plans.append({"entries": plan.as_dicts(), "digest": plan.digest(), "key": plan.key(),
+                      "tables": [dataclasses.asdict(t) for t in plan.tables],
+                      "table": plan.table()})
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if not plans or len(callback.history) > len(plans) - 1:
+                record()
+
+    callback = tfgc.keras.AutoPlanCallback(strategy, threshold=1e9, link_margin=None,
+                                           every_steps=LOW_RANK_EVERY)
+    history = net.fit(data.with_options(options), epochs=2, steps_per_epoch=6, verbose=0,
+                      callbacks=[callback, Record()])
+    np.savez(os.path.join(out_dir, f"tables.w{rank}.npz"), *[w.numpy() for w in net.weights])
+    # Two more steps under the last plan, for its bytes.
+    strategy.compression_stats()
+    net.fit(data.with_options(options), epochs=1, steps_per_epoch=2, verbose=0)
+    record()
+    with open(os.path.join(out_dir, f"tables.w{rank}.json"), "w") as f:
+        json.dump({"plans": plans, "losses": [float(v) for v in history.history["loss"]],
+                   "uncompressed": strategy.uncompressed_gradients(),
+                   "stats": strategy.compression_stats()}, f)
 
 
 if __name__ == "__main__":

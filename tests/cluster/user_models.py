@@ -112,6 +112,9 @@ def main():
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--savedmodel", action="store_true",
                    help="also save a trained model every way and load it back")
+    p.add_argument("--auto_every", type=int, default=0,
+                   help="under auto, tfgc.keras.AutoPlanCallback with intervals of this many "
+                        "steps (0: none)")
     p.add_argument("--momentum", type=float, default=0.0,
                    help="the optimizer's momentum (default plain SGD: most compressors' "
                         "analyses assume it, and 24 steps of heavy-ball momentum on "
@@ -193,6 +196,8 @@ def train_one(strategy, keras, tf, model_name, spec, args, x, y, probe_x, probe_
               rank):
     """One fit of a fresh model under ``spec``: losses, this run's figures, weights (and
     the model, ``net``)."""
+    import tfgc
+
     strategy.compressor = spec
     before_stats = strategy.compression_stats()
     momentum, lr = learning_setup(model_name, spec, args.momentum)
@@ -211,7 +216,11 @@ def train_one(strategy, keras, tf, model_name, spec, args, x, y, probe_x, probe_
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
     data = shard.batch(16, drop_remainder=True).repeat().with_options(options)
-    history = net.fit(data, epochs=args.epochs, steps_per_epoch=args.steps, verbose=0)
+    callbacks = []
+    if spec.startswith("auto") and args.auto_every:
+        callbacks.append(tfgc.keras.AutoPlanCallback(strategy, every_steps=args.auto_every))
+    history = net.fit(data, epochs=args.epochs, steps_per_epoch=args.steps, verbose=0,
+                      callbacks=callbacks)
     after = float(loss_fn(probe_y, net(probe_x, training=True)))
     after_stats = strategy.compression_stats()
     # This run's own figures: the totals are the strategy's since it was made.
@@ -220,9 +229,9 @@ def train_one(strategy, keras, tf, model_name, spec, args, x, y, probe_x, probe_
               "total_sent_bytes", "total_dense_sent_bytes")}
     stats["ratio"] = after_stats["ratio"]
     # How the embedding's gradient travelled: in auto's plan (as a dense table) or not,
-    # and the reason where it went uncompressed. Keras 3 may name a variable otherwise
-    # than the strategy sees it, so a table is also known by its shape, a rows reason
-    # by its words.
+    # as the plan's tables say, and the reason where it went uncompressed. Keras 3 may
+    # name a variable otherwise than the strategy sees it, so a table is also known by
+    # its shape, a rows reason by its words.
     plan = strategy.compression_plan() if spec.startswith("auto") else None
     tables = [(w.name, tuple(w.shape)) for layer in net.layers
               if isinstance(layer, keras.layers.Embedding) for w in layer.trainable_weights]
@@ -233,7 +242,11 @@ def train_one(strategy, keras, tf, model_name, spec, args, x, y, probe_x, probe_
         "uncompressed": [u["reason"] for u in strategy.uncompressed_gradients()
                          if any(u["variable"] == n for n, _ in tables)
                          or "embedding rows" in u["reason"]],
-        "tables": [n for n, _ in tables]}
+        "tables": [n for n, _ in tables],
+        # Each table: its name, whether it went dense, and what it went as (a dense one,
+        # its entry's candidate).
+        "plan_tables": [[t.name, t.dense, {e.name: e.label for e in plan.entries}.get(
+            t.name, "") if t.dense else t.label] for t in plan.tables] if plan else []}
     return {"spec": spec, "model": model_name, "loss_before": before, "loss_after": after,
             "losses": [float(v) for v in history.history["loss"]], "stats": stats,
             "embedding": embedding,

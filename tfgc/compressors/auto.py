@@ -33,6 +33,12 @@ plan keeps the low-rank gradients' total error within what PowerSGD at rank
 ``low_rank`` on every matrix would lose: where one layer is nearly low-rank and another
 is not, the first may take rank 1 and the second 8, or a quantizer. Without the
 callback, or with ``low_rank=0``, no gradient goes low-rank.
+
+Embedding tables (``tf.IndexedSlices`` gradients): each goes as the rows a step touched,
+quantized, or summed into a dense gradient that the plan sends like the others,
+whichever it prices faster (``planner.plan_tables``) from the rows a step counted; the
+first plan, before any step, sends them as rows, so a table goes dense only at a later
+plan (with ``tfgc.keras.AutoPlanCallback``, or ``replan``).
 """
 
 from tfgc.compressors.base import Compressor, check_number, check_positive_float

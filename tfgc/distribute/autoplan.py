@@ -81,29 +81,44 @@ class AutoPlanner:
         self._plan = None  # (generation, gradients, planner.Plan) once planned
         # A checkpoint's record, restored and not yet used by a plan.
         self._saved = None
+        # By place among the embedding tables: this worker's rows of the last step (a
+        # local int32 variable: distinct rows, rows with repeats; zeros: not counted),
+        # and every worker's most as last gathered (``_count_rows``).
+        self._counts, self._rows = {}, {}
         # How many times the figures were measured (a restored plan measures nothing).
         self.measurements = 0
         self.reset()
 
     def reset(self):
         """Another compressor: the next plan starts afresh, no regimes tracked."""
+        # Places below are indices in the plan's *layout*: the planned gradients and the
+        # embedding tables, in the gradients' order (``plan_for``), the same whichever
+        # tables go dense.
         # The names of the gradients in a critical regime ("all": every one, until the
-        # first interval ends), the last interval's norms and, by place among the
-        # planned gradients, a sum of each one's reduced values over the interval
-        # (None: regimes not tracked).
+        # first interval ends), the last interval's norms and, by place, a sum of each
+        # planned gradient's reduced values over the interval (None: regimes not
+        # tracked).
         self._critical, self._norms, self._sums = frozenset(), {}, None
-        # With regimes tracked and low-rank candidates on: by place among the planned
-        # gradients, each matrix's last kept local gradient (worker 0's only) and its
+        # With regimes tracked and low-rank candidates on: by place, each matrix's last
+        # kept local gradient (worker 0's only; a table sent as rows, densified) and its
         # variable (whose residual the measurement adds), and worker 0's last
         # measurement by name (``planner.LowRank.errors``).
         self._last, self._last_vars, self._low_rank = {}, {}, {}
         # Whether the next step keeps those gradients (``capture``; worker 0's: a copy
-        # of the matrices every step would cost the step a pass over them), and by
-        # place the planned gradients that are matrices (on every worker).
-        self._capture, self._matrices = None, []
+        # of the matrices every step would cost the step a pass over them), and the
+        # places of the planned gradients and of the tables sent as rows that are
+        # matrices (on every worker).
+        self._capture, self._matrices, self._row_matrices = None, [], []
         # The plans that ran, by key: (predicted communication, worker 0's measured
         # median step, its standard error), seconds (``planner.pace_from``).
         self._steps = {}
+        self._forget_rows()  # rows counted under another model are no count of this one's
+
+    def _forget_rows(self):
+        self._rows = {}
+        with tf.init_scope():
+            for count in self._counts.values():
+                count.assign(tf.zeros([2], tf.int32))
 
     @property
     def plan(self):
@@ -113,61 +128,72 @@ class AutoPlanner:
         return self._plan[2]
 
     def row_compressor(self):
-        """What embedding rows travel as under the current plan: the quantizing
-        candidate that carries most of the planned elements (the plan's view of the
-        link, whose bytes the rows' varying count does not let it weigh itself); where
-        the plan quantizes nothing but sends some gradients low-rank (rows change from
-        step to step: no residual or query of their own), the quantizer that sends the
-        fewest bytes an element within the plan's error budget, or within bf16's bound
-        while some gradient is critical (ties: the least error); None (the stock
-        gather) when it sends everything as float32 or no quantizer fits."""
+        """What the embedding rows travel as under the current plan (its tables' label,
+        ``planner.row_candidate``), or None: the stock gather."""
         plan = self.plan
         if plan is None:
             return None
-        elements = {}
-        for e in plan.entries:
-            if e.label != "fp32" and e.candidate.rank is None:
-                elements[e.label] = elements.get(e.label, 0) + int(np.prod(e.shape))
-        if elements:
-            # Ties go to the candidate with less error (max keeps the first).
-            return max(planner.CANDIDATES,
-                       key=lambda c: elements.get(c.label, 0)).compressor
-        if not any(e.candidate.rank for e in plan.entries):
-            return None
-        budget = plan.error_budget
-        if any(e.critical for e in plan.entries):
-            budget = min(budget, planner.CRITICAL_BOUND)  # as critical gradients take
-        block = (embeddings.BLOCK_ENTRIES,)
-        within = [c for c in planner.CANDIDATES[1:]
-                  if c.variance_bound(embeddings.BLOCK_ENTRIES) <= budget]
-        if not within:
-            return None
-        return min(within, key=lambda c: planner.sent_bytes(
-            c, "allgather", block, "float32", max(plan.num_workers, 2))).compressor
+        if plan.tables:
+            candidate = planner.BY_LABEL[plan.tables[0].label]
+        else:
+            candidate = planner.row_candidate(plan.entries, plan.error_budget,
+                                              plan.num_workers)
+        return None if candidate is None else candidate.compressor
+
+    def dense_tables(self, variables=None) -> frozenset:
+        """The places among the embedding tables (in the gradients' order) that the
+        current generation's plan sends as dense gradients; with ``variables`` (the
+        tables traced), none unless they are the plan's tables (another model)."""
+        plan = self.plan
+        if plan is None or (variables is not None and [
+                (t.name, t.shape) for t in plan.tables] != [
+                (base.name_of(v), tuple(tf.TensorShape(v.shape).as_list())) for v in variables]):
+            return frozenset()
+        return frozenset(t.place for t in plan.tables if t.dense)
 
     # -- at trace time -----------------------------------------------------------------
 
-    def plan_for(self, tensors, variables, mask, owner=None):
-        """The plan of the gradients in ``mask``: made (measuring first, or from the
-        figures a checkpoint of ``owner`` restored) at the first trace of a generation,
-        then kept for the same gradients."""
-        gradients = tuple((base.name_of(v), tuple(t.shape.as_list()), t.dtype.name)
-                          for t, v, m in zip(tensors, variables, mask) if m)
-        if self._plan is not None and self._plan[:2] == (self._ops.generation, gradients):
+    def plan_for(self, tensors, variables, mask, owner=None, positions=None, tables=()):
+        """The plan of the gradients in ``mask`` and of the embedding ``tables``: made
+        (measuring first, or from the figures a checkpoint of ``owner`` restored) at the
+        first trace of a generation, then kept for the same gradients.
+
+        ``tables``: (index among all the gradients, variable, dtype) of each table whose
+        rows the plan may send (``embeddings.ROWS``), in order; those the trace summed
+        into a dense gradient are among ``tensors`` too, whose indices among all the
+        gradients are ``positions`` (default: 0, 1, ...)."""
+        if positions is None:
+            positions = range(len(tensors))
+        where = {i: p for p, (i, _, _) in enumerate(tables)}
+        items = [(i, (base.name_of(v), tuple(t.shape.as_list()), t.dtype.name))
+                 for i, t, v, m in zip(positions, tensors, variables, mask)
+                 if m and i not in where]
+        items += [(i, (base.name_of(v), tuple(tf.TensorShape(v.shape).as_list()),
+                       tf.as_dtype(dtype).name, "table")) for i, v, dtype in tables]
+        layout = tuple(g for _, g in sorted(items, key=lambda item: item[0]))
+        dense = frozenset(where[i] for i, m in zip(positions, mask) if m and i in where)
+        if self._is_current(layout, dense):
             return self._plan[2]
         replica_ctx = tf.distribute.get_replica_context()
         if replica_ctx is not None and len(self._ops.local_devices) > 1:
             # Replica threads take turns; the measurements run once, in the merge.
-            replica_ctx.merge_call(lambda _: self._make(gradients, owner))
+            replica_ctx.merge_call(lambda _: self._make(layout, owner, dense))
         else:
-            self._make(gradients, owner)
+            self._make(layout, owner, dense)
         return self._plan[2]
 
-    def _make(self, gradients, owner):
+    def _is_current(self, layout, dense) -> bool:
+        return (self._plan is not None and self._plan[:2] == (self._ops.generation, layout)
+                and self.dense_tables() == dense)
+
+    def _make(self, gradients, owner, dense=frozenset()):
         generation = self._ops.generation
-        if self._plan is not None and self._plan[:2] == (generation, gradients):
+        if self._is_current(gradients, dense):
             return
         self._attach(owner)  # a deferred checkpoint restore reaches ``restored`` here
+        if self._plan is None or _tables_of(self._plan[1]) != _tables_of(gradients):
+            self._forget_rows()  # other tables: what was counted is not theirs
+        self._count_rows(gradients)
         auto = self._ops.compressor
         labels = None
         if self._figures is None or self._figures[0] != generation:
@@ -184,9 +210,9 @@ class AutoPlanner:
             # The saved plan itself, where the restored regimes and budgets still allow
             # it: a plan made afresh could differ (a change kept out because it did not
             # pay, steps timed after the plan was made).
-            plan = self._planned(gradients, self._figures[1], only=labels)
+            plan = self._planned(gradients, self._figures[1], only=labels, dense=dense)
         if plan is None:
-            plan = self._planned(gradients, self._figures[1])
+            plan = self._planned(gradients, self._figures[1], dense=dense)
         self._check_agree(plan)
         self._plan = (generation, gradients, plan)
         logging.info("%s", plan.table())
@@ -273,22 +299,57 @@ class AutoPlanner:
                      "checkpoint (%s)", figures.describe())
         return figures, record.get("labels")
 
-    def _planned(self, gradients, figures, only=None):
+    def _planned(self, gradients, figures, only=None, dense=None, rows_label=None):
+        """The plan of the layout ``gradients`` under ``figures`` and the current
+        regimes, errors and steps (``planner.plan_tables``): the tables at the places
+        ``dense`` sent dense (their rows as ``rows_label``, where given), or, with None,
+        the faster choice from the rows last counted (gathered first: every worker
+        calls it at the same point)."""
+        if dense is None:
+            self._count_rows(gradients)
         critical = self._critical
         if critical == "all":
-            critical = frozenset(name for name, _, _ in gradients)
+            critical = frozenset(g[0] for g in gradients)
         auto = self._ops.compressor
         low_rank = None
         if auto.budget_rank and self._low_rank:
             low_rank = planner.LowRank(auto.budget_rank, dict(self._low_rank))
         pace = planner.pace_from(list(self._steps.values()), auto.low_rank_steps)
-        return planner.make_plan(gradients, figures, auto.error, critical=critical,
-                                 low_rank=low_rank, only=only, pace=pace)
+        tables = {k: self._rows.get(p, (0, 0))
+                  for p, k in enumerate(_table_places(gradients))}
+        return planner.plan_tables([tuple(g[:3]) for g in gradients], tables, figures,
+                                   auto.error, dense=dense, rows_label=rows_label,
+                                   critical=critical, low_rank=low_rank, only=only, pace=pace)
+
+    def _count_rows(self, gradients):
+        """Every worker's rows of the last step, the most of each (``_rows``). Every
+        worker calls it at the same point."""
+        places = range(len(_table_places(gradients)))
+        if not places or any(p not in self._counts for p in places):
+            return  # no step counted them yet (the same on every worker)
+        with tf.init_scope():
+            words = np.concatenate([self._counts[p].numpy() for p in places])
+        most = np.max(self._ops.gather_words(words.tolist()), axis=0)
+        self._rows = {p: (int(most[2 * p]), int(most[2 * p + 1])) for p in places}
 
     def _first_floats(self, values):
         """Worker 0's ``values`` (float32, sent as the bits of words), on every worker."""
         bits = np.asarray(values, np.float32).view(np.int32)
         return self._ops.gather_words(bits)[0].astype(np.int32).view(np.float32)
+
+    def _repriced(self, gradients, current):
+        """``current`` priced with the rows the last step counted, where it has tables
+        (the first plan's are not counted yet, so it priced their rows at nothing): the
+        communication its timed steps are set against. Every worker calls it at the same
+        point."""
+        if not current.tables:
+            return current
+        self._count_rows(gradients)
+        plan = self._planned(gradients, self._figures[1],
+                             only={e.name: e.label for e in current.entries},
+                             dense={t.place for t in current.tables if t.dense},
+                             rows_label=current.tables[0].label)
+        return current if plan is None or plan.key() != current.key() else plan
 
     def _timed(self, plan, step_s, step_se_s):
         """Keeps worker 0's measured step and its standard error (from its words, NaN:
@@ -320,14 +381,16 @@ class AutoPlanner:
         """
         if self._sums is None or replica_id != 0:
             return
-        planned = [(t, v, r) for t, v, m, r in zip(tensors, variables, mask, reduced) if m]
+        # By place in the layout.
+        planned = dict(zip(self._planned_places(), [
+            (t, v, r) for t, v, m, r in zip(tensors, variables, mask, reduced) if m]))
         if self._ops.compressor.budget_rank > 0:
-            self._matrices = [j for j, (t, _, _) in enumerate(planned)
+            self._matrices = [j for j, (t, _, _) in planned.items()
                               if planner.LOW_RANK[0].compressor.supports(t.shape, t.dtype)]
         if self._ops.worker_rank != 0:
             return
         with tf.init_scope(), tf.device(self._ops.local_devices[0]):
-            for j, (t, _, _) in enumerate(planned):
+            for j, (t, _, _) in planned.items():
                 if j not in self._sums:
                     self._sums[j] = state_lib.local_variable(tf.zeros(t.shape, t.dtype),
                                                              "tfgc_interval_sum")
@@ -339,10 +402,11 @@ class AutoPlanner:
             if self._matrices and self._capture is None:
                 self._capture = state_lib.local_variable(tf.constant(True), "tfgc_capture")
         if ok is None:  # nothing compressed: no step decision, so look at the values
-            ok = tf.reduce_all([tf.reduce_all(tf.math.is_finite(r)) for _, _, r in planned])
+            ok = tf.reduce_all([tf.reduce_all(tf.math.is_finite(r))
+                                for _, _, r in planned.values()])
 
         def add():
-            for j, (_, _, r) in enumerate(planned):
+            for j, (_, _, r) in planned.items():
                 self._sums[j].assign_add(r)
             return tf.constant(True)
 
@@ -357,6 +421,75 @@ class AutoPlanner:
 
             tf.cond(self._capture.read_value(), keep, lambda: tf.constant(False))
 
+    def _planned_places(self):
+        """The places in the layout of the current plan's entries, in order."""
+        layout, plan = self._plan[1], self._plan[2]
+        dense = {t.place for t in plan.tables if t.dense}
+        tables = {k: p for p, k in enumerate(_table_places(layout))}
+        return [k for k in range(len(layout)) if k not in tables or tables[k] in dense]
+
+    def track_tables(self, slices, variables, reduced, ok, replica_id):
+        """Each embedding table's rows this step (``slices``, IndexedSlices, by place
+        among the tables; ``reduced``: the summed rows of those the plan does not send
+        dense, None for the others; ``ok``: the step's decision, or None). Counted on
+        every worker (``_count_rows``); on worker 0, with regimes tracked, the summed
+        rows added to the table's interval sum (a table has its regime as rows too, so
+        a switch to dense finds its previous norm), and, with low-rank candidates on,
+        the local rows kept densified when a capture is asked for, so that the low-rank
+        measurement prices the table dense too. In the traced step, replica 0."""
+        if replica_id != 0 or self.plan is None:
+            return
+        with tf.init_scope(), tf.device(self._ops.local_devices[0]):
+            for p in range(len(slices)):
+                if p not in self._counts:
+                    self._counts[p] = state_lib.local_variable(tf.zeros([2], tf.int32),
+                                                               "tfgc_table_rows")
+        for p, s in enumerate(slices):
+            unique, _ = tf.unique(tf.reshape(s.indices, [-1]))
+            self._counts[p].assign(tf.stack([tf.size(unique, tf.int32),
+                                             tf.size(s.indices, tf.int32)]))
+        if self._sums is None:
+            return
+        places = _table_places(self._plan[1])
+        rows = [(places[p], s, v, r)
+                for p, (s, v, r) in enumerate(zip(slices, variables, reduced)) if r is not None]
+        low_rank = planner.LOW_RANK[0].compressor
+        captured = [(k, s, v) for k, s, v, _ in rows if self._ops.compressor.budget_rank > 0
+                    and low_rank.supports(tf.TensorShape(v.shape), s.values.dtype)]
+        self._row_matrices = [k for k, _, _ in captured]
+        if self._ops.worker_rank != 0 or not rows:
+            return
+        with tf.init_scope(), tf.device(self._ops.local_devices[0]):
+            for k, s, v, _ in rows:
+                if k not in self._sums:
+                    self._sums[k] = state_lib.local_variable(
+                        tf.zeros(v.shape, s.values.dtype), "tfgc_interval_sum")
+            for k, s, v in captured:
+                if k not in self._last:
+                    self._last[k] = state_lib.local_variable(
+                        tf.zeros(v.shape, s.values.dtype), "tfgc_last_gradient")
+            if captured and self._capture is None:
+                self._capture = state_lib.local_variable(tf.constant(True), "tfgc_capture")
+        if ok is None:
+            ok = tf.reduce_all([tf.reduce_all(tf.math.is_finite(r.values))
+                                for _, _, _, r in rows])
+
+        def add():
+            for k, _, v, r in rows:
+                self._sums[k].scatter_add(tf.IndexedSlices(
+                    tf.reshape(r.values, [-1] + tf.TensorShape(v.shape)[1:].as_list()),
+                    r.indices))
+            return tf.constant(True)
+
+        tf.cond(ok, add, lambda: tf.constant(False))
+        if captured:
+            def keep():
+                for k, s, v in captured:
+                    self._last[k].assign(embeddings.densify(s, v))
+                return tf.constant(True)
+
+            tf.cond(self._capture.read_value(), keep, lambda: tf.constant(False))
+
     def capture(self):
         """See ``CompressedAllReduce.capture_gradients``."""
         if self._capture is not None:
@@ -366,7 +499,8 @@ class AutoPlanner:
         """Worker 0's low-rank errors of every kept matrix (``planner.low_rank_errors`` of
         its last local gradient plus its residual, where it has one), agreed: every
         worker gets the same numbers. Eager; every worker calls it at the same point."""
-        places = list(self._matrices)
+        places = list(self._matrices) + [k for k in self._row_matrices
+                                         if k not in self._matrices]
         if not places:
             return {}
         width = 1 + len(planner.RANKS)
@@ -375,7 +509,7 @@ class AutoPlanner:
             residuals = self._residuals()
             for row, j in enumerate(places):
                 x = self._last[j].numpy()
-                residual = residuals.get(j)
+                residual = residuals.get(j) if j in self._matrices else None
                 if residual is not None and residual.shape == x.shape:
                     x = x + residual
                 shape = planner.LOW_RANK[0].compressor.matrix_shape(tf.TensorShape(x.shape))
@@ -470,7 +604,7 @@ class AutoPlanner:
         # words), so every worker decides alike.
         first = self._first_floats(norms + [min_gain_s, _or_nan(step_s), _or_nan(step_se_s)])
         min_gain_s = float(first[-3])
-        self._timed(current, float(first[-2]), float(first[-1]))
+        self._timed(self._repriced(gradients, current), float(first[-2]), float(first[-1]))
         now = {j: float(v) for j, v in enumerate(first[:-3])}
         critical = frozenset(gradients[j][0] for j in
                              planner.critical_layers(self._norms, now, threshold))
@@ -490,8 +624,8 @@ class AutoPlanner:
         if self._sums is None or current is None or not self._ops.compressor.budget_rank:
             return False
         gradients = self._plan[1]
-        self._timed(current, *(float(v) for v in
-                               self._first_floats([_or_nan(step_s), _or_nan(step_se_s)])))
+        self._timed(self._repriced(gradients, current), *(float(v) for v in self._first_floats(
+            [_or_nan(step_s), _or_nan(step_se_s)])))
         if not self._measured(gradients):
             return False
         return self._plan_again(gradients, current)
@@ -526,7 +660,10 @@ class AutoPlanner:
             kept = None
             if min_gain_s > 0 or (plan.pace is not None and plan.pace.measured_slope):
                 kept = self._planned(gradients, figures,
-                                     only={e.name: e.label for e in current.entries})
+                                     only={e.name: e.label for e in current.entries},
+                                     dense={t.place for t in current.tables if t.dense},
+                                     rows_label=current.tables[0].label
+                                     if current.tables else None)
             if planner.change_pays(kept, plan, min_gain_s):
                 self._adopt(gradients, figures, plan)
                 return True
@@ -542,13 +679,23 @@ class AutoPlanner:
 
     @property
     def norms(self):
-        """The last interval's norms, by place among the planned gradients."""
+        """The last interval's norms, by place in the plan's layout (the planned
+        gradients and the embedding tables, in order)."""
         return dict(self._norms)
 
     @property
     def figures(self):
         """The current figures (``planner.Figures``), or None before the first plan."""
         return None if self._figures is None else self._figures[1]
+
+
+def _table_places(layout):
+    """The indices of the embedding tables in a plan's layout (``plan_for``)."""
+    return [k for k, g in enumerate(layout) if len(g) > 3]
+
+
+def _tables_of(layout):
+    return [tuple(g) for g in layout if len(g) > 3]
 
 
 def steps_from_record(rows) -> dict:

@@ -495,6 +495,15 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         # Embedding gradients: compressed rows, a dense gradient on the path, or stock.
         modes = {i: embeddings.mode(compressor, self._policy, ctx.variables[i], v.values.dtype)
                  for i, v in enumerate(flat) if isinstance(v, tf.IndexedSlices)}
+        # Under auto: the tables whose rows it may send, and those of them its plan
+        # sends as dense gradients in this generation (``planner.plan_tables``).
+        tables = []
+        if compressor.plans_per_tensor:
+            tables = [(i, flat[i]) for i in sorted(modes) if modes[i] == embeddings.ROWS]
+            dense_tables = self._auto.dense_tables([ctx.variables[i] for i, _ in tables])
+            for place, (i, _) in enumerate(tables):
+                if place in dense_tables:
+                    modes[i] = embeddings.DENSE
         flat = [embeddings.densify(v, ctx.variables[i]) if modes.get(i) == embeddings.DENSE
                 else v for i, v in enumerate(flat)]
         slices_pos = [i for i, m in modes.items() if m != embeddings.DENSE]
@@ -549,7 +558,8 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                     state.step(replica_id).assign_add(1)
         elif compressor.plans_per_tensor:
             reduced, ok, state, planned = self._planned_reduce(
-                ctx.owner, tensors, variables, mask, replica_id, options, wire)
+                ctx.owner, tensors, variables, mask, replica_id, options, wire, tensor_pos,
+                [(i, ctx.variables[i], s.values.dtype) for i, s in tables])
         else:
             self._choose(tensors, mask)
             path = paths.PATHS[self._path()]
@@ -638,6 +648,12 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                                                   s.values.dtype))
                 wire.uncompressed_gradient(paths.base.name_of(ctx.variables[i]),
                                            wire.dynamic[-1], reason)
+        if tables and any(mask):
+            with tf.device(device):
+                self._auto.track_tables(
+                    [s for _, s in tables], [ctx.variables[i] for i, _ in tables],
+                    [None if modes[i] == embeddings.DENSE else results[i] for i, _ in tables],
+                    ok, replica_id)
 
         if replica_id == 0:
             self._uncompressed = [
@@ -719,12 +735,15 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             raise ValueError(f"{what}() is for compressor='auto', not {self._compressor!r}")
         return self._auto
 
-    def _planned_reduce(self, owner, tensors, variables, mask, replica_id, options, wire):
+    def _planned_reduce(self, owner, tensors, variables, mask, replica_id, options, wire,
+                        positions, tables):
         """The gradients in ``mask`` as the plan says, in groups by candidate, each on its
-        path and in buckets, one decision for the whole step. Returns ``(reduced, ok,
-        state, how many gradients it compressed)``."""
+        path and in buckets, one decision for the whole step (``positions``: their
+        indices among all the gradients; ``tables``: the embedding tables the plan
+        covers, ``AutoPlanner.plan_for``). Returns ``(reduced, ok, state, how many
+        gradients it compressed)``."""
         n = self._num_replicas
-        plan = self._auto.plan_for(tensors, variables, mask, owner)
+        plan = self._auto.plan_for(tensors, variables, mask, owner, positions, tables)
         planned = [i for i, m in enumerate(mask) if m]
         entries = dict(zip(planned, plan.entries))
         groups = {}

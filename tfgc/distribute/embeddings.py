@@ -24,11 +24,15 @@ three modes (``mode``):
   path. Its state is a tensor of the table's shape, so every row keeps its residual
   (or momentum) from step to step, also while the batch does not touch it, and the
   sparsifiers choose among all the rows' entries.
-* under ``auto``, ``ROWS`` with the quantizer its plan sends most of the dense
-  gradients' elements with, or, where it quantizes none but sends some low-rank, the
-  quantizer of the fewest bytes within its error budget
-  (``AutoPlanner.row_compressor``); the stock gather when it plans everything as
-  float32;
+* under ``auto``, per table, whichever its plan prices faster
+  (``planner.plan_tables``): ``ROWS`` with the quantizer its plan sends most of the
+  dense gradients' elements with, or, where it quantizes none but sends some
+  low-rank, the quantizer of the fewest bytes within its error budget
+  (``planner.row_candidate``; the stock gather when it plans everything as float32),
+  or ``DENSE``, planned as any other gradient (low-rank among its options). The
+  first plan, before a step has counted the rows, sends every table as rows, so only
+  a later one (``AutoPlanCallback``'s) sends a table dense; worker 0 keeps a recent
+  step's rows densified so that the low-rank measurement prices the table dense too;
 * ``STOCK``: ``none`` (bit-identical to the stock strategy), variance-based
   compression (no second moment for an embedding), and tables the policy or the
   compressor does not take (GradiVeQ compresses convolutions only, unless
@@ -63,7 +67,13 @@ def row_size(variable) -> int:
 
 def block_rows(variable) -> int:
     """Rows per block for ``variable``'s table."""
-    return max(1, BLOCK_ENTRIES // max(row_size(variable), 1))
+    return block_rows_of(variable.shape)
+
+
+def block_rows_of(shape) -> int:
+    """Rows per block for a table of ``shape``."""
+    size = int(np.prod(tf.TensorShape(shape)[1:].as_list(), dtype=np.int64))
+    return max(1, BLOCK_ENTRIES // max(size, 1))
 
 
 def _stateless(compressor, shape, dtype) -> bool:
@@ -115,7 +125,7 @@ def densify(slices: tf.IndexedSlices, variable) -> tf.Tensor:
         tf.math.unsorted_segment_sum(values, slices.indices, shape[0]), shape)
 
 
-def _payload_like(compressor, shape, dtype, n):
+def payload_like(compressor, shape, dtype, n):
     """The TensorSpecs of ``compressor``'s payload for a block of ``shape``."""
     with tf.Graph().as_default():
         ctx = CompressContext(rank=0, num_workers=n, index=_INDEX_BASE,
@@ -153,7 +163,7 @@ def reduce_rows(compressor, slices: Sequence[tf.IndexedSlices], variables, step,
         values = tf.math.unsorted_segment_sum(tf.reshape(s.values, [-1, d]), position, m)
         blocks = (m + r - 1) // r
         padded = tf.pad(values, [[0, blocks * r - m], [0, 0]])
-        like = _payload_like(compressor, [r, d], dtype, n)
+        like = payload_like(compressor, [r, d], dtype, n)
         width = num_payload_words(like)
 
         def encode(args, j=j):

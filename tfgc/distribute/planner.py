@@ -76,6 +76,7 @@ back and forth.
 """
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -89,8 +90,9 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from tfgc.collectives.allgather import num_payload_words
 from tfgc.compressors import CompressContext, get as get_compressor
-from tfgc.distribute import costmodel
+from tfgc.distribute import costmodel, embeddings
 from tfgc.distribute.costmodel import ring_sent
 from tfgc.distribute.paths import auto as auto_paths
 from tfgc.distribute.paths import guard
@@ -808,6 +810,27 @@ class Entry:
 
 
 @dataclasses.dataclass(frozen=True)
+class Table:
+    """An embedding table's line of the plan (``plan_tables``): its gradient as the rows
+    a step touched (``embeddings.ROWS``, all-gathered in the quantizer ``label``; fp32:
+    the stock gather) or summed into a dense gradient that the plan's entries send
+    (``dense``; ``label`` is then what its rows would go as, which bounds its error).
+    ``place``: its index among the tables, in the gradients' order."""
+
+    place: int
+    name: str
+    shape: Tuple[int, ...]
+    dtype: str
+    dense: bool
+    rows: int = 0  # the most distinct rows a worker sent in a recent step; 0: not counted
+    tokens: int = 0  # the most rows with repeats (the stock gather sends these)
+    label: str = ""
+    sent_bytes: int = 0
+    cpu_s: float = 0.0  # rows: their codec calls; dense: the densified table's passes
+    wire_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
     """What every planned gradient is sent as, and what the model predicted."""
 
@@ -823,6 +846,12 @@ class Plan:
     low_rank_error: float = 0.0
     # How the steps that ran weigh the plan (``Pace``; None: by its predicted step alone).
     pace: Optional[Pace] = None
+    # The embedding tables (``plan_tables``); a dense one is among the entries too.
+    tables: Tuple[Table, ...] = ()
+
+    @property
+    def rows_tables(self) -> Tuple[Table, ...]:
+        return tuple(t for t in self.tables if not t.dense)
 
     @property
     def low_rank_share(self) -> float:
@@ -832,16 +861,20 @@ class Plan:
     @property
     def mean_error(self) -> float:
         """The quantizers' budget in use: the mean over the planned elements of each
-        gradient's bound (a low-rank gradient's error counts in its own budget)."""
-        total = sum(int(np.prod(e.shape)) for e in self.entries)
+        gradient's bound (a low-rank gradient's error counts in its own budget, a dense
+        embedding table's in none: ``plan_tables``)."""
+        tables = {t.name for t in self.tables if t.dense}
+        entries = [e for e in self.entries if e.name not in tables]
+        total = sum(int(np.prod(e.shape)) for e in entries)
         if not total:
             return 0.0
-        return sum(e.error * int(np.prod(e.shape)) for e in self.entries
+        return sum(e.error * int(np.prod(e.shape)) for e in entries
                    if e.candidate.rank is None) / total
 
     def key(self) -> str:
         """One line that names the plan: the compression state's compressor key."""
-        return "auto:" + ";".join(f"{e.name}={e.label}@{e.path}" for e in self.entries)
+        return "auto:" + ";".join([f"{e.name}={e.label}@{e.path}" for e in self.entries]
+                                  + [f"{t.name}=rows:{t.label}" for t in self.rows_tables])
 
     def digest(self) -> int:
         """A 31-bit checksum of the plan (workers compare theirs)."""
@@ -852,10 +885,13 @@ class Plan:
         (CPU, wire, and the latency of each compressed group's collectives, one bucket
         each) and the wire and latency of all of them as float32."""
         groups = {e.label: e.path for e in self.entries if e.label != "fp32"}
-        plan = {"cpu_s": sum(e.cpu_s for e in self.entries),
-                "wire_s": sum(e.wire_s for e in self.entries),
+        rows = self.rows_tables
+        plan = {"cpu_s": sum(e.cpu_s for e in self.entries) + sum(t.cpu_s for t in self.tables),
+                "wire_s": sum(e.wire_s for e in self.entries) + sum(t.wire_s for t in rows),
                 "latency_s": sum(self.link.latency(path, self.num_workers)
-                                 for path in groups.values())}
+                                 for path in groups.values())
+                # The rows: their counts, then the blocks (two all-gathers).
+                + (2 * self.link.latency("allgather", self.num_workers) if rows else 0.0)}
         fp32 = sum(e.dense_bytes for e in self.entries)
         return {**plan, "fp32_wire_s": self.link.wire("allreduce", self.num_workers, fp32),
                 "fp32_latency_s": self.link.latency("allreduce", self.num_workers)}
@@ -890,6 +926,14 @@ class Plan:
             rows.append((e.name, "x".join(map(str, e.shape)) or "()", e.label, e.path,
                          _size(e.dense_bytes), _size(e.sent_bytes), f"{e.cpu_s * 1e3:.2f}",
                          f"{e.wire_s * 1e3:.2f}"))
+        for t in self.tables:
+            dense_bytes = int(np.prod(t.shape)) * tf.as_dtype(t.dtype).size
+            counted = f", {t.rows} rows" if t.rows else ", rows not counted yet"
+            rows.append((t.name, "x".join(map(str, t.shape)) + counted,
+                         "dense table" if t.dense else f"rows {t.label}",
+                         "(above)" if t.dense else "allgather", _size(dense_bytes),
+                         "" if t.dense else _size(t.sent_bytes), f"{t.cpu_s * 1e3:.2f}",
+                         "" if t.dense else f"{t.wire_s * 1e3:.2f}"))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         p = self.predicted()
@@ -1068,7 +1112,8 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
               error_budget: float, critical=(), critical_bound: float = CRITICAL_BOUND,
               low_rank: Optional[LowRank] = None,
               only: Optional[Dict[str, str]] = None,
-              pace: Optional[Pace] = None) -> Optional[Plan]:
+              pace: Optional[Pace] = None,
+              capped: Optional[Dict[str, float]] = None) -> Optional[Plan]:
     """The plan for ``gradients`` (name, static shape, dtype name), in their order.
 
     Every candidate's cost and error for every gradient, then the Lagrangian choice
@@ -1091,10 +1136,16 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
     within it to one that sends nothing low-rank, the plan is the one with the least
     ``Pace.seconds``. The prices are the least one plus the steps a whole budget adds
     (``Pace.low_rank_steps`` of a step) times 1/4 to 4.
+
+    ``capped`` (name -> bound): gradients outside the error budget that take only
+    quantizers of at most that bound (or low rank): the dense embedding tables
+    (``plan_tables``).
     """
+    capped = capped or {}
     w = figures.num_workers
     link = figures.link()
-    total = sum(int(np.prod(shape, dtype=np.int64)) for _, shape, _ in gradients) or 1
+    total = sum(int(np.prod(shape, dtype=np.int64)) for name, shape, _ in gradients
+                if name not in capped) or 1
     lr_budget = 0.0
     if low_rank is not None:
         lr_budget = low_rank.budget({name: shape for name, shape, _ in gradients})
@@ -1113,6 +1164,8 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
                 bound, lr = candidate.variance_bound(n), 0.0
                 if name in critical and bound > critical_bound:
                     continue
+                if name in capped and bound > capped[name]:
+                    continue
             else:
                 # Measured gradients only, at the critical rank or more in a critical
                 # regime, and a loss that fits.
@@ -1130,7 +1183,7 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
             cpu = cpu_seconds(figures, candidate, path, n)
             mine.append(dict(order=order, candidate=candidate, path=path, sent=sent, cpu=cpu,
                              wire=sent * link.beta, bound=bound,
-                             mass=0.0 if candidate.rank else bound * n / total,
+                             mass=0.0 if candidate.rank or name in capped else bound * n / total,
                              lr=lr, pen=0.0, dense=n * tf_dtype.size))
         options.append((name, tuple(shape), dtype, mine))
     if only is not None and (
@@ -1213,3 +1266,153 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
     return Plan(tuple(entries), error_budget, w, link, figures, lam,
                 low_rank_budget=lr_budget,
                 low_rank_error=sum(o["lr"] for o in choice) * lr_budget, pace=pace)
+
+
+# -- embedding tables ---------------------------------------------------------------
+
+# The passes over a table that its gradient costs when it is summed into a dense one,
+# beyond the reduction the plan prices: the rows added into zeros of the table's shape,
+# and the optimizer's update of every row where it would have scattered the touched
+# ones. Each is priced as a bf16 cast of the table (a read and a narrower write), the
+# measured line closest to one pass over memory.
+DENSIFY_PASSES = 2
+# Tables whose every choice of rows or dense is priced; beyond, all rows or all dense.
+TABLE_CHOICES = 3
+
+
+def row_candidate(entries: Sequence[Entry], error_budget: float,
+                  num_workers: int) -> Optional[Candidate]:
+    """What embedding rows travel as beside a plan of ``entries``: the quantizing
+    candidate that carries most of the planned elements (the plan's view of the link);
+    where the plan quantizes nothing but sends some gradients low-rank (rows change from
+    step to step: no residual or query of their own), the quantizer that sends the
+    fewest bytes an element within ``error_budget``, or within ``CRITICAL_BOUND`` while
+    some gradient is critical (ties: the least error); None (the stock gather) when the
+    plan sends everything as float32 or no quantizer fits."""
+    elements = {}
+    for e in entries:
+        if e.label != "fp32" and e.candidate.rank is None:
+            elements[e.label] = elements.get(e.label, 0) + int(np.prod(e.shape))
+    if elements:
+        # Ties go to the candidate with less error (max keeps the first).
+        return max(CANDIDATES, key=lambda c: elements.get(c.label, 0))
+    if not any(e.candidate.rank for e in entries):
+        return None
+    budget = error_budget
+    if any(e.critical for e in entries):
+        budget = min(budget, CRITICAL_BOUND)  # as critical gradients take
+    block = (embeddings.BLOCK_ENTRIES,)
+    within = [c for c in CANDIDATES[1:]
+              if c.variance_bound(embeddings.BLOCK_ENTRIES) <= budget]
+    if not within:
+        return None
+    return min(within, key=lambda c: sent_bytes(c, "allgather", block, "float32",
+                                                max(num_workers, 2)))
+
+
+@functools.lru_cache(maxsize=256)
+def _block_words(label: str, rows: int, size: int, dtype: str, num_workers: int) -> int:
+    return num_payload_words(embeddings.payload_like(
+        BY_LABEL[label].compressor, [rows, size], tf.as_dtype(dtype), num_workers))
+
+
+def rows_table(table: Table, candidate: Optional[Candidate], figures: Figures,
+               head: bool = True) -> Table:
+    """``table`` sent as its rows in ``candidate`` (None: float32 on the stock gather),
+    priced: the all-gather of the blocks ``embeddings.reduce_rows`` sends (each
+    worker's padded to the most blocks) after its row count (and, with ``head``, the
+    guard's control words, which the tables of a step share), an encoding a block and
+    a decoding of every worker's blocks. A table whose rows are not counted yet is
+    priced at nothing."""
+    n, link = figures.num_workers, figures.link()
+    label = "fp32" if candidate is None else candidate.label
+    out = dataclasses.replace(table, dense=False, label=label, sent_bytes=0, cpu_s=0.0,
+                              wire_s=0.0)
+    if not table.rows or n < 2:
+        return out
+    size = int(np.prod(table.shape[1:], dtype=np.int64))
+    if candidate is None or candidate.spec is None:
+        # Values and int32 indices of every occurrence, as the stock gather sends them.
+        sent = (n - 1) * table.tokens * (size * tf.as_dtype(table.dtype).size + 4)
+        return dataclasses.replace(out, sent_bytes=sent, wire_s=sent * link.beta)
+    r = embeddings.block_rows_of(table.shape)
+    blocks = -(-table.rows // r)
+    width = _block_words(label, r, size, table.dtype, n)
+    sent = (n - 1) * 4 * (blocks * (width + r) + 1 + (guard.CONTROL_WORDS if head else 0))
+    cpu = blocks * (figures.encode(label)(r * size) + n * figures.decode(label)(r * size))
+    return dataclasses.replace(out, sent_bytes=sent, cpu_s=cpu, wire_s=sent * link.beta)
+
+
+def plan_tables(gradients: Sequence[Tuple[str, Sequence[int], str]],
+                tables: Dict[int, Tuple[int, int]], figures: Figures, error_budget: float,
+                dense=None, rows_label: Optional[str] = None, **kwargs) -> Optional[Plan]:
+    """The plan for ``gradients`` (``make_plan``'s, in their order) among which the
+    embedding tables are at the indices ``tables`` maps to their counted rows (the most
+    distinct rows and the most rows with repeats a worker sent; 0: not counted yet).
+
+    Each table goes either as its rows (``embeddings.ROWS``, priced by ``rows_table``)
+    in the quantizer ``row_candidate`` picks beside the plan that sends every table as
+    rows, or summed into a dense gradient that the plan prices as any other
+    (``DENSIFY_PASSES`` added), with a quantizer of at most that one's bound, or low
+    rank within the low-rank budget (to which the table's own measured error then
+    adds its share, as any matrix's does). Neither way counts in the quantizers' error
+    budget, which stays the other gradients', so the choice is one of time: ``dense``
+    (a set of places among the tables) fixes which go dense; None takes the least
+    ``Plan.paced_seconds`` among every choice for the counted tables (all rows or all
+    dense beyond ``TABLE_CHOICES`` of them; ties keep rows), uncounted ones as rows.
+    ``rows_label``: the candidate the rows go as instead (a running plan priced anew
+    keeps what its traced step sends). ``kwargs``: ``make_plan``'s. None where
+    ``make_plan`` returns None (``only``)."""
+    order = sorted(tables)
+    places = {k: p for p, k in enumerate(order)}
+    counted = [p for p, k in enumerate(order) if tables[k][0] > 0]
+    if dense is not None:
+        choices = [frozenset(dense)]
+    elif len(counted) <= TABLE_CHOICES:
+        choices = [frozenset(c for j, c in enumerate(counted) if mask >> j & 1)
+                   for mask in range(1 << len(counted))]
+    else:
+        choices = [frozenset(), frozenset(counted)]
+
+    def planned(choice, capped=None):
+        return make_plan([g for k, g in enumerate(gradients)
+                          if k not in places or places[k] in choice], figures, error_budget,
+                         capped=capped, **kwargs)
+
+    plans = {}
+    if rows_label is not None:
+        candidate = BY_LABEL[rows_label]
+    else:
+        plans[frozenset()] = planned(frozenset())
+        if plans[frozenset()] is None:
+            return None
+        candidate = row_candidate(plans[frozenset()].entries, error_budget,
+                                  figures.num_workers)
+    if candidate is not None and candidate.spec is None:
+        candidate = None  # fp32: the stock gather
+    best = None
+    for choice in choices:
+        if choice not in plans:
+            plans[choice] = planned(choice, {
+                gradients[order[p]][0]: 0.0 if candidate is None else
+                candidate.variance_bound(int(np.prod(gradients[order[p]][1])))
+                for p in choice})
+        plan = plans[choice]
+        if plan is None:
+            continue
+        lines = []
+        for p, k in enumerate(order):
+            name, shape, dtype = gradients[k]
+            table = Table(place=p, name=name, shape=tuple(shape), dtype=dtype,
+                          dense=p in choice, rows=tables[k][0], tokens=tables[k][1],
+                          label="fp32" if candidate is None else candidate.label)
+            if table.dense:
+                passes = DENSIFY_PASSES * figures.encode("bf16")(int(np.prod(shape)))
+                lines.append(dataclasses.replace(table, cpu_s=passes))
+            else:
+                first = not any(not t.dense for t in lines)
+                lines.append(rows_table(table, candidate, figures, head=first))
+        plan = dataclasses.replace(plan, tables=tuple(lines))
+        if best is None or plan.paced_seconds() < best.paced_seconds():
+            best = plan
+    return best
