@@ -303,10 +303,8 @@ class AutoPlanner:
         """The plan of the layout ``gradients`` under ``figures`` and the current
         regimes, errors and steps (``planner.plan_tables``): the tables at the places
         ``dense`` sent dense (their rows as ``rows_label``, where given), or, with None,
-        the faster choice from the rows last counted (gathered first: every worker
-        calls it at the same point)."""
-        if dense is None:
-            self._count_rows(gradients)
+        the faster choice from the rows last counted (``_count_rows``, which the
+        callers gather first)."""
         critical = self._critical
         if critical == "all":
             critical = frozenset(g[0] for g in gradients)
@@ -345,11 +343,17 @@ class AutoPlanner:
         if not current.tables:
             return current
         self._count_rows(gradients)
-        plan = self._planned(gradients, self._figures[1],
+        plan = self._as_running(gradients, self._figures[1], current)
+        return current if plan is None or plan.key() != current.key() else plan
+
+    def _as_running(self, gradients, figures, current):
+        """``current``'s choice priced anew under ``figures`` and the current regimes
+        and budgets, its tables as its traced step sends them (None where they rule
+        that choice out)."""
+        return self._planned(gradients, figures,
                              only={e.name: e.label for e in current.entries},
                              dense={t.place for t in current.tables if t.dense},
-                             rows_label=current.tables[0].label)
-        return current if plan is None or plan.key() != current.key() else plan
+                             rows_label=current.tables[0].label if current.tables else None)
 
     def _timed(self, plan, step_s, step_se_s):
         """Keeps worker 0's measured step and its standard error (from its words, NaN:
@@ -563,6 +567,7 @@ class AutoPlanner:
             return False
         logging.info("tfgc: compressor='auto': the link changed (%s, was %s)",
                      new.describe(), old.describe())
+        self._count_rows(gradients)
         plan = self._planned(gradients, new)
         if plan.key() == current.key():
             self._figures = (self._figures[0], new)
@@ -578,6 +583,7 @@ class AutoPlanner:
         self._sums, self._critical, self._norms = {}, "all", {}
         if self.plan is not None:
             gradients, figures = self._plan[1], self._figures[1]
+            self._count_rows(gradients)
             self._adopt(gradients, figures, self._planned(gradients, figures))
 
     def adapt(self, threshold: float, min_gain_s: float = 0.0, step_s=None,
@@ -653,17 +659,13 @@ class AutoPlanner:
         pace and the paces its measured slope allows (``planner.change_pays``): a change
         retraces the train function, which costs seconds, and a new rank that saves a
         tenth of a millisecond does not pay that back, nor does one that only the
-        steps' noise favours."""
+        steps' noise favours. Its callers have counted the tables' rows."""
         figures = self._figures[1]
         plan = self._planned(gradients, figures)
         if plan.key() != current.key():
             kept = None
             if min_gain_s > 0 or (plan.pace is not None and plan.pace.measured_slope):
-                kept = self._planned(gradients, figures,
-                                     only={e.name: e.label for e in current.entries},
-                                     dense={t.place for t in current.tables if t.dense},
-                                     rows_label=current.tables[0].label
-                                     if current.tables else None)
+                kept = self._as_running(gradients, figures, current)
             if planner.change_pays(kept, plan, min_gain_s):
                 self._adopt(gradients, figures, plan)
                 return True
