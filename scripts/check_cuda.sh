@@ -47,28 +47,49 @@ if [ "$with_tf" = 1 ]; then
     'import tensorflow as tf; print(" ".join(tf.sysconfig.get_compile_flags()))' 2>/dev/null)"
 fi
 
-failed=0
-compile() {  # compile LABEL FLAGS... -- SRC
+# Each compile runs in the background (as many at once as there are cores) and leaves
+# its verdict in $tmp/<name>.<label>.status; they are reported in the sources' order.
+compile() {  # compile LABEL FLAGS... SRC
   local label="$1"; shift
   local src="${*: -1}"
-  local obj="$tmp/$(basename "$src" .cu.cc).$label.o"
+  local base="$tmp/$(basename "$src" .cu.cc).$label"
   set -- "${@:1:$#-1}"
-  if "$NVCC" -std=c++17 -x cu -I. ${NVCC_FLAGS:-} "$@" -c "$src" -o "$obj" \
-      >"$tmp/log" 2>&1; then
-    echo "check_cuda: ok      $src ($label)"
+  if "$NVCC" -std=c++17 -x cu -I. ${NVCC_FLAGS:-} "$@" -c "$src" -o "$base.o" \
+      >"$base.log" 2>&1; then
+    echo ok >"$base.status"
   else
-    echo "check_cuda: FAILED  $src ($label)" >&2
-    cat "$tmp/log" >&2
-    failed=1
+    echo FAILED >"$base.status"
   fi
+}
+jobs_max=$(nproc 2>/dev/null || echo 1)
+spawn() {
+  while [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do wait -n || true; done
+  compile "$@" &
 }
 
 "$NVCC" --version | tail -n 1
+labels=(plain)
+[ "$with_tf" = 1 ] && labels+=(tf)
 for src in "${sources[@]}"; do
-  compile plain "$src"
+  spawn plain "$src"
   if [ "$with_tf" = 1 ]; then
-    compile tf -DGOOGLE_CUDA=1 --expt-relaxed-constexpr -w "${tf_flags[@]}" "$src"
+    spawn tf -DGOOGLE_CUDA=1 --expt-relaxed-constexpr -w "${tf_flags[@]}" "$src"
   fi
+done
+wait
+
+failed=0
+for src in "${sources[@]}"; do
+  for label in "${labels[@]}"; do
+    base="$tmp/$(basename "$src" .cu.cc).$label"
+    if [ "$(cat "$base.status" 2>/dev/null)" = ok ]; then
+      echo "check_cuda: ok      $src ($label)"
+    else
+      echo "check_cuda: FAILED  $src ($label)" >&2
+      cat "$base.log" >&2
+      failed=1
+    fi
+  done
 done
 
 if [ "$failed" != 0 ]; then

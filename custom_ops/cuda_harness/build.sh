@@ -23,7 +23,19 @@ elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; the
 fi
 
 shopt -s nullglob
-sources=("$root"/custom_ops/cc/kernels/*.cu.cc)
+sources=("$root"/custom_ops/cc/kernels/*.cu.cc "$here/harness_util.cu")
+# One object per source, compiled side by side (as many at once as there are cores),
+# then linked: no kernel calls across files, so no relocatable device code is needed.
+objs="$(mktemp -d)"
+trap 'rm -rf "$objs"' EXIT
+jobs_max=$(nproc 2>/dev/null || echo 1)
+pids=()
+for i in "${!sources[@]}"; do
+  while [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do wait -n || true; done
+  (set -x; "$NVCC" -std=c++17 -O3 -Xcompiler -fPIC "${arch[@]}" -I"$root" \
+     -x cu -c "${sources[$i]}" -o "$objs/$i.o") &
+  pids+=($!)
+done
+for pid in "${pids[@]}"; do wait "$pid"; done
 set -x
-"$NVCC" -std=c++17 -O3 -shared -Xcompiler -fPIC "${arch[@]}" -I"$root" \
-  -x cu "${sources[@]}" "$here/harness_util.cu" -o "$out"
+"$NVCC" -shared "${arch[@]}" "$objs"/*.o -o "$out"

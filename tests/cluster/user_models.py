@@ -23,6 +23,7 @@ final weights in OUT_DIR/<model>.<precision>.<i>.w<rank>.npz.
 import argparse
 import json
 import os
+import time
 
 import numpy as np
 
@@ -102,6 +103,8 @@ def main():
     p.add_argument("--specs", nargs="+", required=True)
     p.add_argument("--mixed_specs", nargs="+", default=None,
                    help="the specs for the mixed precisions (default: --specs)")
+    p.add_argument("--bf16_specs", nargs="+", default=None,
+                   help="the specs for mixed_bfloat16 (default: --mixed_specs)")
     p.add_argument("--models", nargs="+", default=list(MODELS))
     p.add_argument("--precisions", nargs="+", default=["float32"],
                    help="Keras dtype policies: float32, mixed_float16 (with loss scaling), "
@@ -141,8 +144,11 @@ def main():
             x, y = dataset(model_name)
             probe_x, probe_y = x[:64], y[:64]
             specs = args.specs if precision == "float32" else (args.mixed_specs or args.specs)
+            if precision == "mixed_bfloat16" and args.bf16_specs:
+                specs = args.bf16_specs
             for i, spec in enumerate(specs):
                 name = f"{model_name}.{precision}.{i}"
+                start = time.time()
                 results = train_one(strategy, keras, tf, model_name, spec, args, x, y,
                                     probe_x, probe_y, loss_fn, rank)
                 weights = results.pop("weights")
@@ -151,7 +157,8 @@ def main():
                 with open(os.path.join(args.out_dir, f"{name}.w{rank}.json"), "w") as f:
                     json.dump(dict(results, precision=precision), f)
                 print(f"done {model_name} {precision} {spec}: loss {results['loss_before']:.4f}"
-                      f" -> {results['loss_after']:.4f}, ratio {results['stats']['ratio']:.1f}",
+                      f" -> {results['loss_after']:.4f}, ratio {results['stats']['ratio']:.1f}, "
+                      f"{time.time() - start:.1f} s",
                       flush=True)
     if args.savedmodel:
         keras.mixed_precision.set_global_policy("float32")

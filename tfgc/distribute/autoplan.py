@@ -352,7 +352,7 @@ class AutoPlanner:
         that choice out)."""
         return self._planned(gradients, figures,
                              only={e.name: e.label for e in current.entries},
-                             dense={t.place for t in current.tables if t.dense},
+                             dense=current.dense_places,
                              rows_label=current.tables[0].label if current.tables else None)
 
     def _timed(self, plan, step_s, step_se_s):
@@ -428,7 +428,7 @@ class AutoPlanner:
     def _planned_places(self):
         """The places in the layout of the current plan's entries, in order."""
         layout, plan = self._plan[1], self._plan[2]
-        dense = {t.place for t in plan.tables if t.dense}
+        dense = plan.dense_places
         tables = {k: p for p, k in enumerate(_table_places(layout))}
         return [k for k in range(len(layout)) if k not in tables or tables[k] in dense]
 

@@ -854,6 +854,11 @@ class Plan:
         return tuple(t for t in self.tables if not t.dense)
 
     @property
+    def dense_places(self) -> frozenset:
+        """The places (among the traced tables) of the tables sent dense."""
+        return frozenset(t.place for t in self.tables if t.dense)
+
+    @property
     def low_rank_share(self) -> float:
         """The share of the low-rank budget the plan's low-rank gradients use."""
         return self.low_rank_error / self.low_rank_budget if self.low_rank_budget else 0.0
