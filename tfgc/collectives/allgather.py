@@ -34,16 +34,31 @@ def padded_payload_words(payload: Sequence[tf.Tensor], width: int) -> tf.Tensor:
     return tf.pad(words, [[0, width - int(words.shape[0])]])
 
 
+def split_words(words: tf.Tensor, widths: Sequence[int]) -> List[tf.Tensor]:
+    """``words`` (a vector of static length at least ``sum(widths)``) cut into pieces of
+    ``widths`` words, what follows them left out: one split op where slices would take
+    several ops each (a traced step unpacks every worker's payload of every gradient)."""
+    rest = int(words.shape[0]) - sum(widths)
+    if rest < 0:
+        raise ValueError(f"{int(words.shape[0])} words cannot hold pieces of {sum(widths)}")
+    pieces = list(widths) + ([rest] if rest else [])
+    if len(pieces) == 1:
+        return [words]
+    return tf.split(words, pieces)[:len(widths)]
+
+
 def unpack_payload_words(words: tf.Tensor, like) -> Tuple[tf.Tensor, ...]:
     """Splits a word vector (padding after the payload is ignored) into tensors shaped like
     ``like`` (tensors or TensorSpecs)."""
-    out, offset = [], 0
-    for t in like:
-        n = int(t.shape.num_elements())
-        w = packing.num_words(n, t.dtype)
-        out.append(tf.reshape(packing.from_words(words[offset:offset + w], t.dtype, n), t.shape))
-        offset += w
-    return tuple(out)
+    sizes = [int(t.shape.num_elements()) for t in like]
+    widths = [packing.num_words(n, t.dtype) for n, t in zip(sizes, like)]
+    if words.shape.rank != 1 or words.shape[0] is None:  # not static: slices
+        offsets = [sum(widths[:k]) for k in range(len(widths))]
+        parts = [words[o:o + w] for o, w in zip(offsets, widths)]
+    else:
+        parts = split_words(words, widths)
+    return tuple(tf.reshape(packing.from_words(part, t.dtype, n), t.shape)
+                 for part, t, n in zip(parts, like, sizes))
 
 
 def gather_payloads(launcher, payloads: List[Sequence[tf.Tensor]], num_workers: int, options,
@@ -92,12 +107,11 @@ def gather_payloads(launcher, payloads: List[Sequence[tf.Tensor]], num_workers: 
         buffer = tf.concat(parts, axis=0) if len(parts) > 1 else parts[0]
         total = int(buffer.shape[0])
         gathered = tf.reshape(all_gather(launcher, buffer, options), [num_workers, total])
-        offset = 0
-        for i in bucket:
-            per_worker = gathered[:, offset:offset + sizes[i]]
-            results[i] = [unpack_payload_words(per_worker[r], payloads[i])
-                          for r in range(num_workers)]
-            offset += sizes[i]
+        # Each worker's row cut into its gradients' words (and the control words).
+        rows = [split_words(row, [sizes[i] for i in bucket])
+                for row in tf.unstack(gathered, num=num_workers)]
+        for k, i in enumerate(bucket):
+            results[i] = [unpack_payload_words(row[k], payloads[i]) for row in rows]
         if b == 0 and control is not None:
-            gathered_control = gathered[:, offset:]
+            gathered_control = gathered[:, sum(sizes[i] for i in bucket):]
     return results, gathered_control

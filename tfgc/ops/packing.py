@@ -74,9 +74,13 @@ def num_words(num_values: int, dtype: tf.DType) -> int:
 
 
 def from_words(words: tf.Tensor, dtype: tf.DType, num_values: int) -> tf.Tensor:
-    """Inverse of ``to_words``."""
+    """Inverse of ``to_words`` (no slice where ``words`` hold exactly ``num_values``)."""
     if dtype == tf.int32:
-        return words[:num_values]
-    if dtype.size == 4:
-        return tf.bitcast(words, dtype)[:num_values]
-    return tf.reshape(tf.bitcast(words, dtype), [-1])[:num_values]
+        values = words
+    elif dtype.size == 4:
+        values = tf.bitcast(words, dtype)
+    else:
+        values = tf.reshape(tf.bitcast(words, dtype), [-1])
+    if values.shape.rank == 1 and values.shape[0] == num_values:
+        return values
+    return values[:num_values]
