@@ -42,9 +42,7 @@ def split_words(words: tf.Tensor, widths: Sequence[int]) -> List[tf.Tensor]:
     if rest < 0:
         raise ValueError(f"{int(words.shape[0])} words cannot hold pieces of {sum(widths)}")
     pieces = list(widths) + ([rest] if rest else [])
-    if len(pieces) == 1:
-        return [words]
-    return tf.split(words, pieces)[:len(widths)]
+    return ([words] if len(pieces) == 1 else tf.split(words, pieces))[:len(widths)]
 
 
 def unpack_payload_words(words: tf.Tensor, like) -> Tuple[tf.Tensor, ...]:
