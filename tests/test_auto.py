@@ -1624,3 +1624,23 @@ def test_each_embedding_table_goes_dense_or_as_rows_as_the_plan_prices_it(cluste
         np.testing.assert_array_equal(weights[0][key], weights[1][key])
     losses = runs[0]["losses"]
     assert all(np.isfinite(losses)) and losses[-1] < losses[0]
+
+
+def test_a_step_its_rows_skip_adds_nothing_to_the_interval_sums(cluster):
+    # Step 9 of the worker: a NaN in worker 1's rows of a large table skips the step
+    # (counted non-finite), though the kernel's reduction alone was finite; worker 0's
+    # interval sum of the kernel keeps the steps that went through, and those only.
+    runs = [np.load(cluster / f"rows_skip.w{r}.npz") for r in range(2)]
+    nan = worker.ROWS_NAN
+    assert nan.count(True) == 1 and not nan[0] and not nan[-1]
+    assert int(runs[0]["nonfinite_steps"]) == 1
+    assert "fp32" not in runs[0]["labels"].tolist()  # the kernel was compressed
+    kernels = [runs[0][f"kernel{s}"] for s in range(len(nan))]
+    assert all(np.isfinite(k).all() for k in kernels)
+    np.testing.assert_array_equal(runs[0]["kernel0"], runs[1]["kernel0"])
+    total = np.zeros_like(kernels[0])
+    for step, skipped in enumerate(nan):
+        if not skipped:
+            total += kernels[step]
+        (sums,) = runs[0][f"sums{step}"]
+        np.testing.assert_allclose(sums, total, rtol=1e-6, atol=1e-6)

@@ -36,6 +36,10 @@
    touches ``FEW_ROWS``. Writes the plan (with its tables) after the first step and after
    each interval, the losses and the weights, then the statistics of two more steps
    under the last plan (``tables.w<rank>.json``, ``tables.w<rank>.npz``).
+9. With regimes tracked on a slow given link, reduces a kernel's gradient and a large
+   table's rows for ``len(ROWS_NAN)`` steps, the rows of worker 1 holding a NaN where
+   ``ROWS_NAN`` says: writes each step's reduced kernel, worker 0's interval sums
+   after each step and the count of skipped steps (``rows_skip.w<rank>.npz``).
 """
 
 import dataclasses
@@ -120,6 +124,7 @@ def main():
     moved_off_low_rank(strategy, rank, out_dir)
     switched_off_error_feedback(strategy, rank, out_dir)
     tables(strategy, rank, out_dir)
+    skipped_rows(strategy, rank, out_dir)
 
 
 MOVED_TO = ["auto:link_gbps=0.001,error=0.00015,low_rank=0", "auto:link_gbps=1000,low_rank=0"]
@@ -382,6 +387,57 @@ def tables(strategy, rank, out_dir):
         json.dump({"plans": plans, "losses": [float(v) for v in history.history["loss"]],
                    "uncompressed": strategy.uncompressed_gradients(),
                    "stats": strategy.compression_stats()}, f)
+
+
+# Step 9: the steps whose rows hold a NaN on worker 1.
+ROWS_NAN = (False, True, False)
+
+
+def skipped_rows(strategy, rank, out_dir):
+    """Step 9 of the module docstring."""
+    import tensorflow as tf
+
+    import tfgc
+
+    strategy.compressor = "auto:link_gbps=0.001,low_rank=0"
+    cdo = strategy.cross_device_ops
+    with strategy.scope():
+        variables = [tf.Variable(tf.zeros(SHAPES[0])), tf.Variable(tf.zeros(LARGE_TABLE))]
+    # This step's gradients, read by the traced step (one trace for every step).
+    kernel = tf.Variable(tf.zeros(SHAPES[0]))
+    rows = tf.Variable(tf.zeros([FEW_ROWS, LARGE_TABLE[1]]))
+    indices = tf.constant(np.arange(FEW_ROWS) * (LARGE_TABLE[0] // FEW_ROWS), tf.int64)
+    owner = tf.Module()
+
+    @tf.function
+    def reduce():
+        def replica_fn():
+            grads = [kernel.read_value(), tf.IndexedSlices(
+                rows.read_value(), indices, tf.constant(LARGE_TABLE, tf.int64))]
+            with tfgc.compress_gradients(variables, owner=owner):
+                return tf.distribute.get_replica_context().all_reduce("sum", grads)
+        return strategy.run(replica_fn)
+
+    cdo.track_regimes()
+    skipped = strategy.compression_stats()["nonfinite_steps"]  # so far, in every step
+    rng = np.random.RandomState(rank)
+    arrays = {}
+    for step, nan in enumerate(ROWS_NAN):
+        kernel.assign(rng.randn(*SHAPES[0]).astype(np.float32))
+        values = rng.randn(FEW_ROWS, LARGE_TABLE[1]).astype(np.float32)
+        if nan and rank == 1:
+            values[2, 3] = np.nan
+        rows.assign(values)
+        out = reduce()[0]
+        arrays[f"kernel{step}"] = strategy.experimental_local_results(out)[0].numpy()
+        if rank == 0:
+            sums = cdo._auto._sums  # pylint: disable=protected-access
+            arrays[f"sums{step}"] = np.array(
+                [v.numpy() for _, v in sorted(sums.items()) if v.shape == SHAPES[0]])
+    arrays["nonfinite_steps"] = np.array(strategy.compression_stats()["nonfinite_steps"]
+                                         - skipped)
+    arrays["labels"] = np.array([e.label for e in strategy.compression_plan().entries])
+    np.savez(os.path.join(out_dir, f"rows_skip.w{rank}.npz"), **arrays)
 
 
 if __name__ == "__main__":

@@ -535,7 +535,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         if compressor.applied_momentum:
             momentum.check_momentum(ctx.owner, compressor)
         state = None
-        planned = 0
+        planned, sent = 0, None
         if not any(mask) or compressor.reduces_as_stock:
             # Nothing worth compressing (biases only, float64), or identity: the stock
             # strategy's own all-reduce, as it is.
@@ -557,7 +557,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                     _let_go(state, carried, reduced, ok, replica_id)
                     state.step(replica_id).assign_add(1)
         elif compressor.plans_per_tensor:
-            reduced, ok, state, planned = self._planned_reduce(
+            reduced, ok, state, planned, sent = self._planned_reduce(
                 ctx.owner, tensors, variables, mask, replica_id, options, wire, tensor_pos,
                 [(i, ctx.variables[i], s.values.dtype) for i, s in tables])
         else:
@@ -648,6 +648,10 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                                                   s.values.dtype))
                 wire.uncompressed_gradient(paths.base.name_of(ctx.variables[i]),
                                            wire.dynamic[-1], reason)
+        if sent is not None:
+            # After the rows: a step that their values skip adds nothing to the sums.
+            with tf.device(device):
+                self._auto.track(sent, variables, mask, reduced, replica_id, ok)
         if tables and any(mask):
             with tf.device(device):
                 self._auto.track_tables(
@@ -741,7 +745,8 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         path and in buckets, one decision for the whole step (``positions``: their
         indices among all the gradients; ``tables``: the embedding tables the plan
         covers, ``AutoPlanner.plan_for``). Returns ``(reduced, ok, state, how many
-        gradients it compressed)``."""
+        gradients it compressed, the tensors sent)``: the caller hands them to
+        ``AutoPlanner.track`` with the step's decision once the rows are reduced too."""
         n = self._num_replicas
         plan = self._auto.plan_for(tensors, variables, mask, owner, positions, tables)
         planned = [i for i, m in enumerate(mask) if m]
@@ -799,8 +804,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                     step_var.assign_add(1)
                 ok = None
             _let_go(state, carried, reduced, ok, replica_id)
-            self._auto.track(tensors, variables, mask, reduced, replica_id, ok)
-        return reduced, ok, state, len(grouped)
+        return reduced, ok, state, len(grouped), tensors
 
     def _with_moments(self, compressor, variables, mask, replica_id):
         """The mask without the gradients that have no second moment (kernels of
