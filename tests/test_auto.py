@@ -13,6 +13,7 @@
   ACCORDION's rule and plans them with bf16's error at most.
 """
 
+import dataclasses
 import json
 import math
 import time
@@ -363,6 +364,69 @@ def test_a_slow_link_sends_measured_matrices_low_rank_within_their_budget():
         if e.candidate.rank:
             assert e.error == MEASURED[e.name][1][e.candidate.rank]
             assert e.path == "low_rank"
+
+
+def test_top_k_errors_are_the_energy_its_largest_entries_leave():
+    rng = np.random.default_rng(3)
+    gradient = (rng.standard_t(3, size=(300, 70))).astype(np.float32)  # heavy tails
+    squares = np.sort(np.square(gradient.astype(np.float64).ravel()))[::-1]
+    sq, rel = planner.top_k_errors(gradient, (0.01, 0.1, 1.0))
+    assert sq == pytest.approx(squares.sum(), rel=1e-9)
+    for ratio in (0.01, 0.1):
+        k = math.ceil(ratio * squares.size)  # top-k's own k
+        assert rel[ratio] == pytest.approx(1.0 - squares[:k].sum() / squares.sum(), rel=1e-9)
+    assert rel[1.0] == pytest.approx(0.0, abs=1e-12)  # everything kept
+    # 150 entries at 1 %: two kept (k rounds up), and a gradient whose energy sits in
+    # two entries loses nothing.
+    few = np.zeros(150)
+    few[[7, 99]] = [3.0, -4.0]
+    assert planner.top_k_errors(few)[1] == {planner.TOPK_RATIO: 0.0}
+    assert planner.top_k_errors(np.zeros((30, 30)))[1] == {planner.TOPK_RATIO: 0.0}
+    spoiled = np.ones((30, 30))
+    spoiled[3, 4] = np.nan
+    assert planner.top_k_errors(spoiled)[1] == {}  # a step that was not finite
+
+
+def with_top_k(fig, ns_per_element=2.0):
+    """``fig`` with top-k's codecs timed at ``ns_per_element`` plus 50 us."""
+    us = tuple(int(50 + ns_per_element * size / 1e3) for size in planner.CPU_SIZES)
+    return dataclasses.replace(fig, encode_us={**fig.encode_us, "topk1": us},
+                               decode_us={**fig.decode_us, "topk1": us})
+
+
+def test_a_gradient_whose_energy_few_entries_hold_goes_top_k_on_a_slow_link():
+    # ``embed``: a flat spectrum (low rank cannot send it), but its largest 1 % of the
+    # entries hold all but 1e-4 of it (a densified embedding table of few touched rows
+    # is such a gradient); top-k loses 90 % of every other gradient.
+    measured = {name: (sq, {**rel, "topk1": 0.9}) for name, (sq, rel) in MEASURED.items()}
+    measured["embed"] = (MEASURED["embed"][0], {**MEASURED["embed"][1], "topk1": 1e-4})
+    low_rank = planner.LowRank(2, measured)
+    fig = with_top_k(all_figures(0.1))
+    plan = planner.make_plan(GRADIENTS, fig, 0.05, low_rank=low_rank)
+    entry = {e.name: e for e in plan.entries}["embed"]
+    assert entry.label == "topk1" and entry.path == "allgather", plan.table()
+    assert entry.error == 1e-4
+    compressor = planner.BY_LABEL["topk1"].compressor
+    assert entry.sent_bytes == tfgc.distribute.paths.auto.sent_bytes(
+        "allgather", compressor, [(tf.TensorShape(entry.shape), tf.float32)], 4)
+    # Its error counts in the measured budget, as the low-rank ones' does, and not in
+    # the quantizers' mean.
+    used = sum(measured[e.name][0] * e.error for e in plan.entries
+               if e.candidate.error_key is not None)
+    assert plan.low_rank_error == pytest.approx(used)
+    assert used <= plan.low_rank_budget * (1 + 1e-9)
+    assert plan.mean_error <= 0.05
+    # Faster than the plan without top-k (the same figures but its timings).
+    without = planner.make_plan(GRADIENTS, all_figures(0.1), 0.05, low_rank=low_rank)
+    assert "topk1" not in {e.label for e in without.entries}
+    assert plan.step_seconds() < without.step_seconds()
+    # In a critical regime it is sent less compressed: never top-k.
+    critical = planner.make_plan(GRADIENTS, fig, 0.05, critical={"embed"}, low_rank=low_rank)
+    assert {e.name: e.label for e in critical.entries}["embed"] != "topk1"
+    # Unmeasured (errors from before top-k was measured), it is not a candidate.
+    older = planner.LowRank(2, MEASURED)
+    assert "topk1" not in {e.label for e in planner.make_plan(
+        GRADIENTS, fig, 0.05, low_rank=older).entries}
 
 
 @pytest.mark.parametrize("rank", [1, 2, 4, 8])
@@ -959,12 +1023,19 @@ def test_low_rank_sends_both_factors_on_two_rings():
         assert planner.path_of(candidate, 4) == "low_rank"
 
 
-def test_figures_with_the_low_rank_timings_round_trip():
+def test_figures_with_the_measured_candidates_timings_round_trip():
+    # The layout: the link, the quantizers, the low-rank candidates, then top-k.
     words = list(range(1, len(planner.LINK_SIZES)
                        + 2 * len(planner.CPU_SIZES) * (len(planner.ALL) - 1) + 1))
     fig = planner.Figures.from_words(words, 3)
-    assert fig.encode_us["psgd8"] == tuple(words[-6::2])
+    assert planner.ALL[-1].label == "topk1"
+    assert fig.encode_us["topk1"] == tuple(words[-6::2])
+    assert fig.decode_us["psgd8"] == tuple(words[-12 + 1::2][:3])
     assert fig.words() == words
+    # Figures from before top-k existed: the low-rank ones still read, top-k missing.
+    older = planner.Figures.from_words(words[:-6], 3)
+    assert "psgd8" in older.encode_us and "topk1" not in older.encode_us
+    assert older.words() == words[:-6]
 
 
 def test_low_rank_timings_of_two_ranks_and_sizes_give_every_rank_and_size(monkeypatch):
@@ -1483,7 +1554,7 @@ def test_measured_matrices_go_low_rank_after_the_critical_intervals(cluster):
     # The first interval ends critical (nothing to compare it with); from the second
     # on, none is.
     for k, interval in enumerate(intervals):
-        errors = {name: (sq, {int(r): e for r, e in rel.items()})
+        errors = {name: (sq, {(int(r) if r.isdigit() else r): e for r, e in rel.items()})
                   for name, (sq, rel) in interval["errors"].items()}
         assert errors, k
         for sq, rel in errors.values():
@@ -1491,6 +1562,9 @@ def test_measured_matrices_go_low_rank_after_the_critical_intervals(cluster):
             values = [rel[r] for r in planner.RANKS]
             assert all(0.0 <= v <= 1.0 for v in values)
             assert all(a >= b - 1e-6 for a, b in zip(values, values[1:]))  # more rank, less lost
+            # Top-k's: its largest 1 % of the entries hold at least 1 % of the energy.
+            assert set(rel) == set(planner.RANKS) | {"topk1"}
+            assert 0.0 <= rel["topk1"] <= 1.0 - planner.TOPK_RATIO + 1e-6
         ranks = {e["name"]: int(e["label"][4:]) for e in interval["plan"]
                  if e["label"].startswith("psgd")}
         critical = {e["name"] for e in interval["plan"] if e["critical"]}

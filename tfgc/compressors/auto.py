@@ -18,7 +18,8 @@ names them:
 
 the QSGD ones over the reduce-scatter from 3 workers on (``paths.auto``); and, once
 training has measured them, PowerSGD at ranks 1, 2, 4 and 8 (``psgd1`` ... ``psgd8``,
-error feedback, the low-rank path), under a budget of their own (below). The error
+error feedback, the low-rank path) and top-k at 1 % with error feedback (``topk1``,
+the all-gather), under a budget of their own (below). The error
 of a candidate on a gradient is the bound on E||C(g) - g||^2 / ||g||^2 that holds for
 every gradient (``QSGD.variance_bound``: Lemma 3.1 of the QSGD paper, min(d/s^2,
 sqrt(d)/s) for buckets of d elements and s levels; for the rotated ones a bound through
@@ -31,8 +32,10 @@ as L-GreCo does (Markov et al., MLSys 2024), ``tfgc.keras.AutoPlanCallback`` mea
 it at the end of each interval of training, for every matrix at every rank, and the
 plan keeps the low-rank gradients' total error within what PowerSGD at rank
 ``low_rank`` on every matrix would lose: where one layer is nearly low-rank and another
-is not, the first may take rank 1 and the second 8, or a quantizer. Without the
-callback, or with ``low_rank=0``, no gradient goes low-rank.
+is not, the first may take rank 1 and the second 8, or a quantizer. Top-k's error,
+what a gradient's largest 1 % of entries leave, is measured with them and counts in
+the same budget. Without the callback, or with ``low_rank=0``, no gradient goes
+low-rank or top-k.
 
 Embedding tables (``tf.IndexedSlices`` gradients): each goes as the rows a step touched,
 quantized, or summed into a dense gradient that the plan sends like the others,

@@ -292,7 +292,7 @@ class AutoPlanner:
             critical = record["critical"]
             self._critical = critical if critical == "all" else frozenset(critical)
             self._norms = {int(k): v for k, v in record["norms"].items()}
-            self._low_rank = {name: (sq, {int(r): e for r, e in rel.items()})
+            self._low_rank = {name: (sq, {_error_key(k): e for k, e in rel.items()})
                               for name, (sq, rel) in record.get("low_rank", {}).items()}
             self._steps = steps_from_record(record.get("steps", []))
         logging.info("tfgc: compressor='auto': the plan's figures restored from the "
@@ -500,14 +500,16 @@ class AutoPlanner:
             self._capture.assign(True)
 
     def _measure_low_rank(self, gradients):
-        """Worker 0's low-rank errors of every kept matrix (``planner.low_rank_errors`` of
-        its last local gradient plus its residual, where it has one), agreed: every
-        worker gets the same numbers. Eager; every worker calls it at the same point."""
+        """Worker 0's measured errors of every kept matrix (``planner.low_rank_errors``
+        and ``planner.top_k_errors`` of its last local gradient plus its residual, where
+        it has one), agreed: every worker gets the same numbers. Eager; every worker
+        calls it at the same point."""
         places = list(self._matrices) + [k for k in self._row_matrices
                                          if k not in self._matrices]
         if not places:
             return {}
-        width = 1 + len(planner.RANKS)
+        sparse = [(c.label, c.compressor.inner.ratio) for c in planner.SPARSE]
+        width = 1 + len(planner.RANKS) + len(sparse)
         values = np.zeros([len(places), width], np.float32)
         if self._ops.worker_rank == 0:
             residuals = self._residuals()
@@ -518,15 +520,17 @@ class AutoPlanner:
                     x = x + residual
                 shape = planner.LOW_RANK[0].compressor.matrix_shape(tf.TensorShape(x.shape))
                 sq, rel = planner.low_rank_errors(x.reshape(shape), planner.RANKS, seed=j)
+                _, kept = planner.top_k_errors(x, [ratio for _, ratio in sparse])
                 if rel:  # else (a step that was not finite) left out, as zeros are
-                    values[row] = [sq] + [rel[r] for r in planner.RANKS]
+                    values[row] = ([sq] + [rel[r] for r in planner.RANKS]
+                                   + [kept[ratio] for _, ratio in sparse])
         bits = values.reshape(-1).view(np.int32)
         agreed = self._ops.gather_words(bits)[0].astype(np.int32).view(np.float32)
         agreed = agreed.reshape(len(places), width)
         # A matrix without a squared norm was not measured (not finite): no low rank.
+        keys = list(planner.RANKS) + [label for label, _ in sparse]
         return {gradients[j][0]: (float(agreed[row, 0]),
-                                  {r: float(agreed[row, 1 + k])
-                                   for k, r in enumerate(planner.RANKS)})
+                                  {key: float(agreed[row, 1 + k]) for k, key in enumerate(keys)})
                 for row, j in enumerate(places) if agreed[row, 0] > 0}
 
     def _residuals(self):
@@ -719,3 +723,9 @@ def _check_step(step_s, step_se_s=None):
 def _or_nan(step_s):
     """A measured step as a word carries it: NaN for none."""
     return float("nan") if step_s is None else step_s
+
+
+def _error_key(key: str):
+    """A measured error's key as a record keeps it (a string) back as
+    ``planner.Candidate.error_key`` has it: a rank, or top-k's label."""
+    return int(key) if key.isdigit() else key

@@ -61,6 +61,12 @@ migration carries fields of the same shape); one that moves it off low rank adds
 residual to its next gradient (``CompressionState.carried``), so nothing it held is
 lost.
 
+Top-k at 1 % with error feedback (``SPARSE``, on the all-gather) is measured alike: the
+share of a gradient's energy that its largest 1 % of entries leave (``top_k_errors``,
+on the same gradient plus residual) counts in the same budget, and the first
+measurement times its codecs with the low-rank ones. It is not offered in a critical
+regime.
+
 The steps a plan costs (``Pace``): a lossier plan needs more steps to reach the same
 accuracy, so a step it makes shorter is not by itself time saved. Once steps have been
 timed under a plan (``AutoPlanCallback`` passes the current plan's median step), the
@@ -137,6 +143,15 @@ class Candidate:
         compressor = self.compressor
         return None if compressor is None or compressor.low_rank is None else compressor.rank
 
+    @property
+    def error_key(self):
+        """Where a measured candidate's error is kept among a gradient's measured errors
+        (``LowRank.errors``): a low-rank one's rank, top-k's label; None for the
+        candidates whose error is a bound that holds for every gradient."""
+        if self.label in _SPARSE_LABELS:
+            return self.label
+        return self.rank
+
     def variance_bound(self, num_elements: int) -> float:
         """The bound on E||C(g) - g||^2 / ||g||^2 for a gradient of ``num_elements``.
 
@@ -175,6 +190,14 @@ CANDIDATES = (
 # they are planned only once a measurement exists.
 RANKS = (1, 2, 4, 8)
 LOW_RANK = tuple(Candidate(f"psgd{r}", f"powersgd:rank={r}") for r in RANKS)
+# Top-k with error feedback (1 % of the entries, on the all-gather): its error, too,
+# depends on the gradient (how much of its energy its largest entries hold), so it is
+# measured with the low-rank errors and shares their budget. Where a gradient's energy
+# sits in few entries but not in few directions, it loses less than PowerSGD; and its
+# bytes do not depend on the matrix's shape.
+TOPK_RATIO = 0.01
+SPARSE = (Candidate("topk1", f"ef+topk:ratio={TOPK_RATIO}"),)
+_SPARSE_LABELS = frozenset(c.label for c in SPARSE)
 # The low-rank candidates are timed at their least and greatest rank, on the least and
 # greatest size; the other ranks and sizes are read off the lines between
 # (``_low_rank_words``). PowerSGD's work on an n-element matrix is n r multiply-adds
@@ -182,8 +205,10 @@ LOW_RANK = tuple(Candidate(f"psgd{r}", f"powersgd:rank={r}") for r in RANKS)
 # ranks planned. Four timed codecs instead of twelve (most of their cost is tracing:
 # 4 workers on 2 cores spent 4.5 s on twelve).
 LOW_RANK_TIMED = ((RANKS[0], RANKS[-1]), (CPU_SIZES[0], CPU_SIZES[-1]))
-# Every candidate, in the order the figures hold them and the plan's groups run.
-ALL = CANDIDATES + LOW_RANK
+# The candidates whose error is measured during training, and every candidate, in the
+# order the figures hold them and the plan's groups run.
+MEASURED = LOW_RANK + SPARSE
+ALL = CANDIDATES + MEASURED
 BY_LABEL = {c.label: c for c in ALL}
 
 
@@ -374,12 +399,18 @@ def measure(cross_device_ops, link_gbps: float, latency_ms: float) -> "Figures":
 
 
 def measure_low_rank(cross_device_ops, figures: "Figures") -> "Figures":
-    """``figures`` with the low-rank candidates' CPU timings added (the slowest worker's),
-    when it has none yet. Eager; every worker must call it at the same point."""
-    if all(c.label in figures.encode_us for c in LOW_RANK):
+    """``figures`` with the measured candidates' CPU timings added (the slowest worker's:
+    the low-rank ones, then top-k), where it has none yet. Eager; every worker must
+    call it at the same point."""
+    words = []
+    if not all(c.label in figures.encode_us for c in LOW_RANK):
+        words += _low_rank_words(figures.num_workers)
+    if not all(c.label in figures.encode_us for c in SPARSE):
+        words += _cpu_words(SPARSE, figures.num_workers)
+    if not words:
         return figures
     with tf.init_scope():
-        agreed = _slowest(cross_device_ops, _low_rank_words(figures.num_workers))
+        agreed = _slowest(cross_device_ops, words)
     return Figures.from_words(figures.words() + agreed, figures.num_workers,
                               figures.link_gbps, figures.latency_ms)
 
@@ -590,16 +621,38 @@ def low_rank_errors(matrix: np.ndarray, ranks: Sequence[int] = RANKS,
                    for r in ranks}
 
 
+def top_k_errors(gradient: np.ndarray, ratios: Sequence[float] = (TOPK_RATIO,)
+                 ) -> Tuple[float, Dict[float, float]]:
+    """``gradient``'s squared norm and, for each ratio, the relative error of keeping
+    its k = ceil(ratio n) entries of largest magnitude (top-k's own k),
+    1 - (their squares' sum) / ||g||^2: what one top-k step leaves in the residual.
+    Zeros lose nothing; a gradient that is not finite has no errors (``{}``)."""
+    squares = np.square(np.asarray(gradient, np.float64).reshape(-1))
+    total = float(np.sum(squares))
+    if not math.isfinite(total):
+        return total, {}
+    if total == 0.0:
+        return total, {r: 0.0 for r in ratios}
+    n = squares.size
+    out = {}
+    for ratio in ratios:
+        k = min(n, max(1, int(math.ceil(ratio * n))))
+        kept = float(np.sum(np.partition(squares, n - k)[n - k:]))
+        out[ratio] = max(0.0, 1.0 - kept / total)
+    return total, out
+
+
 @dataclasses.dataclass(frozen=True)
 class LowRank:
     """The low-rank candidates' measured errors and their budget (L-GreCo: Markov et al.,
     MLSys 2024).
 
-    ``errors[name] = (squared norm, {rank: relative error})`` for the gradients
-    measured (``low_rank_errors`` of a recent error-feedback-corrected gradient). A
-    plan's low-rank gradients may together lose at most what PowerSGD at ``rank`` on
-    every measured gradient it can compress would: the sum of squared norm times
-    relative error at that rank. The error feedback keeps what each step leaves out
+    ``errors[name] = (squared norm, {key: relative error})`` for the gradients
+    measured, by ``Candidate.error_key``: each rank's (``low_rank_errors`` of a recent
+    error-feedback-corrected gradient) and top-k's (``top_k_errors`` of the same). A
+    plan's gradients sent as measured candidates may together lose at most what
+    PowerSGD at ``rank`` on every measured gradient it can compress would: the sum of
+    squared norm times relative error at that rank. The error feedback keeps what each step leaves out
     and sends it later, so that budget bounds how much is late, not lost; the
     quantizers' budget (``Auto.error``) bounds the others' lost variance apart.
     """
@@ -874,7 +927,7 @@ class Plan:
         if not total:
             return 0.0
         return sum(e.error * int(np.prod(e.shape)) for e in entries
-                   if e.candidate.rank is None) / total
+                   if e.candidate.error_key is None) / total
 
     def key(self) -> str:
         """One line that names the plan: the compression state's compressor key."""
@@ -1165,7 +1218,7 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
             compressor = candidate.compressor
             if compressor is not None and not compressor.supports(tf_shape, tf_dtype):
                 continue
-            if candidate.rank is None:
+            if candidate.error_key is None:
                 bound, lr = candidate.variance_bound(n), 0.0
                 if name in critical and bound > critical_bound:
                     continue
@@ -1173,14 +1226,15 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
                     continue
             else:
                 # Measured gradients only, at the critical rank or more in a critical
-                # regime, and a loss that fits.
+                # regime (top-k not at all: ACCORDION sends less compressed there), and
+                # a loss that fits.
                 if low_rank is None or name not in low_rank.errors \
                         or candidate.label not in figures.encode_us \
-                        or (name in critical and candidate.rank < low_rank.critical_rank):
+                        or (name in critical and (candidate.rank or 0) < low_rank.critical_rank):
                     continue
                 sq, rel = low_rank.errors[name]
-                bound = rel[candidate.rank]
-                if sq * bound > lr_budget:
+                bound = rel.get(candidate.error_key)
+                if bound is None or sq * bound > lr_budget:
                     continue
                 lr = sq * bound / lr_budget if lr_budget > 0 else 0.0
             path = path_of(candidate, w)
@@ -1188,7 +1242,8 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
             cpu = cpu_seconds(figures, candidate, path, n)
             mine.append(dict(order=order, candidate=candidate, path=path, sent=sent, cpu=cpu,
                              wire=sent * link.beta, bound=bound,
-                             mass=0.0 if candidate.rank or name in capped else bound * n / total,
+                             mass=(0.0 if candidate.error_key is not None or name in capped
+                                   else bound * n / total),
                              lr=lr, pen=0.0, dense=n * tf_dtype.size))
         options.append((name, tuple(shape), dtype, mine))
     if only is not None and (
@@ -1289,19 +1344,20 @@ def row_candidate(entries: Sequence[Entry], error_budget: float,
                   num_workers: int) -> Optional[Candidate]:
     """What embedding rows travel as beside a plan of ``entries``: the quantizing
     candidate that carries most of the planned elements (the plan's view of the link);
-    where the plan quantizes nothing but sends some gradients low-rank (rows change from
-    step to step: no residual or query of their own), the quantizer that sends the
+    where the plan quantizes nothing but sends some gradients as measured candidates,
+    low-rank or top-k (rows change from step to step: no residual or query of their
+    own), the quantizer that sends the
     fewest bytes an element within ``error_budget``, or within ``CRITICAL_BOUND`` while
     some gradient is critical (ties: the least error); None (the stock gather) when the
     plan sends everything as float32 or no quantizer fits."""
     elements = {}
     for e in entries:
-        if e.label != "fp32" and e.candidate.rank is None:
+        if e.label != "fp32" and e.candidate.error_key is None:
             elements[e.label] = elements.get(e.label, 0) + int(np.prod(e.shape))
     if elements:
         # Ties go to the candidate with less error (max keeps the first).
         return max(CANDIDATES, key=lambda c: elements.get(c.label, 0))
-    if not any(e.candidate.rank for e in entries):
+    if not any(e.candidate.error_key is not None for e in entries):
         return None
     budget = error_budget
     if any(e.critical for e in entries):
