@@ -1718,3 +1718,28 @@ def test_a_step_its_rows_skip_adds_nothing_to_the_interval_sums(cluster):
             total += kernels[step]
         (sums,) = runs[0][f"sums{step}"]
         np.testing.assert_allclose(sums, total, rtol=1e-6, atol=1e-6)
+
+
+def test_a_gradient_its_largest_entries_hold_goes_top_k_and_sums_as_top_k_does(cluster):
+    # Step 10 of the worker: once out of its critical regime, the sparse kernel is
+    # planned top-k on the all-gather, and each step's result is the sum of every
+    # worker's k largest entries of gradient plus residual, each residual what is left.
+    runs = [np.load(cluster / f"sparse.w{r}.npz") for r in range(2)]
+    for r in (0, 1):
+        assert "topk1" not in runs[r]["labels0"].tolist()  # critical: not top-k
+        assert runs[r]["labels1"].tolist() == ["topk1"]
+        assert runs[r]["paths"].tolist() == ["allgather"]
+    k = planner.BY_LABEL["topk1"].compressor.inner.num_kept(tf.TensorShape(worker.SPARSE_SHAPE))
+    assert k > worker.SPARSE_NONZEROS
+    for step in range(worker.SPARSE_STEPS):
+        total = np.zeros(worker.SPARSE_SHAPE, np.float32)
+        for run in runs:
+            x = (run[f"gradient{step}"] + run[f"before{step}"]).reshape(-1)
+            # The k largest magnitudes, ties to the lower index.
+            kept = np.lexsort((np.arange(x.size), -np.abs(x)))[:k]
+            sent = np.zeros_like(x)
+            sent[kept] = x[kept]
+            total += sent.reshape(worker.SPARSE_SHAPE)
+            np.testing.assert_array_equal(run[f"after{step}"].reshape(-1), x - sent)
+        for run in runs:
+            np.testing.assert_array_equal(run[f"out{step}"], total)

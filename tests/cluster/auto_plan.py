@@ -40,6 +40,11 @@
    table's rows for ``len(ROWS_NAN)`` steps, the rows of worker 1 holding a NaN where
    ``ROWS_NAN`` says: writes each step's reduced kernel, worker 0's interval sums
    after each step and the count of skipped steps (``rows_skip.w<rank>.npz``).
+10. With regimes tracked on a slow given link, reduces a kernel whose gradients have
+   fewer non-zero entries than top-k keeps, scattered (``sparse_gradient``), for two
+   intervals of one step each (the first ends critical), then, under the plan that
+   makes, ``SPARSE_STEPS`` more: writes the plans and, per step, the gradient, the
+   error-feedback residual before and after, and the result (``sparse.w<rank>.npz``).
 """
 
 import dataclasses
@@ -125,6 +130,7 @@ def main():
     switched_off_error_feedback(strategy, rank, out_dir)
     tables(strategy, rank, out_dir)
     skipped_rows(strategy, rank, out_dir)
+    planned_top_k(strategy, rank, out_dir)
 
 
 MOVED_TO = ["auto:link_gbps=0.001,error=0.00015,low_rank=0", "auto:link_gbps=1000,low_rank=0"]
@@ -438,6 +444,56 @@ def skipped_rows(strategy, rank, out_dir):
                                          - skipped)
     arrays["labels"] = np.array([e.label for e in strategy.compression_plan().entries])
     np.savez(os.path.join(out_dir, f"rows_skip.w{rank}.npz"), **arrays)
+
+
+# Step 10: a [1024, 32] kernel (top-k's 1 %: 328 entries) whose gradients have 300
+# non-zero entries a worker, at random places: its largest entries hold all of it, and
+# its spectrum is nearly flat (rank 2 keeps about 2/32 of it).
+SPARSE_SHAPE, SPARSE_NONZEROS, SPARSE_STEPS = (1024, 32), 300, 3
+
+
+def sparse_gradient(rank, step):
+    rng = np.random.RandomState(500 + 10 * step + rank)
+    g = np.zeros(SPARSE_SHAPE[0] * SPARSE_SHAPE[1], np.float32)
+    g[rng.choice(g.size, SPARSE_NONZEROS, replace=False)] = rng.randn(SPARSE_NONZEROS)
+    return g.reshape(SPARSE_SHAPE)
+
+
+def planned_top_k(strategy, rank, out_dir):
+    """Step 10 of the module docstring."""
+    import tensorflow as tf
+
+    import tfgc
+    from fixed_reduce import make_reduce
+
+    strategy.compressor = "auto:link_gbps=0.01,low_rank=2"
+    cdo = strategy.cross_device_ops
+    with strategy.scope():
+        variables = [tf.Variable(tf.zeros(SPARSE_SHAPE))]
+    owner = tf.Module()
+    cdo.track_regimes()
+    arrays = {}
+    for interval in range(2):
+        cdo.capture_gradients()
+        make_reduce(strategy, variables, owner)([sparse_gradient(rank, interval)])
+        cdo.adapt(threshold=1e9)  # no previous norm at the first: critical; then none
+        arrays[f"labels{interval}"] = np.array(
+            [e.label for e in strategy.compression_plan().entries])
+    arrays["paths"] = np.array([e.path for e in strategy.compression_plan().entries])
+    reduce = make_reduce(strategy, variables, owner)
+    state = tfgc.distribute.state.get_state(owner)
+
+    def residual():
+        slot = state.slot(variables[0], 0) if state.has_slot(variables[0]) else {}
+        return (slot["residual"].numpy() if "residual" in slot
+                else np.zeros(SPARSE_SHAPE, np.float32))
+
+    for step in range(SPARSE_STEPS):
+        g = sparse_gradient(rank, 2 + step)
+        arrays[f"gradient{step}"], arrays[f"before{step}"] = g, residual()
+        arrays[f"out{step}"] = reduce([g])[0]
+        arrays[f"after{step}"] = residual()
+    np.savez(os.path.join(out_dir, f"sparse.w{rank}.npz"), **arrays)
 
 
 if __name__ == "__main__":

@@ -976,7 +976,7 @@ class Plan:
         head = (f"tfgc: compressor='auto' plan for {len(self.entries)} gradients on "
                 f"{self.num_workers} workers (error budget {self.error_budget:g}, mean bound "
                 f"{self.mean_error:.3g}"
-                + (f"; low-rank error {self.low_rank_error:.3g} of its budget "
+                + (f"; low-rank and top-k error {self.low_rank_error:.3g} of their budget "
                    f"{self.low_rank_budget:.3g}" if self.low_rank_budget else "")
                 + f"); {self.figures.describe()}")
         rows = [("variable", "shape", "as", "path", "dense", "sent", "cpu ms", "wire ms")]
