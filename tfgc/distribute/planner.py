@@ -652,9 +652,10 @@ class LowRank:
     error-feedback-corrected gradient) and top-k's (``top_k_errors`` of the same). A
     plan's gradients sent as measured candidates may together lose at most what
     PowerSGD at ``rank`` on every measured gradient it can compress would: the sum of
-    squared norm times relative error at that rank. The error feedback keeps what each step leaves out
-    and sends it later, so that budget bounds how much is late, not lost; the
-    quantizers' budget (``Auto.error``) bounds the others' lost variance apart.
+    squared norm times relative error at that rank. The error feedback keeps what each
+    step leaves out and sends it later, so that budget bounds how much is late, not
+    lost; the quantizers' budget (``Auto.error``) bounds the others' lost variance
+    apart.
     """
 
     rank: int
