@@ -268,6 +268,7 @@ class AutoPlanner:
                   and json.loads(json.dumps(gradients)) == record["gradients"]
                   and record["num_workers"] == self._ops.group_size
                   and record["candidates"] == [c.label for c in planner.ALL]
+                  and len(record["link_us"]) == len(planner.LINK_SIZES)
                   and (auto.link_gbps or any(record["link_us"])
                        or self._ops.group_size < 2))
         word = 0

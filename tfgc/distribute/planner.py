@@ -106,8 +106,11 @@ from tfgc.ops import build as ops_build
 
 # Bytes of the float32 vectors the link probe all-reduces, and elements of the vectors
 # each candidate encodes and decodes: a line through three sizes, from a few kilobytes
-# (where the fixed costs show) to a layer of a few megabytes.
-LINK_SIZES = (16 << 10, 512 << 10, 4 << 20)
+# (where the fixed costs show) to a layer of a few megabytes. The link's first size is
+# a message of 64 floats: its all-reduce is the latency alone (``link_line``).
+LINK_SIZES = (256, 16 << 10, 512 << 10, 4 << 20)
+# The probe's sizes before it had the 256-byte one (stored benchmark figures have them).
+EARLIER_LINK_SIZES = LINK_SIZES[1:]
 CPU_SIZES = (1 << 12, 1 << 16, 1 << 20)
 REPEATS = 3
 # A re-measurement of the link times a probe size only where the current figures predict
@@ -419,7 +422,7 @@ def measure_link(cross_device_ops, figures: "Figures") -> "Figures":
     """``figures`` with the link measured again (every worker at once, as ``measure``).
 
     ``AutoPlanCallback`` does this at intervals' ends, so the probe is kept short:
-    the two smallest sizes always, a larger one only where the current figures predict
+    the three smallest sizes always, a larger one only where the current figures predict
     its all-reduce under ``REPROBE_S`` (the same sizes on every worker, since the
     figures are agreed). A size left out keeps its earlier time scaled as the largest
     size probed changed, unless that moved by more than ``REPROBE_MARGIN``, when every
@@ -431,7 +434,7 @@ def measure_link(cross_device_ops, figures: "Figures") -> "Figures":
         return figures
     n, link = figures.num_workers, figures.link()
     sizes = [size for i, size in enumerate(LINK_SIZES)
-             if i < 2 or link.time("allreduce", n, size) <= REPROBE_S]
+             if i < 3 or link.time("allreduce", n, size) <= REPROBE_S]
     k = len(sizes)
     with tf.init_scope():
         agreed = _slowest(cross_device_ops, _link_us(cross_device_ops, 0.0, sizes))
@@ -510,6 +513,23 @@ def fit(xs: Sequence[float], ys: Sequence[float]) -> Line:
     return Line(a, b)
 
 
+def link_line(xs: Sequence[float], ys: Sequence[float]) -> Line:
+    """The line through the link probe's first point (the smallest message: its time is
+    the latency, bar a few bytes), its slope the least-squares one of the others about
+    that point; neither part negative.
+
+    Not a least-squares line through all of them: a token-bucket shaper lets the first
+    bytes of every message through at once (its burst: 64 KB on the benchmarks' links,
+    5 ms at 100 Mbit/s), so the large messages' line meets zero bytes below the
+    latency, and the fitted intercept went toward zero (0.10 ms a hop at 100 Mbit/s on
+    2 workers, against 1.3-2.6 ms at 1 and 10 Gbit/s on the same machine): the plan
+    then split its gradients over more collectives than paid."""
+    x, y = np.asarray(xs, np.float64), np.asarray(ys, np.float64)
+    dx, dy = x[1:] - x[0], y[1:] - y[0]
+    b = max(float(np.sum(dx * dy) / np.sum(dx * dx)), 0.0)
+    return Line(max(float(y[0] - b * x[0]), 0.0), b)
+
+
 @dataclasses.dataclass(frozen=True)
 class Figures:
     """The agreed measurements, in microseconds (``measure``), and the lines through them.
@@ -529,10 +549,12 @@ class Figures:
     @classmethod
     def from_words(cls, words: List[int], num_workers: int, link_gbps: float = 0.0,
                    latency_ms: float = 0.1) -> "Figures":
+        m = len(CPU_SIZES)
         k = len(LINK_SIZES)
+        if (len(words) - k) % (2 * m) and not (len(words) - len(EARLIER_LINK_SIZES)) % (2 * m):
+            k = len(EARLIER_LINK_SIZES)
         link, rest = tuple(words[:k]), words[k:]
         encode, decode = {}, {}
-        m = len(CPU_SIZES)
         # Words stored before the low-rank candidates existed end after the others'.
         for j, candidate in enumerate(ALL[1:1 + len(rest) // (2 * m)]):
             block = rest[2 * m * j:2 * m * (j + 1)]
@@ -553,14 +575,18 @@ class Figures:
 
     def link(self) -> costmodel.AlphaBeta:
         """Seconds per hop and per byte a worker sends (``costmodel``): given, or from the
-        line through the probe's all-reduce times against the bytes each worker sent,
-        whose intercept is the latency of the all-reduce's 2(N-1) hops."""
+        line through the probe's all-reduce times against the bytes each worker sent
+        (``link_line``), whose intercept is the latency of the all-reduce's 2(N-1)
+        hops."""
         if self.link_gbps:
             return costmodel.AlphaBeta(self.latency_ms / 1e3, 8.0 / (self.link_gbps * 1e9))
         if self.num_workers < 2:
             return costmodel.AlphaBeta(0.0, 0.0)
-        line = fit([ring_sent(s, self.num_workers) for s in LINK_SIZES],
-                   [us / 1e6 for us in self.link_us])
+        seconds = [us / 1e6 for us in self.link_us]
+        if len(seconds) == len(EARLIER_LINK_SIZES):  # figures from before the small probe
+            line = fit([ring_sent(s, self.num_workers) for s in EARLIER_LINK_SIZES], seconds)
+        else:
+            line = link_line([ring_sent(s, self.num_workers) for s in LINK_SIZES], seconds)
         return costmodel.AlphaBeta.from_allreduce(line.a, line.b, self.num_workers)
 
     def encode(self, label: str) -> Line:
