@@ -98,6 +98,7 @@ from absl import logging
 
 from tfgc.collectives.allgather import num_payload_words
 from tfgc.compressors import CompressContext, get as get_compressor
+from tfgc.compressors.sparse import TopK
 from tfgc.distribute import costmodel, embeddings
 from tfgc.distribute.costmodel import ring_sent
 from tfgc.distribute.paths import auto as auto_paths
@@ -662,7 +663,7 @@ def top_k_errors(gradient: np.ndarray, ratios: Sequence[float] = (TOPK_RATIO,)
     n = squares.size
     out = {}
     for ratio in ratios:
-        k = min(n, max(1, int(math.ceil(ratio * n))))
+        k = TopK(ratio=ratio).num_kept(tf.TensorShape([n]))
         kept = float(np.sum(np.partition(squares, n - k)[n - k:]))
         out[ratio] = max(0.0, 1.0 - kept / total)
     return total, out
@@ -1257,7 +1258,8 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
                 # a loss that fits.
                 if low_rank is None or name not in low_rank.errors \
                         or candidate.label not in figures.encode_us \
-                        or (name in critical and (candidate.rank or 0) < low_rank.critical_rank):
+                        or (name in critical and (candidate.rank is None
+                                                  or candidate.rank < low_rank.critical_rank)):
                     continue
                 sq, rel = low_rank.errors[name]
                 bound = rel.get(candidate.error_key)
@@ -1373,10 +1375,10 @@ def row_candidate(entries: Sequence[Entry], error_budget: float,
     candidate that carries most of the planned elements (the plan's view of the link);
     where the plan quantizes nothing but sends some gradients as measured candidates,
     low-rank or top-k (rows change from step to step: no residual or query of their
-    own), the quantizer that sends the
-    fewest bytes an element within ``error_budget``, or within ``CRITICAL_BOUND`` while
-    some gradient is critical (ties: the least error); None (the stock gather) when the
-    plan sends everything as float32 or no quantizer fits."""
+    own), the quantizer that sends the fewest bytes an element within
+    ``error_budget``, or within ``CRITICAL_BOUND`` while some gradient is critical
+    (ties: the least error); None (the stock gather) when the plan sends everything as
+    float32 or no quantizer fits."""
     elements = {}
     for e in entries:
         if e.label != "fp32" and e.candidate.error_key is None:
