@@ -189,7 +189,7 @@ setup(
         "absl-py",
     ],
     extras_require={
-        "test": ["pytest", "hypothesis"],
+        "test": ["pytest", "pytest-xdist", "hypothesis"],
     },
     entry_points={
         "console_scripts": [

@@ -108,6 +108,7 @@ has tensorflow || need+=("$TF_PACKAGE" "keras==3.15.*")
 has absl || need+=(absl-py)
 has numpy || need+=(numpy)
 has pytest || need+=(pytest)
+has xdist || need+=(pytest-xdist)
 has hypothesis || need+=(hypothesis)
 has matplotlib || need+=(matplotlib)
 if [ ${#need[@]} -gt 0 ]; then

@@ -1158,6 +1158,15 @@ def test_cpu_timings_are_kept_on_disk_for_the_next_job_on_this_machine(monkeypat
     new_process()
     planner._cpu_words(planner.CANDIDATES[1:], 4)
     assert timed and not (tmp_path / "auto" / "cpu.json").exists()
+    # A file named: kept there, read back by the next job, the cache root untouched.
+    named = tmp_path / "elsewhere" / "timings.json"
+    monkeypatch.setenv(planner.CPU_CACHE_ENV, str(named))
+    assert planner.cpu_cache_path() == str(named)
+    new_process()
+    assert planner._cpu_words(planner.CANDIDATES[1:], 4) == first and timed
+    assert named.exists() and not (tmp_path / "auto" / "cpu.json").exists()
+    new_process()
+    assert planner._cpu_words(planner.CANDIDATES[1:], 4) == first and not timed
 
 
 def test_a_rank_change_keeps_the_residual_and_draws_a_new_query():
