@@ -139,12 +139,20 @@ class Candidate:
 
     @property
     def compressor(self):
+        """A compressor of its own, to send with (None: float32)."""
         return None if self.spec is None else get_compressor(self.spec)
+
+    @property
+    def described(self):
+        """The compressor the planner asks about its rank, bounds, paths and bytes: one
+        instance per spec, shared (a plan asks it a few thousand times, and parsing
+        the spec each time was most of a plan's time); never sent with."""
+        return None if self.spec is None else _described(self.spec)
 
     @property
     def rank(self) -> Optional[int]:
         """The rank of a low-rank candidate (PowerSGD's), None for the others."""
-        compressor = self.compressor
+        compressor = self.described
         return None if compressor is None or compressor.low_rank is None else compressor.rank
 
     @property
@@ -164,7 +172,7 @@ class Candidate:
         (``QSGD.variance_bound``; for the l2 norm Alistarh et al., NIPS 2017,
         Lemma 3.1).
         """
-        compressor = self.compressor
+        compressor = self.described
         if compressor is None:
             return 0.0
         if compressor.name == "bf16":
@@ -216,11 +224,16 @@ ALL = CANDIDATES + MEASURED
 BY_LABEL = {c.label: c for c in ALL}
 
 
+@functools.lru_cache(maxsize=None)
+def _described(spec: str):
+    return get_compressor(spec)
+
+
 def path_of(candidate: Candidate, num_workers: int) -> str:
     """The path a candidate's gradients take: auto's choice for its compressor."""
     if candidate.spec is None:
         return "allreduce"
-    return auto_paths.choose_communication(candidate.compressor, num_workers)[0]
+    return auto_paths.choose_communication(candidate.described, num_workers)[0]
 
 
 # -- measuring ----------------------------------------------------------------------
@@ -703,7 +716,7 @@ class LowRank:
     def budget(self, shapes: Dict[str, Sequence[int]]) -> float:
         """The budget for gradients of these ``shapes`` (by name): only measured ones
         that PowerSGD at ``rank`` would compress count."""
-        compressor = BY_LABEL[f"psgd{self.rank}"].compressor
+        compressor = BY_LABEL[f"psgd{self.rank}"].described
         return sum(sq * rel[self.rank] for name, (sq, rel) in sorted(self.errors.items())
                    if name in shapes and compressor.supports(tf.TensorShape(shapes[name]),
                                                              tf.float32))
@@ -866,10 +879,10 @@ def sent_bytes(candidate: Candidate, path: str, shape, dtype, num_workers: int) 
         return int(ring_sent(n * 2, num_workers))  # the casts: 16 bits per element
     if path == "low_rank":
         # Two rings: P (rows x r) with the control words, then Q (cols x r).
-        rows, cols = candidate.compressor.matrix_shape(tf.TensorShape(shape))
+        rows, cols = candidate.described.matrix_shape(tf.TensorShape(shape))
         factors = candidate.rank * (rows + cols) * tf.as_dtype(dtype).size
         return int(ring_sent(factors + 4 * guard.CONTROL_WORDS, num_workers))
-    return auto_paths.sent_bytes(path, candidate.compressor,
+    return auto_paths.sent_bytes(path, candidate.described,
                                  [(tf.TensorShape(shape), tf.as_dtype(dtype))], num_workers)
 
 
@@ -1248,7 +1261,7 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
         for order, candidate in enumerate(ALL):
             if only is not None and candidate.label != only.get(name):
                 continue
-            compressor = candidate.compressor
+            compressor = candidate.described
             if compressor is not None and not compressor.supports(tf_shape, tf_dtype):
                 continue
             if candidate.error_key is None:
