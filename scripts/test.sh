@@ -8,7 +8,7 @@ source scripts/python_env.sh
 # Two pytest-xdist workers (TFGC_TEST_WORKERS; 1: a single process), each given a whole
 # test module at a time, so a module's clusters serve all of its tests; tests/conftest.py
 # hands out the longest modules first. On 2 cores the suite's clusters leave a core idle
-# about a third of the time in one process; two took 1283 s instead of 1516 s.
+# about a third of the time in one process; two took 1274-1283 s instead of 1516 s.
 workers=${TFGC_TEST_WORKERS:-2}
 parallel=()
 if [ "$workers" -gt 1 ]; then

@@ -41,7 +41,6 @@ def mode(request, monkeypatch):
     return request.param
 
 
-
 # The modules that start multi-worker clusters or install the package, longest first
 # (a suite's durations on a 2-core machine, in seconds: user_models 314, distributed 363,
 # reduce_scatter 109, install 96, keras3 92, sparse_paths 80, overlap 77, auto 74,
