@@ -253,10 +253,11 @@ class _LinedUpLink:
     group_size = 4
 
     def __init__(self, gbps, latency_s=2e-3):
-        self.gbps, self.latency_s, self.probed = gbps, latency_s, []
+        self.gbps, self.latency_s, self.probed, self.repeats = gbps, latency_s, [], []
 
-    def time_all_reduce(self, nbytes):
+    def time_all_reduce(self, nbytes, repeats=planner.REPEATS):
         self.probed.append(nbytes)
+        self.repeats.append(repeats)
         return self.latency_s + planner.ring_sent(nbytes, 4) * 8 / (self.gbps * 1e9)
 
     def gather_words(self, words):
@@ -279,6 +280,9 @@ def test_the_link_is_measured_again_with_a_probe_it_can_afford(before, now, prob
     old = exact_link_figures(before)
     new = planner.measure_link(ops, old)
     assert ops.probed == list(planner.LINK_SIZES)[:probed]
+    # The line's anchor, the smallest size, timed more often than the others.
+    assert ops.repeats == [planner.LATENCY_REPEATS] + [planner.REPEATS] * (probed - 1)
+    assert planner.LATENCY_REPEATS > planner.REPEATS
     want = exact_link_figures(now)
     if probed == len(planner.LINK_SIZES):
         np.testing.assert_allclose(new.link_us, want.link_us, rtol=1e-3, atol=2)

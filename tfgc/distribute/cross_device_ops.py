@@ -368,10 +368,10 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                     rows.append(tf.constant(words, tf.int32))
             return self.gather_rows(rows).numpy()
 
-    def time_all_reduce(self, nbytes: int) -> float:
+    def time_all_reduce(self, nbytes: int, repeats: int = planner.REPEATS) -> float:
         """Median seconds of an all-reduce of ``nbytes`` of float32 across the cluster,
-        after a warm-up (``planner.REPEATS`` runs). Eager; every worker must call it at the
-        same point with the same size."""
+        after a warm-up (``repeats`` runs). Eager; every worker must call it at the same
+        point with the same size and repeats."""
         with tf.init_scope():
             options = self._exchange_options()
             values = []
@@ -386,7 +386,8 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             if len(self._launchers) > 1:
                 # Several local replicas must join the collective at once.
                 reduce_all = tf.function(reduce_all, autograph=False)
-            return planner.median_seconds(lambda: [r.numpy() for r in reduce_all()])
+            return planner.median_seconds(lambda: [r.numpy() for r in reduce_all()],
+                                          repeats)
 
     def _exchange_settings(self):
         """Stops with a clear error if the workers' compression settings differ."""

@@ -114,6 +114,11 @@ LINK_SIZES = (256, 16 << 10, 512 << 10, 4 << 20)
 EARLIER_LINK_SIZES = LINK_SIZES[1:]
 CPU_SIZES = (1 << 12, 1 << 16, 1 << 20)
 REPEATS = 3
+# ... and the link's smallest size, the anchor of its line (the fixed cost of a collective,
+# ``link_line``), this many times: on 2 cores its eager all-reduce ranged 2.2-3.4 ms from
+# call to call (2.7-2.9 ms a collective inside a graph), and a median of three, the
+# slowest worker's, once put a hop at twice what the other probes of the same machine did.
+LATENCY_REPEATS = 9
 # A re-measurement of the link times a probe size only where the current figures predict
 # its all-reduce under this (``measure_link``).
 REPROBE_S = 0.05
@@ -473,7 +478,8 @@ def _link_us(cross_device_ops, link_gbps, sizes=LINK_SIZES):
     """The all-reduce probe's times in microseconds, for ``sizes`` bytes (zeros when the
     link is given)."""
     measured = cross_device_ops.group_size > 1 and not link_gbps
-    return [_microseconds(cross_device_ops.time_all_reduce(size) if measured else 0.0)
+    return [_microseconds(cross_device_ops.time_all_reduce(
+        size, LATENCY_REPEATS if size == LINK_SIZES[0] else REPEATS) if measured else 0.0)
             for size in sizes]
 
 
