@@ -113,11 +113,12 @@ LINK_SIZES = (256, 16 << 10, 512 << 10, 4 << 20)
 # The probe's sizes before it had the 256-byte one (stored benchmark figures have them).
 EARLIER_LINK_SIZES = LINK_SIZES[1:]
 CPU_SIZES = (1 << 12, 1 << 16, 1 << 20)
+# Timed calls per measurement, after one untimed (``median_seconds``) ...
 REPEATS = 3
-# ... and the link's smallest size, the anchor of its line (the fixed cost of a collective,
-# ``link_line``), this many times: on 2 cores its eager all-reduce ranged 2.2-3.4 ms from
-# call to call (2.7-2.9 ms a collective inside a graph), and a median of three, the
-# slowest worker's, once put a hop at twice what the other probes of the same machine did.
+# ... and for the link's smallest size, the anchor of its line (the fixed cost of a
+# collective, ``link_line``): on 2 cores its eager all-reduce ranged 2.2-3.4 ms from call
+# to call (2.7-2.9 ms a collective inside a graph), and a median of three, the slower
+# worker's, once put a hop at twice what the other probes of the same machine did.
 LATENCY_REPEATS = 9
 # A re-measurement of the link times a probe size only where the current figures predict
 # its all-reduce under this (``measure_link``).
