@@ -55,6 +55,6 @@ LONGEST_FIRST = ("test_user_models", "test_distributed", "test_reduce_scatter", 
 
 def pytest_collection_modifyitems(config, items):
     def rank(item):
-        name = item.nodeid.split("::")[0].rsplit("/", 1)[-1][:-len(".py")]
+        name = item.path.stem
         return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
     items.sort(key=rank)  # stable: each module's tests keep their order

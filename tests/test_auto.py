@@ -1553,17 +1553,21 @@ def test_critical_regimes_follow_accordions_rule_on_every_worker(cluster):
     runs = _per_worker(cluster, "regimes")
     assert runs[0] == runs[1]
     epochs, history = runs[0]["epochs"], runs[0]["history"]
-    assert len(epochs) == len(history) == worker.EPOCHS
+    # Each interval's plan, norms and critical set, for the messages below.
+    story = [(h, [(e["name"], e["label"], e["critical"]) for e in x["plan"]], x.get("norms"))
+             for h, x in zip(history, epochs)]
+    assert len(epochs) == len(history) == worker.EPOCHS, story
     # The first interval: every planned gradient critical, so no more error than bf16.
-    assert all(e["critical"] and e["label"] in ("fp32", "bf16") for e in epochs[0]["plan"])
+    assert all(e["critical"] and e["label"] in ("fp32", "bf16") for e in epochs[0]["plan"]), \
+        story
     previous = {}
     for k, (epoch, critical, _) in enumerate(history):
         assert epoch == k
         norms = {int(j): v for j, v in epochs[k]["norms"].items()}
-        assert all(v > 0 for v in norms.values())
+        assert all(v > 0 for v in norms.values()), story
         names = [e["name"] for e in epochs[k]["plan"]]
         want = planner.critical_layers(previous, norms, 0.5)
-        assert sorted(names[j] for j in want) == critical
+        assert sorted(names[j] for j in want) == critical, (k, story)
         if not previous:
             assert critical == sorted(names)  # no previous interval: all critical
         previous = norms
@@ -1571,8 +1575,9 @@ def test_critical_regimes_follow_accordions_rule_on_every_worker(cluster):
             # The next interval trains with exactly those limited; on a 10 Mbit/s link
             # with a budget of 2 the others take 4 bits.
             for e in epochs[k + 1]["plan"]:
-                assert e["critical"] == (e["name"] in critical)
-                assert e["label"] in (("fp32", "bf16") if e["critical"] else ("rqsgd4",))
+                assert e["critical"] == (e["name"] in critical), (k, story)
+                assert e["label"] in (("fp32", "bf16") if e["critical"] else ("rqsgd4",)), \
+                    (k, story)
 
 
 def test_a_restored_checkpoint_brings_the_plan_back_without_measuring(cluster):

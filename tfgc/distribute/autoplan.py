@@ -391,7 +391,7 @@ class AutoPlanner:
             (t, v, r) for t, v, m, r in zip(tensors, variables, mask, reduced) if m]))
         if self._ops.compressor.budget_rank > 0:
             self._matrices = [j for j, (t, _, _) in planned.items()
-                              if planner.LOW_RANK[0].compressor.supports(t.shape, t.dtype)]
+                              if planner.LOW_RANK[0].described.supports(t.shape, t.dtype)]
         if self._ops.worker_rank != 0:
             return
         with tf.init_scope(), tf.device(self._ops.local_devices[0]):
@@ -458,7 +458,7 @@ class AutoPlanner:
         places = _table_places(self._plan[1])
         rows = [(places[p], s, v, r)
                 for p, (s, v, r) in enumerate(zip(slices, variables, reduced)) if r is not None]
-        low_rank = planner.LOW_RANK[0].compressor
+        low_rank = planner.LOW_RANK[0].described
         captured = [(k, s, v) for k, s, v, _ in rows if self._ops.compressor.budget_rank > 0
                     and low_rank.supports(tf.TensorShape(v.shape), s.values.dtype)]
         self._row_matrices = [k for k, _, _ in captured]
@@ -509,7 +509,7 @@ class AutoPlanner:
                                          if k not in self._matrices]
         if not places:
             return {}
-        sparse = [(c.label, c.compressor.inner.ratio) for c in planner.SPARSE]
+        sparse = [(c.label, c.described.inner.ratio) for c in planner.SPARSE]
         width = 1 + len(planner.RANKS) + len(sparse)
         values = np.zeros([len(places), width], np.float32)
         if self._ops.worker_rank == 0:
@@ -519,7 +519,7 @@ class AutoPlanner:
                 residual = residuals.get(j) if j in self._matrices else None
                 if residual is not None and residual.shape == x.shape:
                     x = x + residual
-                shape = planner.LOW_RANK[0].compressor.matrix_shape(tf.TensorShape(x.shape))
+                shape = planner.LOW_RANK[0].described.matrix_shape(tf.TensorShape(x.shape))
                 sq, rel = planner.low_rank_errors(x.reshape(shape), planner.RANKS, seed=j)
                 _, kept = planner.top_k_errors(x, [ratio for _, ratio in sparse])
                 if rel:  # else (a step that was not finite) left out, as zeros are
