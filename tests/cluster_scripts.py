@@ -40,6 +40,20 @@ def run_cluster(tmp_path_factory, name, script, num_workers=2, args=(), timeout=
     return out
 
 
+_PATHS_RUNS = {}
+
+
+def paths_cluster(tmp_path_factory, num_workers):
+    """OUT_DIR of ``tests/cluster/paths.py`` on ``num_workers`` workers: the reduce-scatter's
+    and the sparse paths' runs. Started once per size and process, for the two modules
+    that read it (tests/conftest.py gives both to the same pytest-xdist worker)."""
+    if num_workers not in _PATHS_RUNS:
+        _PATHS_RUNS[num_workers] = run_cluster(
+            tmp_path_factory, f"paths{num_workers}",
+            os.path.join(REPO, "tests", "cluster", "paths.py"), num_workers, timeout=900)
+    return _PATHS_RUNS[num_workers]
+
+
 def benchmark_module(name):
     """``benchmarks/<name>.py`` as a module (its driver functions, no run)."""
     return _load(os.path.join(REPO, "benchmarks", f"{name}.py"), f"tfgc_benchmarks_{name}")

@@ -48,9 +48,12 @@ def mode(request, monkeypatch):
 # pytest-xdist workers, a module to a worker (--dist loadfile, its clusters shared by its
 # tests), handed out in collection order: longest first, the two workers finish
 # together instead of one running the longest module alone at the end.
-LONGEST_FIRST = ("test_user_models", "test_distributed", "test_reduce_scatter", "test_install",
-                 "test_keras3", "test_sparse_paths", "test_overlap", "test_auto",
-                 "test_state")
+LONGEST_FIRST = ("test_user_models", "test_distributed", "test_reduce_scatter",
+                 "test_sparse_paths", "test_install", "test_keras3", "test_overlap",
+                 "test_auto", "test_state")
+# Modules that read the same clusters (``cluster_scripts.paths_cluster``), each given to
+# the worker of the first: module -> the module whose worker runs it.
+SHARED_CLUSTERS = {"test_sparse_paths": "test_reduce_scatter"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -58,3 +61,24 @@ def pytest_collection_modifyitems(config, items):
         name = item.path.stem
         return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
     items.sort(key=rank)  # stable: each module's tests keep their order
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under ``--dist loadfile``: a module to a worker, as xdist's own, but the modules of
+    ``SHARED_CLUSTERS`` to the worker of the module they share clusters with."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling  # pylint: disable=import-outside-toplevel
+
+    class SharedClusterScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid):
+            path = nodeid.split("::", 1)[0]
+            folder, _, name = path.rpartition("/")
+            module = name[:-len(".py")] if name.endswith(".py") else name
+            if module in SHARED_CLUSTERS:
+                return f"{folder}/{SHARED_CLUSTERS[module]}.py" if folder else \
+                    f"{SHARED_CLUSTERS[module]}.py"
+            return path
+
+    return SharedClusterScheduling(config, log)

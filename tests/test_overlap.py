@@ -81,6 +81,21 @@ def test_overlap_bytes_is_checked_at_construction():
             tfgc.CompressedMultiWorkerMirroredStrategy(overlap_bytes=bad)
 
 
+@pytest.mark.parametrize("name, least", [("overlap_bytes", 0), ("bucket_bytes", 1)])
+def test_sizes_set_later_are_checked_and_start_a_new_generation(name, least):
+    strategy = tfgc.CompressedMultiWorkerMirroredStrategy()
+    cdo = strategy.cross_device_ops
+    before, generation, settings = getattr(strategy, name), cdo.generation, cdo.settings()
+    for bad in (least - 1, 1.5, True, "4mb"):
+        with pytest.raises(ValueError, match=name):
+            setattr(strategy, name, bad)
+    assert getattr(strategy, name) == before and cdo.generation == generation
+    setattr(strategy, name, before + 1)
+    assert getattr(strategy, name) == getattr(cdo, name) == before + 1
+    # Traced steps see a new generation; the workers exchange the new settings.
+    assert cdo.generation == generation + 1 and cdo.settings() != settings
+
+
 # -- pieces ------------------------------------------------------------------------
 
 def _pieces(spec, shape, n, piece_bytes):

@@ -3,10 +3,11 @@
 Each worker owns one chunk of every compressed gradient; chunks travel compressed to
 their owner over pairwise exchanges, the owner combines them and compresses the sum
 again, and the owners' sums are all-gathered, with error feedback at both stages.
-One launch per cluster size runs ``tests/cluster/reduce_scatter.py``; its results are
-checked against a replay of the algorithm (the compressors run eagerly here, the
-chunking, owners and residuals are the replay's own), against NumPy models of 1-bit
-SGD and signSGD's majority vote, and against the byte model of the two stages.
+One launch per cluster size runs ``tests/cluster/reduce_scatter.py`` (and then, in the
+same processes, tests/test_sparse_paths.py's worker: ``tests/cluster/paths.py``). Its
+results are checked against a replay of the algorithm (the compressors run eagerly
+here, the chunking, owners and residuals are the replay's own), against NumPy models
+of 1-bit SGD and signSGD's majority vote, and against the byte model of the two stages.
 """
 
 import json
@@ -15,9 +16,9 @@ import math
 import numpy as np
 import pytest
 
-from cluster_scripts import assert_fit_identical_and_learning, cluster_script, run_cluster
+from cluster_scripts import assert_fit_identical_and_learning, cluster_script, paths_cluster
 
-SCRIPT, worker = cluster_script("reduce_scatter")
+_, worker = cluster_script("reduce_scatter")
 
 COMPRESSED = worker.SHAPES[:2]
 EF_SPECS = ("onebit", "efsignsgd", "onebit:momentum=0.9")
@@ -27,7 +28,8 @@ MOMENTUM = {"onebit:momentum=0.9": 0.9}
 @pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"{n}workers")
 def cluster(request, tmp_path_factory):
     n = request.param
-    out = run_cluster(tmp_path_factory, f"rs{n}", SCRIPT, n, timeout=600)
+    # The cluster of this size also runs tests/test_sparse_paths.py's paths.
+    out = paths_cluster(tmp_path_factory, n) / "reduce_scatter"
     runs = [dict(np.load(out / f"reduce.w{r}.npz")) for r in range(n)]
     return n, out, runs
 

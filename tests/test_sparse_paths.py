@@ -6,7 +6,8 @@ NumPy replay of each algorithm (error feedback included):
 * ``sparse_allreduce``: every worker's own top-k set, merged by recursive doubling
   with a dense switch (SparCML).
 
-One launch per cluster size runs ``tests/cluster/sparse_paths.py`` on both paths.
+One launch per cluster size runs ``tests/cluster/sparse_paths.py`` on both paths, in the
+processes that ran the reduce-scatter's checks first (``tests/cluster/paths.py``).
 """
 
 import json
@@ -14,9 +15,9 @@ import json
 import numpy as np
 import pytest
 
-from cluster_scripts import assert_fit_identical_and_learning, cluster_script, run_cluster
+from cluster_scripts import assert_fit_identical_and_learning, cluster_script, paths_cluster
 
-SCRIPT, worker = cluster_script("sparse_paths")
+_, worker = cluster_script("sparse_paths")
 
 
 def top_k(v, k):
@@ -54,17 +55,15 @@ def replay(n, path, k=worker.K, steps=worker.STEPS, first_step=0, weights=None):
     return outputs, residuals
 
 
-NAMES = ("shared_index", "sparse_allreduce")
+NAMES = cluster_script("paths")[1].SPARSE
 PATHS = [(path, n) for n in (2, 3, 4) for path in NAMES]
-_RUNS = {}
 
 
 @pytest.fixture(scope="module", params=PATHS, ids=[f"{p}-{n}" for p, n in PATHS])
 def cluster(request, tmp_path_factory):
     path, n = request.param
-    if n not in _RUNS:  # one cluster per size runs both paths
-        _RUNS[n] = run_cluster(tmp_path_factory, f"sparse{n}", SCRIPT, n, NAMES, timeout=600)
-    return path, n, _RUNS[n] / path
+    # One cluster per size runs both paths (and the reduce-scatter's module).
+    return path, n, paths_cluster(tmp_path_factory, n) / path
 
 
 def test_matches_numpy_replay_and_workers_agree(cluster):

@@ -35,7 +35,12 @@ def gradients(rank, step):
 
 
 def main():
-    out_dir = sys.argv[1]
+    run(sys.argv[1])
+
+
+def run(out_dir):
+    """Everything above, on a strategy of its own, into ``out_dir`` (made if missing);
+    returns the strategy."""
     import tensorflow as tf
 
     import tfgc
@@ -47,6 +52,7 @@ def main():
         compressor=SPECS[0], communication="reduce_scatter",
         policy=tfgc.CompressionPolicy(min_elements=0), bucket_bytes=BUCKET_BYTES)
     rank, n = worker_info(strategy)
+    os.makedirs(out_dir, exist_ok=True)
     with strategy.scope():
         variables = [tf.Variable(tf.zeros(shape)) for shape in SHAPES]
 
@@ -84,6 +90,7 @@ def main():
     losses = brief_fit(strategy, rank, n, out_dir, steps_per_epoch=15)
     with open(os.path.join(out_dir, f"results.w{rank}.json"), "w") as f:
         json.dump({"workers": n, "stats": stats, "losses": losses}, f)
+    return strategy
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ STEPS = 6
 K = 6
 # A second phase with k over half the tensor: the sparse all-reduce turns dense.
 DENSE_K, DENSE_STEPS = 300, 2
+# The strategy's default bound on a fused message.
+BUCKET_BYTES = 32 << 20
 
 
 def importance_weights():
@@ -35,15 +37,27 @@ def gradients(rank, step):
 
 
 def main():
-    out_dir, paths = sys.argv[1], sys.argv[2:]
+    run(sys.argv[1], sys.argv[2:])
+
+
+def run(out_dir, paths, strategy=None):
+    """Everything above, into ``out_dir``/<path>/, on a strategy of its own or on
+    ``strategy`` (one whose policy compresses every gradient, as ours does), its
+    settings made ours."""
     import tensorflow as tf
 
     import tfgc
     from tfgc.apps.train import worker_info
 
-    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(
-        compressor=f"ef+topk:k={K}", communication=paths[0],
-        policy=tfgc.CompressionPolicy(min_elements=0))
+    if strategy is None:
+        strategy = tfgc.CompressedMultiWorkerMirroredStrategy(
+            compressor=f"ef+topk:k={K}", communication=paths[0],
+            policy=tfgc.CompressionPolicy(min_elements=0))
+    else:
+        assert strategy.cross_device_ops.policy.min_elements == 0
+        strategy.cross_device_ops.communication = "auto"  # whatever the compressor was
+        strategy.compressor = f"ef+topk:k={K}"
+        strategy.bucket_bytes = BUCKET_BYTES
     rank, n = worker_info(strategy)
     with strategy.scope():
         variables = [tf.Variable(tf.zeros([16, 32])), tf.Variable(tf.zeros([40]))]

@@ -236,6 +236,17 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         self._switched()
 
     @property
+    def bucket_bytes(self) -> int:
+        return self._bucket_bytes
+
+    @bucket_bytes.setter
+    def bucket_bytes(self, value):
+        """Changes the fused messages' bound from the next step on (as the compressor
+        switches)."""
+        self._bucket_bytes = check_int("bucket_bytes", value, 1)
+        self._switched()
+
+    @property
     def overlap_bytes(self) -> int:
         return self._overlap_bytes
 

@@ -201,6 +201,16 @@ class CompressedMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStr
         self.cross_device_ops.compressor = value
 
     @property
+    def bucket_bytes(self) -> int:
+        return self.cross_device_ops.bucket_bytes
+
+    @bucket_bytes.setter
+    def bucket_bytes(self, value):
+        """Changes the largest fused message from the next training step on, as
+        ``overlap_bytes`` does. Every worker must set the same value."""
+        self.cross_device_ops.bucket_bytes = value
+
+    @property
     def overlap_bytes(self) -> int:
         return self.cross_device_ops.overlap_bytes
 
