@@ -73,12 +73,9 @@ def pytest_xdist_make_scheduler(config, log):
 
     class SharedClusterScheduling(LoadFileScheduling):
         def _split_scope(self, nodeid):
-            path = nodeid.split("::", 1)[0]
-            folder, _, name = path.rpartition("/")
-            module = name[:-len(".py")] if name.endswith(".py") else name
-            if module in SHARED_CLUSTERS:
-                return f"{folder}/{SHARED_CLUSTERS[module]}.py" if folder else \
-                    f"{SHARED_CLUSTERS[module]}.py"
-            return path
+            path = nodeid.split("::", 1)[0]  # loadfile's scope: the module's file
+            name = path.rpartition("/")[2]
+            owner = SHARED_CLUSTERS.get(name[:-len(".py")])
+            return path if owner is None else path[:-len(name)] + owner + ".py"
 
     return SharedClusterScheduling(config, log)

@@ -21,8 +21,6 @@ STEPS = 6
 K = 6
 # A second phase with k over half the tensor: the sparse all-reduce turns dense.
 DENSE_K, DENSE_STEPS = 300, 2
-# The strategy's default bound on a fused message.
-BUCKET_BYTES = 32 << 20
 
 
 def importance_weights():
@@ -48,6 +46,7 @@ def run(out_dir, paths, strategy=None):
 
     import tfgc
     from tfgc.apps.train import worker_info
+    from tfgc.distribute.cross_device_ops import DEFAULT_BUCKET_BYTES
 
     if strategy is None:
         strategy = tfgc.CompressedMultiWorkerMirroredStrategy(
@@ -57,7 +56,7 @@ def run(out_dir, paths, strategy=None):
         assert strategy.cross_device_ops.policy.min_elements == 0
         strategy.cross_device_ops.communication = "auto"  # whatever the compressor was
         strategy.compressor = f"ef+topk:k={K}"
-        strategy.bucket_bytes = BUCKET_BYTES
+        strategy.bucket_bytes = DEFAULT_BUCKET_BYTES
     rank, n = worker_info(strategy)
     with strategy.scope():
         variables = [tf.Variable(tf.zeros([16, 32])), tf.Variable(tf.zeros([40]))]

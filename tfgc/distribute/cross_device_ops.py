@@ -66,6 +66,9 @@ _EXCHANGE_TIMEOUT_S = 600.0
 # 94 MB: 4); PyTorch's DistributedDataParallel buckets 25 MiB by default too
 # (bucket_cap_mb). Measured: docs/results.md, "Overlap".
 DEFAULT_OVERLAP_BYTES = 25 << 20
+# The default of ``bucket_bytes``, the largest per-worker message of a fused all-gather
+# or of the reduce-scatter.
+DEFAULT_BUCKET_BYTES = 32 << 20
 
 
 def check_compression_args(compressor, policy, communication, bucket_bytes,
@@ -167,7 +170,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
 
     def __init__(self, devices, group_size, options, collective_keys=None,
                  canonicalize_devices=True, *, compressor="none", policy=None,
-                 communication="auto", bucket_bytes=32 << 20,
+                 communication="auto", bucket_bytes=DEFAULT_BUCKET_BYTES,
                  overlap_bytes=DEFAULT_OVERLAP_BYTES, worker_rank=0):
         self._compressor, self._policy = check_compression_args(
             compressor, policy, communication, bucket_bytes, overlap_bytes)

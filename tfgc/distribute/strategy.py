@@ -14,7 +14,8 @@ from tensorflow.python.distribute import multi_worker_util
 from tfgc.distribute import keras_hooks
 from tfgc.distribute import state as state_lib
 from tfgc.distribute import versions
-from tfgc.distribute.cross_device_ops import (DEFAULT_OVERLAP_BYTES, CompressedAllReduce,
+from tfgc.distribute.cross_device_ops import (DEFAULT_BUCKET_BYTES, DEFAULT_OVERLAP_BYTES,
+                                              CompressedAllReduce,
                                               check_compression_args)
 
 
@@ -140,7 +141,7 @@ class CompressedMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStr
     compresses_gradients = True
 
     def __init__(self, compressor="none", cluster_resolver=None, communication_options=None,
-                 policy=None, communication="auto", bucket_bytes=32 << 20,
+                 policy=None, communication="auto", bucket_bytes=DEFAULT_BUCKET_BYTES,
                  overlap_bytes=DEFAULT_OVERLAP_BYTES):
         # Everything is checked here, before the parent starts a server and waits
         # for the other workers.
