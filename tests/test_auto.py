@@ -1572,8 +1572,8 @@ def test_critical_regimes_follow_accordions_rule_on_every_worker(cluster):
             assert critical == sorted(names)  # no previous interval: all critical
         previous = norms
         if k + 1 < len(epochs):
-            # The next interval trains with exactly those limited; on a 10 Mbit/s link
-            # with a budget of 2 the others take 4 bits.
+            # The next interval trains with exactly those limited; on a 1 Mbit/s link
+            # with a budget of 2 the others take 4 bits (``worker.regimes``).
             for e in epochs[k + 1]["plan"]:
                 assert e["critical"] == (e["name"] in critical), (k, story)
                 assert e["label"] in (("fp32", "bf16") if e["critical"] else ("rqsgd4",)), \

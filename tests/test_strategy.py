@@ -1,9 +1,16 @@
 """The strategy in one process (no TF_CONFIG): what a notebook does with it."""
 
+import gc
+import threading
+import weakref
+
 import numpy as np
+import pytest
+import tensorflow as tf
 import tf_keras as keras
 
 import tfgc
+from tfgc.distribute import iterators
 
 
 def test_several_strategies_in_one_process_train_one_after_another():
@@ -80,3 +87,62 @@ def test_a_switch_that_sends_an_embedding_as_rows_drops_its_residual_and_says_so
     assert carried is not None and not np.any(carried.numpy())
     assert not state.carried_pending(0).numpy()
     assert np.isfinite(model.get_weights()[0]).all()
+
+
+def _dropped_on(objects):
+    """The names of the threads on which ``objects`` are deleted, as they are."""
+    names = []
+    for obj in objects:
+        weakref.finalize(obj, lambda: names.append(threading.current_thread().name))
+    return names
+
+
+def _join_releases():
+    for thread in threading.enumerate():
+        if thread.name == "tfgc-iterator-release":
+            thread.join(60)
+
+
+@pytest.mark.parametrize("from_function", [False, True])
+def test_iterators_are_torn_down_on_a_thread_of_their_own(from_function):
+    # TensorFlow's deletion of a distributed iterator can wait seconds on tf.data's
+    # autotuning threads (tfgc/distribute/iterators.py); the strategy's iterators hand
+    # their workers' iterators to a thread that drops them, and yield what the stock
+    # strategy's do.
+    strategy = tfgc.CompressedMultiWorkerMirroredStrategy()
+    data = tf.data.Dataset.range(12).batch(4)
+    if from_function:
+        dist = strategy.distribute_datasets_from_function(lambda _: data)
+        stock = tf.distribute.Strategy.distribute_datasets_from_function(strategy, lambda _: data)
+    else:
+        dist = strategy.experimental_distribute_dataset(data)
+        stock = tf.distribute.Strategy.experimental_distribute_dataset(strategy, data)
+    assert isinstance(dist, type(stock)) and type(dist) is not type(stock)
+    ours = [x.numpy().tolist() for x in dist]
+    assert ours == [x.numpy().tolist() for x in stock] == [[0, 1, 2, 3], [4, 5, 6, 7],
+                                                        [8, 9, 10, 11]]
+    iterator = iter(dist)
+    first = next(iterator).numpy().tolist()
+    parts = list(iterator._iterators)  # pylint: disable=protected-access
+    assert parts and first == [0, 1, 2, 3]
+    names = _dropped_on(parts)
+    del parts
+    main = threading.current_thread().name
+    del iterator
+    _join_releases()
+    gc.collect()
+    assert names and set(names) == {"tfgc-iterator-release"}, (names, main)
+    # An iterator that stays alive keeps its workers' iterators.
+    kept = iter(dist)
+    next(kept)
+    gc.collect()
+    _join_releases()
+    assert next(kept).numpy().tolist() == [4, 5, 6, 7]
+
+
+def test_a_distributed_dataset_is_wrapped_once():
+    strategy = tfgc.CompressedMultiWorkerMirroredStrategy()
+    dist = strategy.experimental_distribute_dataset(tf.data.Dataset.range(4).batch(2))
+    cls = type(dist)
+    assert iterators.distribute(dist) is dist and type(dist) is cls
+    assert [x.numpy().tolist() for x in dist] == [[0, 1], [2, 3]]

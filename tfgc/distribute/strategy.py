@@ -11,6 +11,7 @@ from tensorflow.python.distribute import collective_all_reduce_strategy as mwms_
 from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import multi_worker_util
 
+from tfgc.distribute import iterators
 from tfgc.distribute import keras_hooks
 from tfgc.distribute import state as state_lib
 from tfgc.distribute import versions
@@ -162,6 +163,19 @@ class CompressedMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStr
             self, _CompressedExtended(self, cluster_resolver, communication_options, kwargs))
         if self.num_replicas_in_sync == 1:
             _note_single_worker(cluster_resolver)
+
+    def experimental_distribute_dataset(self, dataset, options=None):
+        """``tf.distribute.Strategy.experimental_distribute_dataset``, whose iterators
+        are torn down on a thread of their own when dropped (``iterators``: TensorFlow
+        can take seconds there, and ``model.fit`` made its caller and the other
+        workers wait)."""
+        return iterators.distribute(super().experimental_distribute_dataset(dataset, options))
+
+    def distribute_datasets_from_function(self, dataset_fn, options=None):
+        """``tf.distribute.Strategy.distribute_datasets_from_function``, with the
+        iterators of ``experimental_distribute_dataset``."""
+        return iterators.distribute(
+            super().distribute_datasets_from_function(dataset_fn, options))
 
     def reduce(self, reduce_op, value, axis=None):
         """``tf.distribute.Strategy.reduce``, also for what Keras 3's ``model.fit`` asks.
