@@ -41,7 +41,10 @@ def _release(parts):
     reference to them in place) and drops them on a thread of its own."""
     held = list(parts)
     parts.clear()
-    threading.Thread(target=held.clear, name="tfgc-iterator-release").start()
+    try:
+        threading.Thread(target=held.clear, name="tfgc-iterator-release").start()
+    except RuntimeError:  # the interpreter is shutting down: dropped in place
+        held.clear()
 
 
 def _held(iterator):
