@@ -1755,6 +1755,22 @@ def test_each_embedding_table_goes_dense_or_as_rows_as_the_plan_prices_it(cluste
     assert all(np.isfinite(losses)) and losses[-1] < losses[0]
 
 
+def test_a_restored_checkpoint_sends_the_tables_as_its_plan_did(cluster):
+    # Step 8's end: the first trace after the restore sends each table as the saved plan
+    # did (dense or as rows), and that step's plan is the saved one, its tables priced
+    # with the rows the saved plan counted. (It sent both as rows until a step had
+    # counted them, then changed plan and traced again.)
+    runs = _per_worker(cluster, "tables")
+    saved = runs[0]["plans"][-1]
+    assert any(t["dense"] for t in saved["tables"]) and not all(
+        t["dense"] for t in saved["tables"]), saved["table"]
+    for run in runs:
+        assert len(run["restored"]) == 1
+        restored = run["restored"][0]
+        assert restored["key"] == saved["key"], (restored["table"], saved["table"])
+        assert restored["tables"] == saved["tables"]
+
+
 def test_a_step_its_rows_skip_adds_nothing_to_the_interval_sums(cluster):
     # Step 9 of the worker: a NaN in worker 1's rows of a large table skips the step
     # (counted non-finite), though the kernel's reduction alone was finite; worker 0's

@@ -35,7 +35,9 @@
    link: a small one of which each step touches nearly every row, and a large one of which it
    touches ``FEW_ROWS``. Writes the plan (with its tables) after the first step and after
    each interval, the losses and the weights, then the statistics of two more steps
-   under the last plan (``tables.w<rank>.json``, ``tables.w<rank>.npz``).
+   under the last plan (``tables.w<rank>.json``, ``tables.w<rank>.npz``); then saves a
+   checkpoint of the optimizer, restores it into a new model with the compressor set
+   afresh, and writes the plan of its first step (``restored``).
 9. With regimes tracked on a slow given link, reduces a kernel's gradient and a large
    table's rows for ``len(ROWS_NAN)`` steps, the rows of worker 1 holding a NaN where
    ``ROWS_NAN`` says: writes each step's reduced kernel, worker 0's interval sums
@@ -338,6 +340,9 @@ def switched_off_error_feedback(strategy, rank, out_dir):
 SMALL_TABLE, LARGE_TABLE, FEW_ROWS, TOKENS = (96, 64), (4096, 64), 16, 24
 
 
+TABLES_SPEC = "auto:link_gbps=0.001,low_rank=2,low_rank_steps=0"
+
+
 def tables(strategy, rank, out_dir):
     """Step 8 of the module docstring."""
     import tensorflow as tf
@@ -345,7 +350,7 @@ def tables(strategy, rank, out_dir):
 
     import tfgc
 
-    strategy.compressor = "auto:link_gbps=0.001,low_rank=2,low_rank_steps=0"
+    strategy.compressor = TABLES_SPEC
     rng = np.random.RandomState(7 + rank)
     batches, batch = 12, 32
     # Each sequence: tokens of one half of the small table, the half its label says
@@ -360,17 +365,23 @@ def tables(strategy, rank, out_dir):
     data = data.batch(batch).repeat()
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
-    with strategy.scope():
-        keras.utils.set_random_seed(0)
-        a, b = keras.Input([TOKENS], dtype="int32"), keras.Input([TOKENS], dtype="int32")
-        x = keras.layers.Concatenate()([
-            keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(
-                *SMALL_TABLE, name="small_table")(a)),
-            keras.layers.Flatten()(keras.layers.Embedding(*LARGE_TABLE, name="large_table")(b))])
-        x = keras.layers.Dense(32, activation="relu")(x)
-        net = keras.Model([a, b], keras.layers.Dense(2)(x))
-        net.compile(optimizer=keras.optimizers.Adam(0.01),
-                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    def build():
+        with strategy.scope():
+            keras.utils.set_random_seed(0)
+            a, b = keras.Input([TOKENS], dtype="int32"), keras.Input([TOKENS], dtype="int32")
+            x = keras.layers.Concatenate()([
+                keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(
+                    *SMALL_TABLE, name="small_table")(a)),
+                keras.layers.Flatten()(keras.layers.Embedding(*LARGE_TABLE,
+                                                              name="large_table")(b))])
+            # Named: a second model's layers get the same names (the restored plan's).
+            x = keras.layers.Dense(32, activation="relu", name="hidden")(x)
+            net = keras.Model([a, b], keras.layers.Dense(2, name="logits")(x))
+            net.compile(optimizer=keras.optimizers.Adam(0.01),
+                        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return net
+
+    net = build()
     plans = []
 
     def record():
@@ -393,10 +404,29 @@ def tables(strategy, rank, out_dir):
     strategy.compression_stats()
     net.fit(data.with_options(options), epochs=1, steps_per_epoch=2, verbose=0)
     record()
+    # Saved, then restored into a new model (the compressor set afresh): its first
+    # step's plan.
+    path = tf.train.Checkpoint(optimizer=net.optimizer).save(
+        os.path.join(out_dir, f"tables_ckpt.w{rank}", "ckpt"))
+    stats, uncompressed = strategy.compression_stats(), strategy.uncompressed_gradients()
+    saved = len(plans)
+    strategy.compressor = TABLES_SPEC
+    net = build()
+    tf.train.Checkpoint(optimizer=net.optimizer).restore(path)
+
+    class First(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 0:
+                record()
+
+    callback = tfgc.keras.AutoPlanCallback(strategy, threshold=1e9, link_margin=None,
+                                           every_steps=LOW_RANK_EVERY)
+    net.fit(data.with_options(options), epochs=1, steps_per_epoch=1, verbose=0,
+            callbacks=[callback, First()])
     with open(os.path.join(out_dir, f"tables.w{rank}.json"), "w") as f:
-        json.dump({"plans": plans, "losses": [float(v) for v in history.history["loss"]],
-                   "uncompressed": strategy.uncompressed_gradients(),
-                   "stats": strategy.compression_stats()}, f)
+        json.dump({"plans": plans[:saved], "restored": plans[saved:],
+                   "losses": [float(v) for v in history.history["loss"]],
+                   "uncompressed": uncompressed, "stats": stats}, f)
 
 
 # Step 9: the steps whose rows hold a NaN on worker 1.

@@ -19,7 +19,9 @@ each plan) and the plan itself. Restored before the first step (Keras'
 ``BackupAndRestore``, a ``tf.train.Checkpoint`` restored into a new optimizer), it
 reaches the planner when the record is attached, just before the first plan, and that
 plan is the saved one, priced under the saved figures, instead of measuring again (or,
-where the restored regimes and budgets rule it out, a plan made from them). The workers
+where the restored regimes and budgets rule it out, a plan made from them). Its
+embedding tables go as the saved plan sent them from the first trace on (dense or as
+rows, priced with the rows it counted: ``dense_tables``). The workers
 first agree that they all restored the same record (an all-gather of their checksums);
 otherwise they all measure.
 """
@@ -79,8 +81,11 @@ class AutoPlanner:
         self._new_generation = new_generation
         self._figures = None  # (generation, planner.Figures) once measured
         self._plan = None  # (generation, gradients, planner.Plan) once planned
-        # A checkpoint's record, restored and not yet used by a plan.
+        # A checkpoint's record, restored and not yet used by a plan; and, for the
+        # generation's first trace, the places among the tables that its plan sent dense
+        # (generation, traced tables, places: ``dense_tables``).
         self._saved = None
+        self._saved_dense = None
         # By place among the embedding tables: this worker's rows of the last step (a
         # local int32 variable: distinct rows, rows with repeats; zeros: not counted),
         # and every worker's most as last gathered (``_count_rows``).
@@ -140,16 +145,51 @@ class AutoPlanner:
                                               plan.num_workers)
         return None if candidate is None else candidate.compressor
 
-    def dense_tables(self, variables=None) -> frozenset:
+    def dense_tables(self, variables=None, owner=None) -> frozenset:
         """The places among the embedding tables (in the gradients' order) that the
         current generation's plan sends as dense gradients; with ``variables`` (the
-        tables traced), none unless they are the plan's tables (another model)."""
+        tables traced), none unless they are the plan's tables (another model). Before
+        the generation's first plan, with ``variables``: the places a restored
+        checkpoint's plan sent dense (``_restored_dense``; ``owner``: the state's
+        owner, which a deferred restore reaches), so that its first step sends the
+        tables as the saved plan did."""
         plan = self.plan
-        if plan is None or (variables is not None and [
-                (t.name, t.shape) for t in plan.tables] != [
-                (base.name_of(v), tuple(tf.TensorShape(v.shape).as_list())) for v in variables]):
+        if plan is None:
+            return self._restored_dense(variables, owner) if variables else frozenset()
+        if variables is not None and [(t.name, t.shape) for t in plan.tables] != _traced(
+                variables):
             return frozenset()
         return frozenset(t.place for t in plan.tables if t.dense)
+
+    def _restored_dense(self, variables, owner) -> frozenset:
+        """The places the restored record's plan sent dense, where its tables are the
+        traced ``variables`` and every worker restored the same ones; else none. Every
+        worker calls it at the same point (the first trace of a generation with
+        tables): it all-gathers a checksum, once a generation."""
+        traced = _traced(variables)
+        generation = self._ops.generation
+        if self._saved_dense is not None and self._saved_dense[:2] == (generation, traced):
+            return self._saved_dense[2]
+
+        def agree(*_):
+            self._attach(owner)  # a deferred checkpoint restore reaches ``restored`` here
+            saved = (self._saved or {}).get("tables") or []
+            places = frozenset()
+            word = 0
+            if [(t[1], tuple(t[2])) for t in saved] == traced:
+                places = frozenset(t[0] for t in saved if t[3])
+                word = zlib.crc32(json.dumps(saved).encode()) & 0x7FFFFFFF or 1
+            words = self._ops.gather_words([word])[:, 0]
+            if not word or len(set(words.tolist())) > 1:
+                places = frozenset()
+            self._saved_dense = (generation, traced, places)
+
+        replica_ctx = tf.distribute.get_replica_context()
+        if replica_ctx is not None and len(self._ops.local_devices) > 1:
+            replica_ctx.merge_call(agree)  # the replicas' threads gather once
+        else:
+            agree()
+        return self._saved_dense[2]
 
     # -- at trace time -----------------------------------------------------------------
 
@@ -195,9 +235,9 @@ class AutoPlanner:
             self._forget_rows()  # other tables: what was counted is not theirs
         self._count_rows(gradients)
         auto = self._ops.compressor
-        labels = None
+        labels = rows_label = None
         if self._figures is None or self._figures[0] != generation:
-            figures, labels = self._restored_figures(gradients)
+            figures, labels, rows_label = self._restored_figures(gradients)
             if figures is None:
                 started = time.perf_counter()
                 figures = planner.measure(self._ops, auto.link_gbps, auto.latency_ms)
@@ -210,7 +250,9 @@ class AutoPlanner:
             # The saved plan itself, where the restored regimes and budgets still allow
             # it: a plan made afresh could differ (a change kept out because it did not
             # pay, steps timed after the plan was made).
-            plan = self._planned(gradients, self._figures[1], only=labels, dense=dense)
+            # Its tables' rows too, in what they went as then.
+            plan = self._planned(gradients, self._figures[1], only=labels, dense=dense,
+                                 rows_label=rows_label)
         if plan is None:
             plan = self._planned(gradients, self._figures[1], dense=dense)
         self._check_agree(plan)
@@ -251,7 +293,11 @@ class AutoPlanner:
                 "low_rank": {name: [sq, {str(r): e for r, e in rel.items()}]
                              for name, (sq, rel) in self._low_rank.items()},
                 "steps": [[key, comm, step, se if math.isfinite(se) else None]
-                          for key, (comm, step, se) in sorted(self._steps.items())]}
+                          for key, (comm, step, se) in sorted(self._steps.items())],
+                # Each table: place, name, shape, sent dense, the rows it was priced
+                # with, what its rows go as.
+                "tables": [[t.place, t.name, list(t.shape), t.dense, t.rows, t.tokens,
+                            t.label] for t in plan.tables]}
 
     def restored(self, record: dict):
         """A checkpoint's record (``PlanRecord``): the next plan is made from it."""
@@ -275,7 +321,7 @@ class AutoPlanner:
         if usable:
             figures_json = json.dumps({k: record.get(k) for k in
                                        ("link_us", "encode_us", "decode_us", "critical",
-                                        "norms", "low_rank", "steps", "labels")},
+                                        "norms", "low_rank", "steps", "labels", "tables")},
                                       sort_keys=True)
             word = zlib.crc32(figures_json.encode()) & 0x7FFFFFFF or 1
         words = self._ops.gather_words([word])[:, 0]
@@ -283,7 +329,7 @@ class AutoPlanner:
             if record is not None:
                 logging.info("tfgc: compressor='auto': the checkpoint's plan is not for "
                              "these gradients, this cluster or every worker; measuring")
-            return None, None
+            return None, None, None
         figures = planner.Figures(
             record["num_workers"], tuple(record["link_us"]),
             {label: tuple(us) for label, us in record["encode_us"].items()},
@@ -296,9 +342,13 @@ class AutoPlanner:
             self._low_rank = {name: (sq, {_error_key(k): e for k, e in rel.items()})
                               for name, (sq, rel) in record.get("low_rank", {}).items()}
             self._steps = steps_from_record(record.get("steps", []))
+        tables = record.get("tables") or []
+        for place, _, _, _, rows, tokens, _ in tables:
+            if self._rows.get(place, (0, 0))[0] == 0:  # not counted since: the saved count
+                self._rows[place] = (rows, tokens)
         logging.info("tfgc: compressor='auto': the plan's figures restored from the "
                      "checkpoint (%s)", figures.describe())
-        return figures, record.get("labels")
+        return figures, record.get("labels"), tables[0][6] if tables else None
 
     def _planned(self, gradients, figures, only=None, dense=None, rows_label=None):
         """The plan of the layout ``gradients`` under ``figures`` and the current
@@ -694,6 +744,11 @@ class AutoPlanner:
     def figures(self):
         """The current figures (``planner.Figures``), or None before the first plan."""
         return None if self._figures is None else self._figures[1]
+
+
+def _traced(variables):
+    """The tables' (name, shape) as the plan's ``Table`` lines name them."""
+    return [(base.name_of(v), tuple(tf.TensorShape(v.shape).as_list())) for v in variables]
 
 
 def _table_places(layout):

@@ -515,7 +515,8 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         tables = []
         if compressor.plans_per_tensor:
             tables = [(i, flat[i]) for i in sorted(modes) if modes[i] == embeddings.ROWS]
-            dense_tables = self._auto.dense_tables([ctx.variables[i] for i, _ in tables])
+            dense_tables = self._auto.dense_tables([ctx.variables[i] for i, _ in tables],
+                                                   ctx.owner)
             for place, (i, _) in enumerate(tables):
                 if place in dense_tables:
                     modes[i] = embeddings.DENSE
