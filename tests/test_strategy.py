@@ -53,39 +53,62 @@ def test_the_first_fit_traces_its_train_function_once():
     assert model.train_function.experimental_get_tracing_count() == 1
 
 
-def test_a_switch_that_sends_an_embedding_as_rows_drops_its_residual_and_says_so(monkeypatch):
-    # Under error feedback an embedding's gradient goes densified, with a residual of
-    # the table's shape; QSGD sends its rows as they are, which cannot take a residual
-    # along. The switch keeps the dense kernel's residual for its next gradient and
-    # lets the table's go, naming it.
-    from tfgc.distribute import state as state_lib
-    warnings = []
-    monkeypatch.setattr(state_lib.logging, "warning",
-                        lambda fmt, *args: warnings.append(fmt % args))
-    rng = np.random.default_rng(0)
-    x = rng.integers(0, 50, size=(64, 6))
-    y = rng.normal(size=(64, 4)).astype(np.float32)
+def _table_model(compressor):
     strategy = tfgc.CompressedMultiWorkerMirroredStrategy(
-        "ef+topk:ratio=0.1", policy=tfgc.CompressionPolicy(min_elements=0))
+        compressor, policy=tfgc.CompressionPolicy(min_elements=0))
     with strategy.scope():
         model = keras.Sequential([keras.layers.Embedding(50, 8, input_length=6, name="table"),
                                   keras.layers.Flatten(),
                                   keras.layers.Dense(4, name="head")])
         model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    return strategy, model
+
+
+@pytest.mark.parametrize("to", ["none", "qsgd"])
+def test_a_switch_that_sends_an_embedding_as_rows_sends_its_residual_with_them(monkeypatch, to):
+    # Under error feedback an embedding's gradient goes densified, with a residual of
+    # the table's shape; identity and QSGD send its rows as they are. The switch keeps
+    # the residual apart, and the next step sends its rows that hold anything with the
+    # step's own rows, once: with identity (exact), the table moves by the learning
+    # rate times the step's gradient plus that residual. Nothing is dropped.
+    from tfgc.distribute import state as state_lib
+    warnings = []
+    monkeypatch.setattr(state_lib.logging, "warning",
+                        lambda fmt, *args: warnings.append(fmt % args))
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 40, size=(64, 6))  # rows 40-49 untouched: their residual stays 0
+    y = rng.normal(size=(64, 4)).astype(np.float32)
+    strategy, model = _table_model("ef+topk:ratio=0.1")
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)
     state = state_lib.get_state(model.optimizer)
     table, kernel = model.get_layer("table").embeddings, model.get_layer("head").kernel
-    assert state.has_slot(table) and "residual" in state.slot(table, 0)
-    assert np.any(state.slot(table, 0)["residual"].numpy())
-    strategy.compressor = "qsgd"
-    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
-    dropped = [w for w in warnings if "is dropped" in w]
-    assert len(dropped) == 1 and table.name in dropped[0] and "rows" in dropped[0], warnings
-    assert state.carried(table, 0) is None
+    residual = state.slot(table, 0)["residual"].numpy()
+    assert np.any(residual) and not np.any(residual[40:])
+    strategy.compressor = to
+    xb, yb = x[:16], y[:16]
+    before = table.numpy()
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(model(xb) - yb))
+    grad = tf.convert_to_tensor(tape.gradient(loss, table)).numpy()
+    model.train_on_batch(xb, yb)
+    assert not [w for w in warnings if "is dropped" in w], warnings
+    assert not np.any(state.carried(table, 0).numpy())
+    assert not state.carried_rows_pending(table, 0).numpy()
+    assert not state.carried_pending(0).numpy()
+    after = table.numpy()
+    if to == "none":
+        np.testing.assert_allclose(after, before - 0.05 * (grad + residual), atol=1e-6)
+    else:
+        # QSGD's rows are unbiased draws: every row that held a residual or a gradient
+        # moved, and no other.
+        moved = np.any(after != before, axis=1)
+        held = np.any(residual != 0, axis=1) | np.any(grad != 0, axis=1)
+        assert np.array_equal(moved, held)
     # The kernel's residual went with its next gradient: sent, then zeroed.
     carried = state.carried(kernel, 0)
     assert carried is not None and not np.any(carried.numpy())
-    assert not state.carried_pending(0).numpy()
+    # A second step sends the table's rows alone.
+    model.train_on_batch(xb, yb)
     assert np.isfinite(model.get_weights()[0]).all()
 
 

@@ -109,6 +109,41 @@ def _take_carried(state, tensors, variables, replica_id):
     return out, list(carried.values())
 
 
+def _with_carried_rows(slices, residual, pending):
+    """``slices`` (a table's gradient as rows) and, while ``pending``, the rows of
+    ``residual`` (kept apart from error feedback, ``CompressionState.carried``) that hold
+    anything: the optimizer adds rows that repeat, so each goes once more with what it
+    held back. Not pending, the residual is not read."""
+    def held():
+        return tf.where(tf.reduce_any(tf.not_equal(residual, 0),
+                                      axis=list(range(1, residual.shape.rank))))[:, 0]
+
+    rows = tf.cond(pending, held, lambda: tf.zeros([0], tf.int64))
+    values = tf.cast(tf.gather(residual, rows), slices.values.dtype)
+    return tf.IndexedSlices(tf.concat([slices.values, values], 0),
+                            tf.concat([slices.indices, tf.cast(rows, slices.indices.dtype)], 0),
+                            slices.dense_shape)
+
+
+def _let_go_rows(carried, reduced, ok):
+    """``_let_go`` for the residuals that ``_with_carried_rows`` sent with tables' rows
+    (``carried``: position, residual, pending flag, its value this step): each that was
+    pending is zeroed, and its flag cleared, if the step committed (``ok``; None: every
+    reduced value finite)."""
+    committed = ok
+    if committed is None:
+        committed = tf.math.is_finite(tf.add_n(
+            [tf.reduce_sum(tf.cast(r.values if isinstance(r, tf.IndexedSlices) else r,
+                                   tf.float32)) for r in reduced]))
+    for _, residual, flag, pending in carried:
+        def zero(residual=residual, flag=flag):
+            with tf.control_dependencies([residual.assign(tf.zeros_like(residual)),
+                                          flag.assign(False)]):
+                return tf.constant(True)
+
+        tf.cond(tf.logical_and(committed, pending), zero, lambda: tf.constant(False))
+
+
 def _let_go(state, carried, reduced, ok, replica_id):
     """Zeroes ``carried`` (``_take_carried``) after ``reduced`` exists, and clears the
     flag that they await sending, if the step committed: ``ok``, or where no path
@@ -619,12 +654,6 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         for i, r in zip(tensor_pos, reduced):
             results[i] = r
 
-        if state is not None:
-            for i in slices_pos:
-                # A residual kept from a compressor that sent this embedding's gradient
-                # densified: its rows now go as they are, which cannot add it.
-                state.drop_carried(ctx.variables[i], "its gradient now goes as rows "
-                                   "(IndexedSlices), which cannot take it along")
         rows_pos = [i for i in slices_pos if modes[i] == embeddings.ROWS]
         row_compressor, planned_stock = compressor, set()
         if rows_pos and compressor.plans_per_tensor:
@@ -634,9 +663,21 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                 for i in rows_pos:
                     modes[i] = embeddings.STOCK
                 planned_stock, rows_pos = set(rows_pos), []
+        if rows_pos and state is None:
+            state = self._state_for(ctx.owner, compressor, variables, mask)
+        # A residual kept from a compressor that sent a table's gradient densified: its
+        # rows that hold anything go with this step's rows, until a step commits.
+        rows_carried = []
+        if state is not None:
+            for i in slices_pos:
+                residual = state.carried(ctx.variables[i], replica_id)
+                if residual is not None:
+                    flag = state.carried_rows_pending(ctx.variables[i], replica_id)
+                    with tf.device(device):
+                        pending = flag.read_value()
+                        flat[i] = _with_carried_rows(flat[i], residual, pending)
+                    rows_carried.append((i, residual, flag, pending))
         if rows_pos:
-            if state is None:
-                state = self._state_for(ctx.owner, compressor, variables, mask)
             step_var = state.step(replica_id)
             with tf.device(device):
                 reduced_rows, rows_ok = embeddings.reduce_rows(
@@ -664,6 +705,9 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                                                   s.values.dtype))
                 wire.uncompressed_gradient(paths.base.name_of(ctx.variables[i]),
                                            wire.dynamic[-1], reason)
+        if rows_carried:
+            with tf.device(device):
+                _let_go_rows(rows_carried, [results[i] for i, _, _, _ in rows_carried], ok)
         if sent is not None:
             # After the rows: a step that their values skip adds nothing to the sums.
             with tf.device(device):

@@ -17,7 +17,9 @@ worker (each residual holds what that worker has not sent yet). So:
   the new compressor also keeps (a residual of the same shape) is carried over, so
   error feedback loses nothing across the switch; a residual it keeps no field for is
   kept apart and added to that variable's next gradient that commits, which the new
-  compressor sends (``carried``; it lives until then and is not checkpointed).
+  compressor sends (``carried``; it lives until then and is not checkpointed); an
+  embedding whose gradient now goes as rows sends the residual's rows that hold
+  anything with its next rows.
   Everything else starts fresh; the rest of the old state (momentum, counters) is
   dropped with a warning, and so are the old variables.
 
@@ -95,6 +97,10 @@ class CompressionState(trackable.Trackable):
         # Per local replica: whether anything kept apart awaits sending, so that a
         # step after it went reads one flag rather than every kept-apart residual.
         self._carried_pending: List[tf.Variable] = []
+        # var_key -> per local replica: whether that residual still awaits sending, for a
+        # table whose gradient goes as rows (``carried_rows_pending``): its step adds the
+        # residual's rows that hold anything, a pass over the table it makes only then.
+        self._carried_rows: Dict[str, List[tf.Variable]] = {}
         self._steps: List[tf.Variable] = []
         # (checkpoint name, field) -> per local replica value restored before its slot existed.
         self._pending: Dict[Tuple[str, str], List[np.ndarray]] = {}
@@ -218,8 +224,10 @@ class CompressionState(trackable.Trackable):
                     and slot[0][1]["residual"].shape == self._carried[key][0].shape:
                 for (_, fields), pending in zip(slot, self._carried.pop(key)):
                     fields["residual"].assign_add(pending)
+                self._carried_rows.pop(key, None)
             elif not any(np.any(v.numpy()) for v in self._carried[key]):
                 del self._carried[key]  # sent already: its memory goes
+                self._carried_rows.pop(key, None)
         if dropped:
             # The new compressor keeps no such field: what it held is not sent.
             logging.warning("tfgc: %s keeps no state field %s; the values held there under %s "
@@ -238,6 +246,14 @@ class CompressionState(trackable.Trackable):
                     self._carried_pending.append(local_variable(tf.constant(True),
                                                                  "tfgc_carried_pending"))
         for flag in self._carried_pending:
+            flag.assign(True)
+        if key not in self._carried_rows:
+            self._carried_rows[key] = []
+            for device in self._ops.local_devices:
+                with tf.device(device):
+                    self._carried_rows[key].append(local_variable(tf.constant(True),
+                                                                  "tfgc_carried_rows_pending"))
+        for flag in self._carried_rows[key]:
             flag.assign(True)
         if key in self._carried:
             for pending, residual in zip(self._carried[key], residuals):
@@ -263,12 +279,12 @@ class CompressionState(trackable.Trackable):
         anything was kept apart."""
         return self._carried_pending[replica_id] if self._carried_pending else None
 
-    def drop_carried(self, var, why: str):
-        """Lets go of what is kept apart for ``var`` unsent (its gradient takes another
-        way, which cannot add it), with a warning that says so and ``why``."""
-        if self._carried.pop(var_key(var), None) is not None:
-            logging.warning("tfgc: the error-feedback residual of %s kept from the previous "
-                            "compressor is dropped: %s", getattr(var, "name", var), why)
+    def carried_rows_pending(self, var, replica_id: int) -> Optional[tf.Variable]:
+        """A bool variable: whether ``carried(var, replica_id)`` still awaits sending,
+        for a gradient that goes as rows (the reduction adds the residual's rows and
+        clears it in a step that commits); None where nothing is kept for ``var``."""
+        flags = self._carried_rows.get(var_key(var))
+        return None if flags is None else flags[replica_id]
 
     def _apply_pending(self, name, path, variables):
         values = self._pending.pop((name, path), None)
