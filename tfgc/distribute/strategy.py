@@ -45,7 +45,6 @@ class _CompressedExtended(mwms_lib.CollectiveAllReduceExtended):
             options=self._communication_options,
             collective_keys=self._collective_keys,
             worker_rank=worker_index * len(stock._devices),  # pylint: disable=protected-access
-            keys_index=self._collective_key_base // _KEY_RANGE,
             **self._compression_kwargs)
 
     def _initialize_local(self, cluster_resolver, devices=None):
@@ -64,9 +63,7 @@ class _CompressedExtended(mwms_lib.CollectiveAllReduceExtended):
 # the same process (a notebook trying another compressor) reuses the first one's
 # groups and instance keys, and its collectives meet the first one's in the
 # runtime (a shape mismatch). Workers build their strategies in the same order,
-# so the n-th strategy has the same range on every worker. Its index in that order
-# (``keys_index``) also sets apart the group keys of its pairwise exchanges
-# (``collectives.PairExchanger``), which are not drawn from the range.
+# so the n-th strategy has the same range on every worker.
 _KEY_RANGE = 100_000
 _strategy_count = itertools.count()
 _count_lock = threading.Lock()
