@@ -419,10 +419,11 @@ def tables(strategy, rank, out_dir):
             if batch == 0:
                 record()
 
-    callback = tfgc.keras.AutoPlanCallback(strategy, threshold=1e9, link_margin=None,
-                                           every_steps=LOW_RANK_EVERY)
+    # Not ``callback``: ``Record`` reads that one's history.
+    again = tfgc.keras.AutoPlanCallback(strategy, threshold=1e9, link_margin=None,
+                                        every_steps=LOW_RANK_EVERY)
     net.fit(data.with_options(options), epochs=1, steps_per_epoch=1, verbose=0,
-            callbacks=[callback, First()])
+            callbacks=[again, First()])
     with open(os.path.join(out_dir, f"tables.w{rank}.json"), "w") as f:
         json.dump({"plans": plans[:saved], "restored": plans[saved:],
                    "losses": [float(v) for v in history.history["loss"]],

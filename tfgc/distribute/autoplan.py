@@ -174,14 +174,10 @@ class AutoPlanner:
         def agree(*_):
             self._attach(owner)  # a deferred checkpoint restore reaches ``restored`` here
             saved = (self._saved or {}).get("tables") or []
+            usable = [(t[1], tuple(t[2])) for t in saved] == traced
             places = frozenset()
-            word = 0
-            if [(t[1], tuple(t[2])) for t in saved] == traced:
+            if self._all_restored(json.dumps(saved) if usable else None):
                 places = frozenset(t[0] for t in saved if t[3])
-                word = zlib.crc32(json.dumps(saved).encode()) & 0x7FFFFFFF or 1
-            words = self._ops.gather_words([word])[:, 0]
-            if not word or len(set(words.tolist())) > 1:
-                places = frozenset()
             self._saved_dense = (generation, traced, places)
 
         replica_ctx = tf.distribute.get_replica_context()
@@ -317,15 +313,13 @@ class AutoPlanner:
                   and len(record["link_us"]) == len(planner.LINK_SIZES)
                   and (auto.link_gbps or any(record["link_us"])
                        or self._ops.group_size < 2))
-        word = 0
+        figures_json = None
         if usable:
             figures_json = json.dumps({k: record.get(k) for k in
                                        ("link_us", "encode_us", "decode_us", "critical",
                                         "norms", "low_rank", "steps", "labels", "tables")},
                                       sort_keys=True)
-            word = zlib.crc32(figures_json.encode()) & 0x7FFFFFFF or 1
-        words = self._ops.gather_words([word])[:, 0]
-        if not usable or len(set(words.tolist())) > 1:
+        if not self._all_restored(figures_json):
             if record is not None:
                 logging.info("tfgc: compressor='auto': the checkpoint's plan is not for "
                              "these gradients, this cluster or every worker; measuring")
@@ -349,6 +343,14 @@ class AutoPlanner:
         logging.info("tfgc: compressor='auto': the plan's figures restored from the "
                      "checkpoint (%s)", figures.describe())
         return figures, record.get("labels"), tables[0][6] if tables else None
+
+    def _all_restored(self, text) -> bool:
+        """Whether every worker restored ``text`` (this worker's, None where it has
+        nothing usable): an all-gather of its checksum. Every worker calls it at the
+        same point."""
+        word = 0 if text is None else zlib.crc32(text.encode()) & 0x7FFFFFFF or 1
+        words = self._ops.gather_words([word])[:, 0]
+        return bool(word) and len(set(words.tolist())) == 1
 
     def _planned(self, gradients, figures, only=None, dense=None, rows_label=None):
         """The plan of the layout ``gradients`` under ``figures`` and the current

@@ -125,16 +125,23 @@ def _with_carried_rows(slices, residual, pending):
                             slices.dense_shape)
 
 
+def _committed(ok, reduced):
+    """Whether the step committed: ``ok``, or where no path checked (None), every
+    reduced floating value finite (sums over the workers: the same answer on every
+    worker; rows count by their values)."""
+    if ok is not None:
+        return ok
+    values = [r.values if isinstance(r, tf.IndexedSlices) else r for r in reduced]
+    return tf.math.is_finite(tf.add_n(
+        [tf.reduce_sum(tf.cast(v, tf.float32)) for v in values if v.dtype.is_floating]))
+
+
 def _let_go_rows(carried, reduced, ok):
     """``_let_go`` for the residuals that ``_with_carried_rows`` sent with tables' rows
     (``carried``: position, residual, pending flag, its value this step): each that was
     pending is zeroed, and its flag cleared, if the step committed (``ok``; None: every
     reduced value finite)."""
-    committed = ok
-    if committed is None:
-        committed = tf.math.is_finite(tf.add_n(
-            [tf.reduce_sum(tf.cast(r.values if isinstance(r, tf.IndexedSlices) else r,
-                                   tf.float32)) for r in reduced]))
+    committed = _committed(ok, reduced)
     for _, residual, flag, pending in carried:
         def zero(residual=residual, flag=flag):
             with tf.control_dependencies([residual.assign(tf.zeros_like(residual)),
@@ -155,11 +162,7 @@ def _let_go(state, carried, reduced, ok, replica_id):
     flag = state.carried_pending(replica_id)
 
     def settle():
-        committed = ok
-        if committed is None:
-            committed = tf.math.is_finite(tf.add_n(
-                [tf.reduce_sum(tf.cast(r, tf.float32)) for r in reduced
-                 if r.dtype.is_floating]))
+        committed = _committed(ok, reduced)
 
         def zero():
             writes = [v.assign(tf.zeros_like(v)) for v in carried]
