@@ -7,13 +7,16 @@ NumPy replay of each algorithm (error feedback included):
   with a dense switch (SparCML).
 
 One launch per cluster size runs ``tests/cluster/sparse_paths.py`` on both paths, in the
-processes that ran the reduce-scatter's checks first (``tests/cluster/paths.py``).
+processes that ran the reduce-scatter's checks first (``tests/cluster/paths.py``), on a
+second strategy: every test of a cluster below also checks that a second strategy in
+the same processes reduces as the first did.
 """
 
 import json
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from cluster_scripts import assert_fit_identical_and_learning, cluster_script, paths_cluster
 
@@ -172,6 +175,41 @@ def test_fit_ends_identical_on_every_worker(cluster):
     extra = worker.STEPS if path == "shared_index" else 0
     assert results["fit_stats"]["steps"] - results["stats"]["steps"] == \
         40 + worker.DENSE_STEPS + extra
+
+
+def test_a_second_strategy_keeps_the_process_server(cluster):
+    # The sparse paths ran on the process's second strategy: it found collective ops
+    # enabled for its cluster and task and kept that server (enabling them again reset
+    # the runtime under the first strategy's collectives).
+    path, n, out = cluster
+    for r in range(n):
+        with open(out.parent / f"server.w{r}.json") as f:
+            assert json.load(f) == {"first_server": True, "kept": True}, (path, r)
+
+
+def test_each_strategy_of_a_process_has_pair_group_keys_of_its_own():
+    # The sparse all-reduce's pairwise exchanges (recursive doubling): a second strategy
+    # whose pairs took the first one's group keys met the first one's instances in the
+    # runtime (a shape mismatch, or on 3 workers an exchange that never completed).
+    from tfgc.collectives import pairwise
+
+    options = tf.distribute.experimental.CommunicationOptions()
+    keys = {}
+    for index in range(3):
+        for a in range(4):
+            for b in range(a + 1, 4):
+                exchanger = pairwise.PairExchanger(a, 4, "/cpu:0", options, keys_index=index)
+                key = exchanger._keys.pair_group_key(a, b, 4, "/cpu:0", index)  # pylint: disable=protected-access
+                assert key not in keys.values(), (index, a, b)
+                keys[(index, a, b)] = key
+    # Both members of a pair name it alike.
+    assert all(keys[(i, a, b)] == pairwise._PairKeys().pair_group_key(b, a, 4, "/cpu:0", i)  # pylint: disable=protected-access
+               for (i, a, b) in keys)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="keys_index"):
+            pairwise.PairExchanger(0, 4, "/cpu:0", options, keys_index=bad)
+    with pytest.raises(ValueError, match="int32"):
+        pairwise.PairExchanger(0, 1024, "/cpu:0", options, keys_index=3000)
 
 
 @pytest.mark.parametrize("spec", ["qsgd", "onebit", "randomk", "none"])

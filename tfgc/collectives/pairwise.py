@@ -6,8 +6,10 @@ group size forms a group. A group of two is a pairwise exchange: both members
 all-gather one tensor each and read the other's half. Recursive doubling (and
 halving) is built from such exchanges, partner ``rank ^ 2**s`` at stage s.
 
-Each pair has a group key derived from its two ranks alone, so that every worker
-names the same pair the same way without agreeing on an order of creation, and a
+Each pair has a group key derived from its two ranks and the index of its strategy in
+the process (``keys_index``: a second strategy's pairs must not meet the first one's
+instances in the runtime), so that every worker names the same pair the same way
+without agreeing on an order of creation, and a
 ``CollectiveReplicaLauncher`` of its own, whose instance keys come from a
 ``CollectiveKeys`` that knows only the pair groups of this replica.
 """
@@ -27,9 +29,10 @@ _PAIR_KEY_BASE = 1 << 24
 class _PairKeys(cross_device_utils.CollectiveKeys):
     """Collective keys for pair groups: the group key is a function of the pair."""
 
-    def pair_group_key(self, a: int, b: int, num_ranks: int, device: str) -> int:
+    def pair_group_key(self, a: int, b: int, num_ranks: int, device: str,
+                       keys_index: int = 0) -> int:
         lo, hi = min(a, b), max(a, b)
-        key = _PAIR_KEY_BASE + lo * num_ranks + hi
+        key = _PAIR_KEY_BASE + (keys_index * num_ranks + lo) * num_ranks + hi
         with self._lock:
             group = self._instance_key_table.setdefault(key, {})
             group.setdefault(device, cross_device_utils.INSTANCE_KEY_START_NUMBER)
@@ -44,9 +47,17 @@ class PairExchanger:
       num_ranks: the size of the whole collective group.
       device: this replica's device.
       options: ``tf.distribute.experimental.CommunicationOptions``.
+      keys_index: which of the process's strategies the exchanges serve (0, 1, ...;
+        the same on every worker): each has pair group keys of its own.
     """
 
-    def __init__(self, rank: int, num_ranks: int, device: str, options):
+    def __init__(self, rank: int, num_ranks: int, device: str, options, keys_index: int = 0):
+        if isinstance(keys_index, bool) or int(keys_index) != keys_index or keys_index < 0:
+            raise ValueError(f"keys_index must be an integer >= 0, got {keys_index!r}")
+        if _PAIR_KEY_BASE + (keys_index + 1) * num_ranks * num_ranks > 2 ** 31 - 1:
+            raise ValueError(f"keys_index {keys_index} with {num_ranks} ranks leaves the "
+                             "int32 range of collective group keys")
+        self._keys_index = int(keys_index)
         self._rank = rank
         self._num_ranks = num_ranks
         self._device = device
@@ -62,7 +73,8 @@ class PairExchanger:
     def _launcher(self, partner: int):
         with self._lock:
             if partner not in self._launchers:
-                key = self._keys.pair_group_key(self._rank, partner, self._num_ranks, self._device)
+                key = self._keys.pair_group_key(self._rank, partner, self._num_ranks,
+                                                self._device, self._keys_index)
                 self._launchers[partner] = cross_device_utils.CollectiveReplicaLauncher(
                     key, 2, self._keys, self._device, self._options)
             return self._launchers[partner]

@@ -204,18 +204,21 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         the whole step at once, after the backward pass.
       worker_rank: index of this worker's first replica among all replicas; seeds
         per-worker randomness.
+      keys_index: the strategy's index among this process's strategies (the same on
+        every worker): its pairwise exchanges take group keys of their own.
     """
 
     def __init__(self, devices, group_size, options, collective_keys=None,
                  canonicalize_devices=True, *, compressor="none", policy=None,
                  communication="auto", bucket_bytes=DEFAULT_BUCKET_BYTES,
-                 overlap_bytes=DEFAULT_OVERLAP_BYTES, worker_rank=0):
+                 overlap_bytes=DEFAULT_OVERLAP_BYTES, worker_rank=0, keys_index=0):
         self._compressor, self._policy = check_compression_args(
             compressor, policy, communication, bucket_bytes, overlap_bytes)
         self._communication = communication
         self._bucket_bytes = bucket_bytes
         self._overlap_bytes = overlap_bytes
         self._worker_rank = worker_rank
+        self._keys_index = keys_index
         super().__init__(devices, group_size, options, collective_keys, canonicalize_devices)
         # Our own copies of the constructor's arguments, instead of the parent's private
         # fields. Two are read from the parent once, here: the devices in its canonical
@@ -935,7 +938,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         if replica_id not in self._exchangers:
             self._exchangers[replica_id] = collectives.PairExchanger(
                 self._worker_rank + replica_id, self._num_replicas,
-                self._replica_devices[replica_id], self._comm_options)
+                self._replica_devices[replica_id], self._comm_options, self._keys_index)
         return self._exchangers[replica_id]
 
     # -- copying -------------------------------------------------------------------
@@ -947,4 +950,5 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             copy.deepcopy(self._keys, memo), self._canonicalize,
             compressor=self._compressor, policy=self._policy,
             communication=self._communication, bucket_bytes=self._bucket_bytes,
-            overlap_bytes=self._overlap_bytes, worker_rank=self._worker_rank)
+            overlap_bytes=self._overlap_bytes, worker_rank=self._worker_rank,
+            keys_index=self._keys_index)

@@ -10,6 +10,7 @@ from absl import logging
 from tensorflow.python.distribute import collective_all_reduce_strategy as mwms_lib
 from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import multi_worker_util
+from tensorflow.python.eager import context
 
 from tfgc.distribute import iterators
 from tfgc.distribute import keras_hooks
@@ -45,6 +46,7 @@ class _CompressedExtended(mwms_lib.CollectiveAllReduceExtended):
             options=self._communication_options,
             collective_keys=self._collective_keys,
             worker_rank=worker_index * len(stock._devices),  # pylint: disable=protected-access
+            keys_index=self._collective_key_base // _KEY_RANGE,
             **self._compression_kwargs)
 
     def _initialize_local(self, cluster_resolver, devices=None):
@@ -52,10 +54,38 @@ class _CompressedExtended(mwms_lib.CollectiveAllReduceExtended):
         self._install_compression(0)
 
     def _initialize_multi_worker(self, cluster_resolver):
+        served = _served_collectives(cluster_resolver)
+        if served is not None:
+            # This process's server already serves this cluster, task and protocol (a
+            # strategy built before this one): the parent would enable collective ops a
+            # second time, which resets the runtime under the first strategy's
+            # collectives (TensorFlow warns of it) and, on 3 workers, left a second
+            # strategy's first step waiting forever. Reuse the server instead; with a
+            # coordination service its heartbeats detect dead peers, as the parent
+            # decides when it starts the server.
+            self._std_server_started = True
+            if served.default_session_config.experimental.coordination_config.service_type:
+                self._enable_check_health = False
         super()._initialize_multi_worker(cluster_resolver)
         worker_index = multi_worker_util.id_in_cluster(
             self._cluster_spec, self._task_type, self._task_id)
         self._install_compression(worker_index)
+
+
+def _served_collectives(cluster_resolver):
+    """The server definition with which this process already enabled collective ops,
+    when it serves ``cluster_resolver``'s cluster, task and protocol; else None."""
+    server_def = context.context()._collective_ops_server_def  # pylint: disable=protected-access
+    if server_def is None or cluster_resolver is None:
+        return None
+    if cluster_resolver.task_type is None or cluster_resolver.task_id is None:
+        return None
+    cluster = multi_worker_util.normalize_cluster_spec(cluster_resolver.cluster_spec())
+    same = (server_def.cluster == cluster.as_cluster_def()
+            and server_def.job_name == cluster_resolver.task_type
+            and server_def.task_index == cluster_resolver.task_id
+            and server_def.protocol == (cluster_resolver.rpc_layer or "grpc"))
+    return server_def if same else None
 
 
 # Collective keys: every strategy of a process gets a range of its own. The
@@ -63,7 +93,9 @@ class _CompressedExtended(mwms_lib.CollectiveAllReduceExtended):
 # the same process (a notebook trying another compressor) reuses the first one's
 # groups and instance keys, and its collectives meet the first one's in the
 # runtime (a shape mismatch). Workers build their strategies in the same order,
-# so the n-th strategy has the same range on every worker.
+# so the n-th strategy has the same range on every worker. Its index in that order
+# (``keys_index``) also sets apart the group keys of its pairwise exchanges
+# (``collectives.PairExchanger``), which are not drawn from the range.
 _KEY_RANGE = 100_000
 _strategy_count = itertools.count()
 _count_lock = threading.Lock()
