@@ -9,7 +9,9 @@ it left behind:
   worker was fed: the cluster's weights must equal the replay's bit for bit;
 * ef+topk and QSGD: identical weights on both workers, bytes equal to the wire
   formula of the tf-keras sweep, training that learns, the stats callback,
-  ``model.evaluate``, a checkpoint round trip of the residuals, and XLA turned off.
+  ``model.evaluate``, a checkpoint round trip of the residuals, and XLA turned off;
+* then, on a second strategy in the same processes, the models users bring of
+  tests/test_user_models.py under a few compressors (one cluster for both).
 
 The single-process tests check the strategy's ``reduce`` for what Keras 3 asks of it.
 """
@@ -25,6 +27,7 @@ import tensorflow as tf
 import tfgc
 from cluster_scripts import run_cluster
 from test_distributed import DENSE_BYTES, REPO, expected_bytes
+from test_user_models import AUTO_EVERY, KERAS3_SPECS, MODELS, check_run
 
 keras = pytest.importorskip("keras")
 if int(keras.__version__.split(".")[0]) < 3:  # pragma: no cover - tf-keras-only installs
@@ -42,7 +45,8 @@ def _script():
 
 @pytest.fixture(scope="module")
 def keras3_run(tmp_path_factory):
-    return run_cluster(tmp_path_factory, "keras3", SCRIPT, timeout=600)
+    return run_cluster(tmp_path_factory, "keras3", SCRIPT, timeout=1200, args=[
+        "--user-models", "--specs", *KERAS3_SPECS, "--auto_every", AUTO_EVERY])
 
 
 def _load(out, name, rank):
@@ -252,3 +256,12 @@ def test_tf_keras_models_are_not_taken_for_keras3():
 
     assert not _is_keras3(tf_keras.Sequential())
     assert _is_keras3(keras.Sequential()) and _is_keras3(OwnModel())
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("i,spec", list(enumerate(KERAS3_SPECS)))
+def test_user_models_under_keras3(keras3_run, model, i, spec):
+    # Keras 3 keeps batch normalization's moving statistics per worker (they are not
+    # gradients and tfgc does not reduce them; tf-keras all-reduces them itself), so
+    # the trainable weights are compared.
+    check_run(keras3_run / "user_models", model, "float32", i, spec, trainable_only=True)

@@ -12,7 +12,10 @@ compressor is switched between them:
 * ``qsgd``: the quantized all-gather path;
 * ``auto`` on a 10 Mbit/s link with ``AutoPlanCallback``: regimes, low rank measured
   after the first step, a change of plan priced;
-* every other compressor but variance-based for a few steps.
+* every other compressor but variance-based for a few steps;
+* then, given ``--user-models ARGS...``, tests/cluster/user_models.py's runs with those
+  arguments (``--keras 3`` added) into OUT_DIR/user_models, on a second strategy in the
+  same processes: one Keras 3 cluster serves both modules' tests.
 
 Writes OUT_DIR/<name>.w<rank>.npz (weights; for ``none`` also the initial weights
 and the recorded batches) and OUT_DIR/<name>.w<rank>.json (sweep.w<rank>.json for the
@@ -179,8 +182,20 @@ def main(out_dir):
     print("keras3 runs done", flush=True)
 
 
+def user_models(out_dir, args):
+    """tests/cluster/user_models.py's runs under Keras 3, into OUT_DIR/user_models."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import user_models as runs
+
+    out = os.path.join(out_dir, "user_models")
+    os.makedirs(out, exist_ok=True)
+    runs.main([out, "--keras", "3", *args])
+
+
 if __name__ == "__main__":
     # Keras 3 for tf.keras too, whatever tfgc would default to. Set here, not at
     # import, so that the test can import build() without changing its process.
     os.environ["TF_USE_LEGACY_KERAS"] = "0"
     main(sys.argv[1])
+    if "--user-models" in sys.argv:
+        user_models(sys.argv[1], sys.argv[sys.argv.index("--user-models") + 1:])

@@ -97,7 +97,10 @@ def learning_setup(model, spec, momentum):
     return momentum, LR[model]
 
 
-def main():
+def main(argv=None):
+    """Runs the command line ``argv`` (default ``sys.argv[1:]``) in this process, on a
+    strategy of its own (tests/cluster/keras3_fit.py runs the Keras 3 runs after its
+    own, on a second strategy)."""
     p = argparse.ArgumentParser()
     p.add_argument("out_dir")
     p.add_argument("--specs", nargs="+", required=True)
@@ -122,7 +125,7 @@ def main():
                    help="the optimizer's momentum (default plain SGD: most compressors' "
                         "analyses assume it, and 24 steps of heavy-ball momentum on "
                         "released residuals measure the schedule, not the method)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
 
     import importlib
 
