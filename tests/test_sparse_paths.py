@@ -7,9 +7,9 @@ NumPy replay of each algorithm (error feedback included):
   with a dense switch (SparCML).
 
 One launch per cluster size runs ``tests/cluster/sparse_paths.py`` on both paths, in the
-processes that ran the reduce-scatter's checks first (``tests/cluster/paths.py``), on a
-second strategy: every test of a cluster below also checks that a second strategy in
-the same processes reduces as the first did.
+processes that ran a stock strategy's fit and the reduce-scatter's checks first
+(``tests/cluster/paths.py``), on a strategy of its own: every test of a cluster below
+also checks that a later strategy in the same processes reduces as the first did.
 """
 
 import json
@@ -177,12 +177,18 @@ def test_fit_ends_identical_on_every_worker(cluster):
         40 + worker.DENSE_STEPS + extra
 
 
-def test_a_second_strategy_keeps_the_process_server(cluster):
-    # The sparse paths ran on the process's second strategy: it found collective ops
-    # enabled for its cluster and task and kept that server (enabling them again reset
-    # the runtime under the first strategy's collectives).
+def test_strategies_after_a_stock_one_keep_its_server(cluster):
+    # A stock MultiWorkerMirroredStrategy trained first in these processes (every worker
+    # ends with its weights), then a tfgc strategy (the reduce-scatter's), then a second
+    # one (the sparse paths'): both found collective ops enabled for their cluster and
+    # task and kept that server (enabling them again reset the runtime under the earlier
+    # strategies' collectives), and took collective keys apart from the stock one's.
     path, n, out = cluster
+    stock = [np.load(out.parent / f"stock.w{r}.npz") for r in range(n)]
     for r in range(n):
+        for key in stock[0].files:
+            assert np.all(np.isfinite(stock[r][key]))
+            np.testing.assert_array_equal(stock[r][key], stock[0][key])
         with open(out.parent / f"server.w{r}.json") as f:
             assert json.load(f) == {"first_server": True, "kept": True}, (path, r)
 

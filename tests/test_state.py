@@ -17,6 +17,7 @@ import sys
 import numpy as np
 import pytest
 
+from cluster_scripts import cluster_script
 from tfgc.apps.launch import launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -124,6 +125,51 @@ def test_switching_compressor_mid_fit_takes_effect_next_batch(checks):
         # none for batches 0-3, then top-1% from batch 4 on, in the same fit().
         assert r["payloads"][:4] == [dense] * 4
         assert all(p < dense / 20 for p in r["payloads"][4:]) and len(r["payloads"]) == 8
+
+
+def test_switching_between_stateful_compressors_mid_fit_keeps_residuals(checks):
+    # none, then DGC at 1 % (a residual and a momentum per kernel; momentum on the
+    # dense biases too), gradient dropping (a residual), QSGD (no state), each from the
+    # batch after a callback switched to it, in one fit.
+    worker = cluster_script("state_checks")[1]
+    runs = [load(checks, "switch_state", rank) for rank in (0, 1)]
+    with np.load(checks / "switch_state.w0.npz") as a, \
+            np.load(checks / "switch_state.w1.npz") as b:
+        for key in a.files:  # every worker ends with the same bits
+            np.testing.assert_array_equal(a[key], b[key])
+            assert np.all(np.isfinite(a[key]))
+    r = runs[0]
+    dense, payloads = r["dense"], r["payloads"]
+    assert r["steps"] == worker.SWITCH_STATE_STEPS == len(payloads)
+    assert all(np.isfinite(r["loss"]))
+    # Each compressor from the batch after its switch: its payload and its state.
+    assert payloads[:3] == [dense] * 3
+    assert all(p < dense / 20 for p in payloads[3:9]), payloads  # 1 % kept or sent
+    assert all(dense / 20 < p < dense / 2 for p in payloads[9:]), payloads
+    assert r["fields"][:3] == [[]] * 3
+    assert r["fields"][3:6] == [["momentum", "residual"]] * 3
+    assert r["fields"][6:9] == [["residual"]] * 3
+    assert r["fields"][9:] == [[]] * 3
+    kernels = [i for i, shape in enumerate(worker_shapes(checks)) if len(shape) > 1]
+    for batch, held in enumerate(r["carried"]):
+        if batch < 9:
+            # DGC's residual joined gradient dropping's residual field: nothing kept apart.
+            assert held == [None] * len(held), (batch, held)
+        else:
+            # Gradient dropping's residuals, kept apart for QSGD's first step, which sent
+            # and zeroed them; the biases had none (sent dense).
+            assert [i for i, h in enumerate(held) if h is not None] == kernels
+            assert all(held[i] == 0.0 for i in kernels), held
+    # Only DGC's momentum is dropped (gradient dropping keeps no such field), with a
+    # warning at the switch that names it; no residual is dropped.
+    dropped = [(batch, text) for batch, text in r["warnings"] if "dropped" in text]
+    assert len(dropped) == 1 and dropped[0][0] == 6, r["warnings"]
+    assert "keeps no state field momentum;" in dropped[0][1], dropped
+
+
+def worker_shapes(checks):
+    with np.load(checks / "switch_state.w0.npz") as z:
+        return [z[k].shape for k in sorted(z.files, key=int)]
 
 
 def test_stale_tf_function_fails_with_a_clear_message(checks):

@@ -32,6 +32,10 @@ def test_several_strategies_in_one_process_train_one_after_another():
         assert strategy.compression_stats()["steps"] == 8, compressor
         assert np.isfinite(history.history["loss"]).all(), compressor
     assert len(set(bases)) == 3
+    # None takes the stock strategy's keys (tests/cluster/paths.py trains a stock
+    # strategy before tfgc's on real clusters).
+    stock = tf.distribute.MultiWorkerMirroredStrategy()
+    assert stock.extended._collective_key_base not in bases  # pylint: disable=protected-access
 
 
 def test_the_first_fit_traces_its_train_function_once():

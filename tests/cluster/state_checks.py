@@ -17,6 +17,9 @@ module compares workers and asserts. Checks:
 * ``two_models``: a second model with the same shapes trained in between does
   not change the first one's training;
 * ``switch``: switching compressor from a callback takes effect at the next batch;
+* ``switch_state``: switches inside one fit from DGC (a residual and a momentum) to
+  gradient dropping (a residual) to QSGD (none): the residual travels on, the momentum
+  is dropped with a warning that names it;
 * ``dtypes``: float64 gradients go dense (no crash), embedding gradients
   (IndexedSlices) are counted;
 * ``stale``: a tf.function traced before a switch fails with a clear message.
@@ -274,6 +277,65 @@ def check_switch(s, out_dir):
     del tf
 
 
+# switch_state: the compressor after each of these batches (plain SGD: DGC applies its
+# own momentum on the workers). DGC keeps a residual and a momentum, gradient dropping
+# only a residual, QSGD neither.
+SWITCH_STATE = {2: "dgc:ratio=0.01", 5: "graddrop", 8: "qsgd"}
+SWITCH_STATE_STEPS = 12
+
+
+def check_switch_state(s, out_dir):
+    import logging
+
+    import tf_keras as keras
+
+    from tfgc.apps import data as data_lib
+    strategy = s.strategy
+    strategy.compressor = "none"
+    net, opt = s.model(seed=13, optimizer=keras.optimizers.SGD(0.05))
+    with strategy.scope():
+        net.compile(optimizer=opt,
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    payloads, fields, carried, warnings = [], [], [], []
+
+    class Warnings(logging.Handler):
+        def emit(self, record):
+            if record.levelno >= logging.WARNING:
+                warnings.append([len(payloads), record.getMessage()])
+
+    class Switch(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            payloads.append(strategy.compression_stats()["payload_bytes"])
+            state = strategy.compression_state(opt)
+            norms = state.residual_norms() if state is not None else {}
+            # The state fields this batch's step left, by name, and whether any holds
+            # something.
+            fields.append(sorted({k.rsplit("/", 1)[1] for k in norms}))
+            held = [state.carried(v, 0) if state is not None else None
+                    for v in net.trainable_variables]
+            carried.append([None if c is None else float(np.linalg.norm(c.numpy()))
+                            for c in held])
+            if batch in SWITCH_STATE:
+                strategy.compressor = SWITCH_STATE[batch]
+
+    handler = Warnings()
+    logging.getLogger("absl").addHandler(handler)
+    try:
+        x, y = data_lib.shard(s.x, s.y, s.rank, s.n)
+        train = data_lib.make_tf_dataset(x, y, BATCH, repeat=True)
+        before = strategy.compression_stats()["steps"]
+        history = net.fit(train, epochs=1, steps_per_epoch=SWITCH_STATE_STEPS, verbose=0,
+                          callbacks=[Switch()])
+    finally:
+        logging.getLogger("absl").removeHandler(handler)
+    dense = sum(int(np.prod(v.shape)) * 4 for v in net.trainable_variables)
+    save(out_dir, "switch_state", s.rank, {
+        "payloads": payloads, "dense": dense, "fields": fields, "carried": carried,
+        "warnings": warnings, "loss": [float(v) for v in history.history["loss"]],
+        "steps": strategy.compression_stats()["steps"] - before},
+        {str(i): w.numpy() for i, w in enumerate(net.trainable_variables)})
+
+
 def check_dtypes(s, out_dir):
     import tensorflow as tf
     import tf_keras as keras
@@ -322,7 +384,8 @@ def check_stale(s, out_dir):
     save(out_dir, "stale", s.rank, {"message": message})
 
 
-CHECKS = ("exact", "nonfinite", "checkpoint", "two_models", "switch", "dtypes", "stale")
+CHECKS = ("exact", "nonfinite", "checkpoint", "two_models", "switch", "switch_state", "dtypes",
+          "stale")
 
 
 def main():

@@ -93,11 +93,15 @@ def _served_collectives(cluster_resolver):
 # the same process (a notebook trying another compressor) reuses the first one's
 # groups and instance keys, and its collectives meet the first one's in the
 # runtime (a shape mismatch). Workers build their strategies in the same order,
-# so the n-th strategy has the same range on every worker. Its index in that order
-# (``keys_index``) also sets apart the group keys of its pairwise exchanges
-# (``collectives.PairExchanger``), which are not drawn from the range.
+# so the n-th strategy has the same range on every worker. The ranges start at the
+# second: the first (from key 1) is every stock strategy's, and a stock
+# MultiWorkerMirroredStrategy built before ours in the same process (a comparison in
+# one notebook) failed our first all-gather with "Collective instance ... expected type
+# 1 ... but got type 2". A strategy's index in that order (``keys_index``) also sets
+# apart the group keys of its pairwise exchanges (``collectives.PairExchanger``), which
+# are not drawn from the range.
 _KEY_RANGE = 100_000
-_strategy_count = itertools.count()
+_strategy_count = itertools.count(1)
 _count_lock = threading.Lock()
 
 
