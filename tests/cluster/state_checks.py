@@ -308,8 +308,8 @@ def check_switch_state(s, out_dir):
             payloads.append(strategy.compression_stats()["payload_bytes"])
             state = strategy.compression_state(opt)
             norms = state.residual_norms() if state is not None else {}
-            # The state fields this batch's step left, by name, and whether any holds
-            # something.
+            # The state fields this batch's step left, by name, and the norm of what is
+            # kept apart for each variable (None: nothing is).
             fields.append(sorted({k.rsplit("/", 1)[1] for k in norms}))
             held = [state.carried(v, 0) if state is not None else None
                     for v in net.trainable_variables]

@@ -47,8 +47,9 @@ class PairExchanger:
       num_ranks: the size of the whole collective group.
       device: this replica's device.
       options: ``tf.distribute.experimental.CommunicationOptions``.
-      keys_index: which of the process's strategies the exchanges serve (0, 1, ...;
-        the same on every worker): each has pair group keys of its own.
+      keys_index: which of the process's strategies the exchanges serve (1, 2, ... in
+        the order they were built, the same on every worker; 0 outside a strategy):
+        each has pair group keys of its own.
     """
 
     def __init__(self, rank: int, num_ranks: int, device: str, options, keys_index: int = 0):
