@@ -183,8 +183,8 @@ def main(out_dir):
 
 
 def user_models(out_dir, args):
-    """tests/cluster/user_models.py's runs under Keras 3, into OUT_DIR/user_models."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    """tests/cluster/user_models.py's runs under Keras 3, into OUT_DIR/user_models (this
+    script's directory is on ``sys.path``, as for any script run by path)."""
     import user_models as runs
 
     out = os.path.join(out_dir, "user_models")

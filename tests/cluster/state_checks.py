@@ -67,6 +67,19 @@ class Setup:
             net.build((None, 28, 28, 1))
         return net, opt
 
+    def fit(self, net, opt, steps, callback):
+        """Compiles ``net`` with ``opt`` and fits it ``steps`` steps on this worker's
+        shard of the training set, ``callback`` seeing every batch; the History."""
+        import tf_keras as keras
+
+        from tfgc.apps import data as data_lib
+        with self.strategy.scope():
+            net.compile(optimizer=opt,
+                        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        x, y = data_lib.shard(self.x, self.y, self.rank, self.n)
+        train = data_lib.make_tf_dataset(x, y, BATCH, repeat=True)
+        return net.fit(train, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[callback])
+
     def train_step(self, net, opt):
         """A tf.function running one custom-loop step on the given per-worker batch."""
         import tensorflow as tf
@@ -251,16 +264,11 @@ def check_two_models(s, out_dir):
 
 
 def check_switch(s, out_dir):
-    import tensorflow as tf
     import tf_keras as keras
 
-    from tfgc.apps import data as data_lib
     strategy = s.strategy
     strategy.compressor = "none"
     net, opt = s.model(seed=9)
-    with strategy.scope():
-        net.compile(optimizer=opt,
-                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     payloads = []
 
     class Switch(keras.callbacks.Callback):
@@ -269,12 +277,9 @@ def check_switch(s, out_dir):
             if batch == 3:
                 strategy.compressor = "topk:ratio=0.01"
 
-    x, y = data_lib.shard(s.x, s.y, s.rank, s.n)
-    train = data_lib.make_tf_dataset(x, y, BATCH, repeat=True)
-    net.fit(train, epochs=1, steps_per_epoch=8, verbose=0, callbacks=[Switch()])
+    s.fit(net, opt, 8, Switch())
     dense = sum(int(np.prod(v.shape)) * 4 for v in net.trainable_variables)
     save(out_dir, "switch", s.rank, {"payloads": payloads, "dense": dense})
-    del tf
 
 
 # switch_state: the compressor after each of these batches (plain SGD: DGC applies its
@@ -289,13 +294,9 @@ def check_switch_state(s, out_dir):
 
     import tf_keras as keras
 
-    from tfgc.apps import data as data_lib
     strategy = s.strategy
     strategy.compressor = "none"
     net, opt = s.model(seed=13, optimizer=keras.optimizers.SGD(0.05))
-    with strategy.scope():
-        net.compile(optimizer=opt,
-                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     payloads, fields, carried, warnings = [], [], [], []
 
     class Warnings(logging.Handler):
@@ -321,11 +322,8 @@ def check_switch_state(s, out_dir):
     handler = Warnings()
     logging.getLogger("absl").addHandler(handler)
     try:
-        x, y = data_lib.shard(s.x, s.y, s.rank, s.n)
-        train = data_lib.make_tf_dataset(x, y, BATCH, repeat=True)
         before = strategy.compression_stats()["steps"]
-        history = net.fit(train, epochs=1, steps_per_epoch=SWITCH_STATE_STEPS, verbose=0,
-                          callbacks=[Switch()])
+        history = s.fit(net, opt, SWITCH_STATE_STEPS, Switch())
     finally:
         logging.getLogger("absl").removeHandler(handler)
     dense = sum(int(np.prod(v.shape)) * 4 for v in net.trainable_variables)
