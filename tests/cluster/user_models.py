@@ -108,6 +108,9 @@ def main(argv=None):
                    help="the specs for the mixed precisions (default: --specs)")
     p.add_argument("--bf16_specs", nargs="+", default=None,
                    help="the specs for mixed_bfloat16 (default: --mixed_specs)")
+    p.add_argument("--resnet_mixed_specs", nargs="+", default=None,
+                   help="the CNN's specs under both mixed precisions (default: the "
+                        "Transformer's)")
     p.add_argument("--models", nargs="+", default=list(MODELS))
     p.add_argument("--precisions", nargs="+", default=["float32"],
                    help="Keras dtype policies: float32, mixed_float16 (with loss scaling), "
@@ -149,6 +152,8 @@ def main(argv=None):
             specs = args.specs if precision == "float32" else (args.mixed_specs or args.specs)
             if precision == "mixed_bfloat16" and args.bf16_specs:
                 specs = args.bf16_specs
+            if precision != "float32" and model_name == "resnet" and args.resnet_mixed_specs:
+                specs = args.resnet_mixed_specs
             for i, spec in enumerate(specs):
                 name = f"{model_name}.{precision}.{i}"
                 start = time.time()
