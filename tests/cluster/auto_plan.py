@@ -15,8 +15,9 @@
    each epoch's plan, interval norms and critical set (``regimes.w<rank>.json``).
 4. Trains under a measured plan, saves a checkpoint of the optimizer, starts afresh (a
    new model, the compressor set again) with that checkpoint restored before the first
-   step, and writes both plans, their figures and the count of measurements
-   (``restart.w<rank>.json``).
+   step; then again with the same record restored as if written on a link 50 times
+   slower. Writes both plans, the three runs' link figures and the counts of
+   measurements and of plans made afresh for another link (``restart.w<rank>.json``).
 5. Trains the MLP with low-rank candidates on a slow given link, ``AutoPlanCallback``
    every ``LOW_RANK_EVERY`` steps, and writes the plan after the first step and, after
    each interval, the plan, its low-rank error and budget and the measured errors
@@ -235,6 +236,7 @@ def restart(strategy, rank, num_workers, out_dir):
     brief_fit(strategy, rank, num_workers, out_dir, steps_per_epoch=3, epochs=1,
               name="saved", before_fit=nets.append)
     saved, saved_link = strategy.compression_plan(), list(auto.figures.link_us)
+    record = auto.snapshot()
     path = tf.train.Checkpoint(optimizer=nets[0].optimizer).save(
         os.path.join(out_dir, f"ckpt.w{rank}", "ckpt"))
     measured = auto.measurements
@@ -246,9 +248,19 @@ def restart(strategy, rank, num_workers, out_dir):
     brief_fit(strategy, rank, num_workers, out_dir, steps_per_epoch=3, epochs=1,
               name="restored", before_fit=restore)
     restored = strategy.compression_plan()
+    restored_link, relinked = list(auto.figures.link_us), auto.relinked
+
+    # The same record as if written on a network 50 times slower: restored (as the
+    # record's checkpoint dependency hands it over), its link measured again at the
+    # first plan, and planned afresh.
+    strategy.compressor = "auto"
+    auto.restored(dict(record, link_us=[50 * us for us in record["link_us"]]))
+    brief_fit(strategy, rank, num_workers, out_dir, steps_per_epoch=3, epochs=1,
+              name="elsewhere")
     with open(os.path.join(out_dir, f"restart.w{rank}.json"), "w") as f:
         json.dump({"saved": saved.key(), "restored": restored.key(),
-                   "link_us": [saved_link, list(auto.figures.link_us)],
+                   "link_us": [saved_link, restored_link, list(auto.figures.link_us)],
+                   "relinked": [relinked, auto.relinked],
                    "measurements": [measured, auto.measurements]}, f)
 
 

@@ -19,7 +19,12 @@ each plan) and the plan itself. Restored before the first step (Keras'
 ``BackupAndRestore``, a ``tf.train.Checkpoint`` restored into a new optimizer), it
 reaches the planner when the record is attached, just before the first plan, and that
 plan is the saved one, priced under the saved figures, instead of measuring again (or,
-where the restored regimes and budgets rule it out, a plan made from them). Its
+where the restored regimes and budgets rule it out, a plan made from them). The link
+alone is measured again first (``planner.measure_link``, a fraction of a second): a
+checkpoint restored on another network, where a float32 all-reduce of the planned
+gradients takes ``RESTORED_LINK_FACTOR`` times as long or as short, is planned afresh
+for that network, from the restored CPU timings, regimes and low-rank errors but none
+of the steps timed on the old one. Its
 embedding tables go as the saved plan sent them from the first trace on (dense or as
 rows, priced with the rows it counted: ``dense_tables``). The workers
 first agree that they all restored the same record (an all-gather of their checksums);
@@ -45,6 +50,13 @@ from tfgc.distribute.paths import base
 # The record's name among the owner's checkpoint dependencies.
 RECORD_NAME = "tfgc_auto_plan"
 _RECORD_FORMAT = 1
+# A restored plan is kept unless the link measured at the restore predicts a float32
+# all-reduce of its gradients this many times slower or faster than the saved figures
+# did. Link classes differ by 10x (100 Mbit/s, 1, 10 Gbit/s); the probe of one link
+# moved by up to 2.2x on a loaded 2-core host (the hop at 1.5 and 3.3 ms), which must
+# not undo a restored plan (AutoPlanCallback's ``link_margin`` re-plans later, on
+# its own interval).
+RESTORED_LINK_FACTOR = 3.0
 
 
 class PlanRecord(trackable.Trackable):
@@ -90,8 +102,10 @@ class AutoPlanner:
         # local int32 variable: distinct rows, rows with repeats; zeros: not counted),
         # and every worker's most as last gathered (``_count_rows``).
         self._counts, self._rows = {}, {}
-        # How many times the figures were measured (a restored plan measures nothing).
+        # How many times the figures were measured (a restored plan measures only the
+        # link), and how many restored plans the link measured then made afresh.
         self.measurements = 0
+        self.relinked = 0
         self.reset()
 
     def reset(self):
@@ -234,6 +248,9 @@ class AutoPlanner:
         labels = rows_label = None
         if self._figures is None or self._figures[0] != generation:
             figures, labels, rows_label = self._restored_figures(gradients)
+            moved = figures is not None and self._moved_link(gradients, figures)
+            if moved:
+                figures, labels, rows_label = moved, None, None
             if figures is None:
                 started = time.perf_counter()
                 figures = planner.measure(self._ops, auto.link_gbps, auto.latency_ms)
@@ -343,6 +360,28 @@ class AutoPlanner:
         logging.info("tfgc: compressor='auto': the plan's figures restored from the "
                      "checkpoint (%s)", figures.describe())
         return figures, record.get("labels"), tables[0][6] if tables else None
+
+    def _moved_link(self, gradients, figures):
+        """The restored ``figures`` with the link measured now (every worker at once),
+        where that predicts the float32 all-reduce of ``gradients``
+        ``RESTORED_LINK_FACTOR`` times slower or faster than they do; then the steps
+        timed on the old link are forgotten. Otherwise None. Every worker calls it at
+        the same point, after agreeing on the restored figures."""
+        new = planner.measure_link(self._ops, figures)
+        if new is figures:  # a given link, or one worker: nothing measured
+            return None
+        nbytes = sum((tf.TensorShape(g[1]).num_elements() or 0) * tf.as_dtype(g[2]).size
+                     for g in gradients)
+        n = figures.num_workers
+        before, after = (f.link().time("allreduce", n, nbytes) for f in (figures, new))
+        if max(before, after) < RESTORED_LINK_FACTOR * max(min(before, after), 1e-9):
+            return None
+        logging.info("tfgc: compressor='auto': the link differs from the checkpoint's "
+                     "(%s, was %s): planning for it afresh", new.describe_link(),
+                     figures.describe_link())
+        self.relinked += 1
+        self._steps = {}
+        return new
 
     def _all_restored(self, text) -> bool:
         """Whether every worker restored ``text`` (this worker's, None where it has

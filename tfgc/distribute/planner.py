@@ -622,14 +622,17 @@ class Figures:
     def decode(self, label: str) -> Line:
         return fit(CPU_SIZES, [us / 1e6 for us in self.decode_us[label]])
 
-    def describe(self) -> str:
+    def describe_link(self) -> str:
         link = self.link()
         rate = 8.0 / link.beta / 1e9 if link.beta > 0 else float("inf")
         source = "given" if self.link_gbps else "measured"
         return (f"link ({source}): {link.alpha * 1e3:.3f} ms per hop + bytes at {rate:.3g} "
-                f"Gbit/s per worker; " + ", ".join(
-                    f"{label} {self.encode(label).b * 1e9:.2f}+{self.decode(label).b * 1e9:.2f} "
-                    "ns/element" for label in self.encode_us))
+                "Gbit/s per worker")
+
+    def describe(self) -> str:
+        return f"{self.describe_link()}; " + ", ".join(
+            f"{label} {self.encode(label).b * 1e9:.2f}+{self.decode(label).b * 1e9:.2f} "
+            "ns/element" for label in self.encode_us)
 
 
 # -- the low-rank candidates' error -------------------------------------------------
