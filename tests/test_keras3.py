@@ -176,6 +176,27 @@ def test_the_auto_plan_callback_runs_under_keras3(keras3_run):
     assert results[0]["loss"][0] == results[0]["loss"][0]  # finite
 
 
+def test_mixed_precision_skips_a_step_that_overflows_on_one_worker_everywhere(keras3_run):
+    # Keras 3's LossScaleOptimizer checks each worker's own gradients before the
+    # all-reduce: without tfgc's agreement the worker that overflowed skipped the
+    # all-reduce the other entered, and the cluster hung (this run never finished).
+    script = _script()
+    runs = [_load(keras3_run, "mixed", rank) for rank in range(2)]
+    for r, _ in runs:
+        assert r["policy"] == "mixed_float16" and r["optimizer"] == "LossScaleOptimizer"
+        assert r["steps"] == script.MIXED_STEPS
+        # The overflow on worker 1 skipped the step on both (any other overflow would
+        # have hit both workers' gradients alike and is counted the same on both).
+        assert r["nonfinite_steps"] >= 1
+        assert (r["nonfinite_steps"], r["scale"]) == (runs[0][0]["nonfinite_steps"],
+                                                      runs[0][0]["scale"])
+    # Each skipped step halves the loss scale (Keras 3's initial scale: 2**15).
+    assert runs[0][0]["scale"] == 2.0 ** 15 / 2 ** runs[0][0]["nonfinite_steps"]
+    for a, b in zip(_weights(runs[0][1]), _weights(runs[1][1])):
+        np.testing.assert_array_equal(a, b)
+        assert np.all(np.isfinite(a))
+
+
 def test_every_compressor_trains_under_keras3(keras3_run):
     script = _script()
     runs = [_load_json(keras3_run, "sweep", r) for r in range(2)]

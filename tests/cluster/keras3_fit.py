@@ -12,6 +12,7 @@ compressor is switched between them:
 * ``qsgd``: the quantized all-gather path;
 * ``auto`` on a 10 Mbit/s link with ``AutoPlanCallback``: regimes, low rank measured
   after the first step, a change of plan priced;
+* ``qsgd`` under ``mixed_float16``, worker 1's gradients overflowing at one step;
 * every other compressor but variance-based for a few steps;
 * then, given ``--user-models ARGS...``, tests/cluster/user_models.py's runs with those
   arguments (``--keras 3`` added) into OUT_DIR/user_models, on a second strategy in the
@@ -37,6 +38,8 @@ SWEEP = ["adaptive", "bf16", "dgc:ratio=0.01,warmup_steps=2", "efsignsgd", "fft"
 SWEEP_STEPS = 6
 # auto with AutoPlanCallback: intervals of AUTO_EVERY steps.
 AUTO_STEPS, AUTO_EVERY = 12, 4
+# mixed_float16: steps, and the one at which worker 1's gradients overflow.
+MIXED_STEPS, OVERFLOW_STEP = 6, 2
 BATCH = 64  # per worker; the strategy splits it between the replicas of the cluster
 
 
@@ -162,6 +165,34 @@ def main(out_dir):
                         for epoch, critical, replanned in auto_callback.history],
           "change_s": auto_callback.change_s},
          weights(model))
+
+    # --- mixed_float16: one worker's gradients overflow at one step ------------------
+    # Keras 3's loss scaling decides from each worker's own gradients, before they are
+    # all-reduced: without the workers agreeing first, worker 1 would skip the step's
+    # all-reduce that worker 0 enters, and both would wait for ever.
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    strategy.compressor = "qsgd"
+    xs, ys = x[:MIXED_STEPS * BATCH].copy(), y[:MIXED_STEPS * BATCH]
+    if rank == 1:
+        xs[OVERFLOW_STEP * BATCH:(OVERFLOW_STEP + 1) * BATCH] *= 1e6  # inf in float16
+    # Step k puts rows [k BATCH, (k + 1) BATCH) of this worker's data through its model.
+    train_mixed = data_lib.make_tf_dataset(xs, ys, BATCH, shuffle=False, repeat=True,
+                                           workers=n)
+    with strategy.scope():
+        model = build(keras, seed=8)
+        model.compile(optimizer=keras.optimizers.SGD(0.02), loss=loss)
+    before = strategy.compression_stats()
+    history = model.fit(train_mixed, epochs=1, steps_per_epoch=MIXED_STEPS, verbose=0)
+    after = strategy.compression_stats()
+    save(out_dir, "mixed", rank,
+         {"loss": [float(v) for v in history.history["loss"]],
+          "policy": model.dtype_policy.name,
+          "optimizer": type(model.optimizer).__name__,
+          "scale": float(model.optimizer.dynamic_scale.numpy()),
+          "steps": after["steps"] - before["steps"],
+          "nonfinite_steps": after["nonfinite_steps"] - before["nonfinite_steps"]},
+         weights(model))
+    keras.mixed_precision.set_global_policy("float32")
 
     # --- every other compressor, briefly (plain SGD: DGC brings its own momentum) ---
     sweep = {}

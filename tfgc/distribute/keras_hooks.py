@@ -15,6 +15,13 @@ that gap (tf-keras's methods are named here; Keras 3's are
   switching compressor rebuilds its train function and the switch takes effect at
   the next step, also in the middle of ``fit``; it also turns XLA off for the model
   and stops a Keras 3 model whose compressor needs tf-keras layers.
+* Keras 3's ``LossScaleOptimizer.check_finite`` decides whether a step is applied from
+  this worker's own gradients, before its inner optimizer all-reduces them (tf-keras
+  decides from the reduced ones). A worker whose gradients overflowed would skip the
+  all-reduce that the others enter, and the cluster would hang; under tfgc's strategy
+  the workers agree first (a one-number all-reduce: the step is skipped everywhere when
+  any worker's gradients are not finite, as tf-keras skips it), and a skipped step is
+  counted in ``nonfinite_steps``.
 
 Under any other strategy the hooks call the original methods and do nothing else.
 """
@@ -57,6 +64,35 @@ def _wrap_aggregate(original):
     return aggregate
 
 
+def _wrap_check_finite(original):
+    @functools.wraps(original)
+    def check_finite(self, grads):
+        finite = original(self, grads)
+        strategy = _compressed_strategy()
+        if strategy is None:
+            return finite
+        import tensorflow as tf
+
+        replica_ctx = tf.distribute.get_replica_context()
+        if replica_ctx is None:
+            return finite
+        # Every replica's verdict summed: the step goes ahead only where none overflowed.
+        bad = replica_ctx.all_reduce(tf.distribute.ReduceOp.SUM,
+                                     tf.cast(tf.logical_not(finite), tf.float32))
+        everywhere = tf.equal(bad, 0.0)
+        stats = strategy.cross_device_ops.stats
+        if len(strategy.extended.worker_devices) > 1:
+            # Counted once per worker, not per local replica.
+            counted = replica_ctx.merge_call(lambda s, skipped: stats.record_skipped(
+                s.experimental_local_results(skipped)[0]), args=(tf.logical_not(everywhere),))
+        else:
+            counted = stats.record_skipped(tf.logical_not(everywhere))
+        with tf.control_dependencies([counted]):
+            return tf.identity(everywhere)
+    check_finite.__tfgc_hook__ = True
+    return check_finite
+
+
 def _wrap_make_train_function(original):
     @functools.wraps(original)
     def make_train_function(self, force=False):
@@ -79,8 +115,9 @@ def _keras3_targets():
 
     Its TensorFlow optimizer all-reduces the gradients in
     ``TFOptimizer._all_reduce_sum_gradients(grads_and_vars)``, with the
-    variables beside them, and its trainer builds train functions in
-    ``TensorFlowTrainer.make_train_function``.
+    variables beside them, its trainer builds train functions in
+    ``TensorFlowTrainer.make_train_function``, and its loss scaling decides on a
+    worker's own gradients in ``LossScaleOptimizer.check_finite``.
     """
     import importlib.util
 
@@ -92,10 +129,12 @@ def _keras3_targets():
     try:
         from keras.src.backend.tensorflow import optimizer as k3_optimizer
         from keras.src.backend.tensorflow import trainer as k3_trainer
+        from keras.src.optimizers import loss_scale_optimizer as k3_loss_scale
     except ImportError:  # another backend, or a layout we do not know
         return []
     return [(k3_optimizer.TFOptimizer, "_all_reduce_sum_gradients", _wrap_aggregate),
-            (k3_trainer.TensorFlowTrainer, "make_train_function", _wrap_make_train_function)]
+            (k3_trainer.TensorFlowTrainer, "make_train_function", _wrap_make_train_function),
+            (k3_loss_scale.LossScaleOptimizer, "check_finite", _wrap_check_finite)]
 
 
 def _is_keras3(model):

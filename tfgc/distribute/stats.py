@@ -193,6 +193,18 @@ class CompressionStats:
                 updates.append(v[f"total_{f}"].assign_add(value))
             return tf.group(*updates)
 
+    def record_skipped(self, skipped):
+        """Counts a step that every worker skipped before its gradients were reduced
+        (``skipped``, a boolean tensor; Keras 3's loss scaling decides before the
+        all-reduce, ``keras_hooks``) in ``steps`` and ``nonfinite_steps``, as a step that
+        tfgc's reduction skipped counts. Nothing was sent: the last reduction's figures
+        stay."""
+        v = self._variables()
+        with tf.device(self._device):
+            count = tf.cast(skipped, tf.int64)
+            return tf.group(v["steps"].assign_add(count),
+                            v["nonfinite_steps"].assign_add(count))
+
     def result(self):
         """A dict of Python numbers: the fields above plus ``ratio`` and ``wire_ratio``."""
         values = {f: int(var.numpy()) for f, var in self._variables().items()}
