@@ -142,7 +142,7 @@ def test_a_small_group_pays_more_hops_on_more_workers_and_joins_float32():
     many = planner.make_plan(layers, figures(num_workers=64, link_gbps=0.1,
                                              latency_ms=0.02), 0.0004)
     assert [e.label for e in many.entries] == ["rqsgd8", "fp32"]
-    assert many.entries[1].reason == "too few bytes for a collective of its own"
+    assert many.entries[1].reason == "its group saves less than its own collectives cost"
     # Without latency it keeps a group of its own there too.
     free = planner.make_plan(layers, figures(num_workers=64, link_gbps=0.1, latency_ms=1e-9),
                              0.0004)

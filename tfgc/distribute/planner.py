@@ -1372,7 +1372,7 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
         reason = ""
         if o["candidate"].spec is None:
             if before["candidate"].spec is not None:
-                reason = "too few bytes for a collective of its own"
+                reason = "its group saves less than its own collectives cost"
             elif quick["candidate"].spec is None:
                 reason = "float32 is the fastest on this link"
             else:
