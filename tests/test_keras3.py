@@ -271,6 +271,50 @@ def test_variance_based_stops_a_keras3_model_before_training(strategy, build):
         strategy.compressor = "none"
 
 
+def test_several_steps_per_execution_stop_a_keras3_fit_before_training(strategy):
+    # Keras 3 calls each step's tf.function inside a while loop, where TensorFlow's
+    # collectives fail at the first step ("You must feed a value for placeholder");
+    # the fit stops before it with what works instead, and the weights are untouched.
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        model.compile(optimizer="sgd", loss="mse", steps_per_execution=4)
+    before = [w.numpy() for w in model.weights]
+    with pytest.raises(ValueError, match="steps_per_execution=4.*steps_per_execution=1"):
+        model.fit(np.ones((32, 4), np.float32), np.ones((32, 2), np.float32), batch_size=4,
+                  verbose=0)
+    for a, w in zip(before, model.weights):
+        np.testing.assert_array_equal(a, w.numpy())
+
+
+@pytest.mark.parametrize("loss_scaled", [False, True])
+def test_gradient_accumulation_stops_a_keras3_fit_before_training(strategy, loss_scaled):
+    # Keras 3 applies accumulated gradients inside a tf.cond, where no strategy can
+    # all-reduce (the stock ones fail with a merge_call error naming tfgc's hook).
+    with strategy.scope():
+        optimizer = keras.optimizers.SGD(0.1, gradient_accumulation_steps=2)
+        if loss_scaled:
+            optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        model.compile(optimizer=optimizer, loss="mse")
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=2"):
+        model.fit(np.ones((32, 4), np.float32), np.ones((32, 2), np.float32), batch_size=4,
+                  verbose=0)
+
+
+def test_several_steps_per_execution_train_a_tf_keras_model(strategy):
+    # tf-keras runs the steps of an execution in one function: every step is reduced.
+    import tf_keras
+
+    stats = strategy.compression_stats()
+    with strategy.scope():
+        model = tf_keras.Sequential([tf_keras.Input((4,)), tf_keras.layers.Dense(2)])
+        model.compile(optimizer="sgd", loss="mse", steps_per_execution=4)
+    history = model.fit(np.ones((40, 4), np.float32), np.ones((40, 2), np.float32),
+                        batch_size=4, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+    assert strategy.compression_stats()["steps"] - stats["steps"] == 10
+
+
 def test_tf_keras_models_are_not_taken_for_keras3():
     import tf_keras
 

@@ -14,7 +14,9 @@ that gap (tf-keras's methods are named here; Keras 3's are
 * ``Model.make_train_function`` registers the model with the strategy, so that
   switching compressor rebuilds its train function and the switch takes effect at
   the next step, also in the middle of ``fit``; it also turns XLA off for the model
-  and stops a Keras 3 model whose compressor needs tf-keras layers.
+  and stops a Keras 3 model whose compressor needs tf-keras layers, or that runs
+  several steps per execution or accumulates gradients (which no strategy's collectives
+  can run under Keras 3's fit).
 * Keras 3's ``LossScaleOptimizer.check_finite`` decides whether a step is applied from
   this worker's own gradients, before its inner optimizer all-reduces them (tf-keras
   decides from the reduced ones). A worker whose gradients overflowed would skip the
@@ -103,6 +105,8 @@ def _wrap_make_train_function(original):
         register = getattr(strategy, "_register_model", None)
         if register is not None:
             _check_keras3_compressor(self, strategy)
+            _check_keras3_steps_per_execution(self)
+            _check_keras3_accumulation(self)
             register(self)
             _turn_off_xla(self)
         return original(self, force=force)
@@ -154,6 +158,44 @@ def _check_keras3_compressor(model, strategy):
             "Keras 3 model. Build it with tf-keras (import tf_keras as keras) to use "
             "variance-based compression, or choose another compressor: every other one "
             "works with Keras 3.")
+
+
+def _check_keras3_steps_per_execution(model):
+    """Keras 3's ``fit`` with ``steps_per_execution`` > 1 calls each step's
+    ``tf.function`` inside a ``tf.while_loop`` and ``tf.cond`` of another. TensorFlow's
+    collectives take their instance keys as values captured at call time, which do not
+    reach a function called from inside control flow: the first step fails with "You
+    must feed a value for placeholder tensor ... int32" (the stock
+    ``CollectiveAllReduce`` fails the same way under ``MirroredStrategy``;
+    keras-team/keras#19246). So it stops before the first step, saying what works."""
+    steps = getattr(model, "steps_per_execution", 1)
+    if _is_keras3(model) and isinstance(steps, int) and steps > 1:
+        raise ValueError(
+            f"steps_per_execution={steps}: Keras 3 runs those steps as a tf.function "
+            "inside a tf.while_loop, where TensorFlow's collectives cannot take their "
+            "instance keys (the stock CollectiveAllReduce fails there too; "
+            "keras-team/keras#19246). Compile with steps_per_execution=1 under "
+            "CompressedMultiWorkerMirroredStrategy, or build the model with tf-keras "
+            "(import tf_keras as keras), whose fit runs several steps in one function.")
+
+
+def _check_keras3_accumulation(model):
+    """Keras 3's ``gradient_accumulation_steps`` applies the gradients inside a
+    ``tf.cond``, and a distribution strategy's all-reduce cannot run there (a
+    ``merge_call`` inside control flow: the stock MultiWorkerMirroredStrategy and
+    MirroredStrategy fail alike). Its error would name only tfgc's hook, the last frame
+    Keras shows; this one says what works."""
+    optimizer = getattr(model, "optimizer", None)
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)  # under loss scaling
+    steps = getattr(optimizer, "gradient_accumulation_steps", None)
+    if _is_keras3(model) and steps:
+        raise ValueError(
+            f"gradient_accumulation_steps={steps}: Keras 3 applies accumulated gradients "
+            "inside a tf.cond, where no distribution strategy can all-reduce them (the "
+            "stock MultiWorkerMirroredStrategy fails the same way). Under "
+            "CompressedMultiWorkerMirroredStrategy, train with a larger batch per worker "
+            "or more workers instead, or accumulate in a custom loop and reduce with "
+            "tfgc.compress_gradients (docs/training.md).")
 
 
 def _turn_off_xla(model):
