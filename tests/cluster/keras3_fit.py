@@ -61,6 +61,17 @@ def save(out_dir, name, rank, results, arrays=None):
         json.dump(results, f)
 
 
+def plain_fit(strategy, keras, loss, seed, data, steps):
+    """A fresh MLP under plain SGD fitted for ``steps``: the model, its history and the
+    strategy's figures before and after."""
+    with strategy.scope():
+        model = build(keras, seed=seed)
+        model.compile(optimizer=keras.optimizers.SGD(0.02), loss=loss)
+    before = strategy.compression_stats()
+    history = model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0)
+    return model, history, before, strategy.compression_stats()
+
+
 def weights(model):
     return {f"w{i}": w.numpy() for i, w in enumerate(model.weights)}
 
@@ -178,12 +189,8 @@ def main(out_dir):
     # Step k puts rows [k BATCH, (k + 1) BATCH) of this worker's data through its model.
     train_mixed = data_lib.make_tf_dataset(xs, ys, BATCH, shuffle=False, repeat=True,
                                            workers=n)
-    with strategy.scope():
-        model = build(keras, seed=8)
-        model.compile(optimizer=keras.optimizers.SGD(0.02), loss=loss)
-    before = strategy.compression_stats()
-    history = model.fit(train_mixed, epochs=1, steps_per_epoch=MIXED_STEPS, verbose=0)
-    after = strategy.compression_stats()
+    model, history, before, after = plain_fit(strategy, keras, loss, 8, train_mixed,
+                                              MIXED_STEPS)
     save(out_dir, "mixed", rank,
          {"loss": [float(v) for v in history.history["loss"]],
           "policy": model.dtype_policy.name,
@@ -198,12 +205,8 @@ def main(out_dir):
     sweep = {}
     for spec in SWEEP:
         strategy.compressor = spec
-        with strategy.scope():
-            model = build(keras, seed=6)
-            model.compile(optimizer=keras.optimizers.SGD(0.02), loss=loss)
-        before = strategy.compression_stats()
-        history = model.fit(train, epochs=1, steps_per_epoch=SWEEP_STEPS, verbose=0)
-        after = strategy.compression_stats()
+        model, history, before, after = plain_fit(strategy, keras, loss, 6, train,
+                                                  SWEEP_STEPS)
         sweep[spec] = {"loss": float(history.history["loss"][0]),
                        "reductions": after["steps"] - before["steps"],
                        "payload_bytes": after["payload_bytes"],
