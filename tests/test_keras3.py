@@ -19,6 +19,7 @@ The single-process tests check the strategy's ``reduce`` for what Keras 3 asks o
 import importlib.util
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -146,6 +147,14 @@ def test_stats_callback_jit_and_checkpoint(keras3_run):
     assert len(results["norms"]) == 3 and all(v > 0 for v in results["norms"].values())
     assert all(v == 0 for v in results["zeroed"].values())
     assert results["restored"] == results["norms"]
+    # The callback finds each Keras 3 kernel's residual (a Keras 3 variable wraps the
+    # TensorFlow variable that the state is kept for), named by the layer's path.
+    residuals = {tag: v for tag, v in results["scalars"].items()
+                 if tag.startswith("residual_norm/")}
+    assert len(residuals) == 3, residuals
+    assert all(re.fullmatch(r"residual_norm/sequential(_\d+)?/dense(_\d+)?/kernel", tag)
+               for tag in residuals), residuals
+    assert sorted(residuals.values()) == pytest.approx(sorted(results["norms"].values()))
 
 
 def test_the_auto_plan_callback_runs_under_keras3(keras3_run):

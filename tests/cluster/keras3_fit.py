@@ -126,6 +126,7 @@ def main(out_dir):
     evaluated = model.evaluate(test, verbose=0, return_dict=True)
     state = strategy.compression_state(model.optimizer)
     norms = state.residual_norms()
+    scalars = callback.scalars()
     checkpoint = tf.train.Checkpoint(optimizer=model.optimizer)
     path = checkpoint.write(os.path.join(out_dir, f"ckpt.w{rank}", "state"))
     state.reset()
@@ -137,7 +138,7 @@ def main(out_dir):
           "stats": after, "reductions": after["steps"] - before["steps"],
           "evaluate": {k: float(v) for k, v in evaluated.items()},
           "jit_compile": bool(model.jit_compile), "norms": norms, "zeroed": zeroed,
-          "restored": restored, "state_slots": state.num_slots()},
+          "restored": restored, "state_slots": state.num_slots(), "scalars": scalars},
          weights(model))
 
     # --- qsgd: the quantized all-gather ------------------------------------------

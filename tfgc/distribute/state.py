@@ -492,7 +492,12 @@ DENSE_MOMENTUM = _DenseMomentum()
 
 
 def var_key(var) -> str:
-    """A variable's identity, the same for a distributed variable and its components."""
+    """A variable's identity, the same for a distributed variable and its components,
+    and for a Keras 3 variable and the TensorFlow variable it holds (its ``value``,
+    which Keras 3's optimizer hands to the strategy)."""
+    held = getattr(var, "value", None)
+    if not isinstance(var, tf.Variable) and isinstance(held, tf.Variable):
+        var = held
     container = getattr(var, "_distributed_container", None)
     if container is not None:
         var = container()

@@ -195,7 +195,9 @@ class CompressionStatsCallback(keras.callbacks.Callback):
     def _variable_names(self, variables) -> List[str]:
         names, seen = [], {}
         for var in variables:
-            name = var.name[:-2] if var.name.endswith(":0") else var.name
+            # A Keras 3 variable's name is its own ("kernel"), its path the layer's too.
+            name = getattr(var, "path", None) or var.name
+            name = name[:-2] if name.endswith(":0") else name
             count = seen.get(name, 0)
             seen[name] = count + 1
             names.append(name if not count else f"{name}_{count}")
