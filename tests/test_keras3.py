@@ -324,6 +324,38 @@ def test_several_steps_per_execution_train_a_tf_keras_model(strategy):
     assert strategy.compression_stats()["steps"] - stats["steps"] == 10
 
 
+def test_keras3_saves_say_once_that_they_leave_the_residuals_out(strategy, tmp_path,
+                                                                 monkeypatch):
+    from tfgc.distribute import keras_hooks
+
+    warnings = []
+    monkeypatch.setattr(keras_hooks, "_warned_keras3_save", False)
+    monkeypatch.setattr(keras_hooks.logging, "warning",
+                        lambda msg, *args: warnings.append(msg % args))
+
+    def trained(spec):
+        strategy.compressor = spec
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32)])
+            model.compile(optimizer="sgd", loss="mse")
+        model.fit(np.ones((16, 64), np.float32), np.ones((16, 32), np.float32), batch_size=8,
+                  verbose=0)
+        return model
+
+    try:
+        # QSGD keeps no residual: nothing is left out, nothing said.
+        trained("qsgd").save_weights(str(tmp_path / "q.weights.h5"))
+        assert warnings == []
+        model = trained("ef+topk:ratio=0.1")
+        model.save_weights(str(tmp_path / "e.weights.h5"))
+        model.save(str(tmp_path / "e.keras"))
+    finally:
+        strategy.compressor = "none"
+    assert len(warnings) == 1, warnings
+    assert "save_weights" in warnings[0] and "tensors on this worker: 1" in warnings[0]
+    assert "tf.train.Checkpoint" in warnings[0]
+
+
 def test_tf_keras_models_are_not_taken_for_keras3():
     import tf_keras
 

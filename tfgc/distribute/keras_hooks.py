@@ -24,6 +24,9 @@ that gap (tf-keras's methods are named here; Keras 3's are
   the workers agree first (a one-number all-reduce: the step is skipped everywhere when
   any worker's gradients are not finite, as tf-keras skips it), and a skipped step is
   counted in ``nonfinite_steps``.
+* Keras 3's ``Model.save`` and ``save_weights`` write its own formats, which leave out
+  the state tfgc keeps on the optimizer: the first save of a model whose optimizer
+  holds residuals says so, once per process, with what carries them.
 
 Under any other strategy the hooks call the original methods and do nothing else.
 """
@@ -31,10 +34,13 @@ Under any other strategy the hooks call the original methods and do nothing else
 import functools
 import threading
 
+from absl import logging
+
 from tfgc.distribute import gradients
 
 _lock = threading.Lock()
 _installed = False
+_warned_keras3_save = False
 
 
 def _compressed_strategy():
@@ -114,6 +120,43 @@ def _wrap_make_train_function(original):
     return make_train_function
 
 
+def _wrap_keras3_save(original):
+    @functools.wraps(original)
+    def save(self, *args, **kwargs):
+        _warn_state_not_saved(self, original.__name__)
+        return original(self, *args, **kwargs)
+    save.__tfgc_hook__ = True
+    return save
+
+
+def _warn_state_not_saved(model, method):
+    """Says once per process that Keras 3's own files leave out tfgc's state.
+
+    Keras 3's ``save`` and ``save_weights`` (and so its ``BackupAndRestore`` and
+    ``ModelCheckpoint``) write the layers' variables and the optimizer's own list, not
+    the checkpoint dependencies tfgc adds to the optimizer; a run restored from them
+    starts every residual afresh, which it would otherwise do silently."""
+    global _warned_keras3_save
+    if _warned_keras3_save:
+        return
+    from tfgc.distribute import state as state_lib
+
+    optimizer = getattr(model, "optimizer", None)
+    for owner in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        state = state_lib.get_state(owner) if owner is not None else None
+        fields = state.residual_norms() if state is not None else {}
+        if fields:
+            _warned_keras3_save = True
+            logging.warning(
+                "tfgc: Keras 3's model.%s writes the model and its optimizer's own "
+                "variables, not tfgc's per-worker compression state (residuals, momentum; "
+                "tensors on this worker: %d); a run restored from the file (also through "
+                "keras.callbacks.BackupAndRestore or ModelCheckpoint) starts that state "
+                "afresh. tf.train.Checkpoint(model=model, optimizer=model.optimizer) "
+                "carries it (docs/training.md).", method, len(fields))
+            return
+
+
 def _keras3_targets():
     """Keras 3's counterparts, when Keras 3 is installed (TensorFlow backend).
 
@@ -121,7 +164,8 @@ def _keras3_targets():
     ``TFOptimizer._all_reduce_sum_gradients(grads_and_vars)``, with the
     variables beside them, its trainer builds train functions in
     ``TensorFlowTrainer.make_train_function``, and its loss scaling decides on a
-    worker's own gradients in ``LossScaleOptimizer.check_finite``.
+    worker's own gradients in ``LossScaleOptimizer.check_finite``; its models save in
+    ``Model.save`` and ``Model.save_weights``, whose files leave tfgc's state out.
     """
     import importlib.util
 
@@ -133,12 +177,15 @@ def _keras3_targets():
     try:
         from keras.src.backend.tensorflow import optimizer as k3_optimizer
         from keras.src.backend.tensorflow import trainer as k3_trainer
+        from keras.src.models import model as k3_model
         from keras.src.optimizers import loss_scale_optimizer as k3_loss_scale
     except ImportError:  # another backend, or a layout we do not know
         return []
     return [(k3_optimizer.TFOptimizer, "_all_reduce_sum_gradients", _wrap_aggregate),
             (k3_trainer.TensorFlowTrainer, "make_train_function", _wrap_make_train_function),
-            (k3_loss_scale.LossScaleOptimizer, "check_finite", _wrap_check_finite)]
+            (k3_loss_scale.LossScaleOptimizer, "check_finite", _wrap_check_finite),
+            (k3_model.Model, "save", _wrap_keras3_save),
+            (k3_model.Model, "save_weights", _wrap_keras3_save)]
 
 
 def _is_keras3(model):
@@ -206,7 +253,6 @@ def _turn_off_xla(model):
     once per model, at its first train function.
     """
     if getattr(model, "jit_compile", False) is True:
-        from absl import logging
         logging.warning("tfgc: %s trains without XLA (jit_compile=False) under "
                         "CompressedMultiWorkerMirroredStrategy: the compressed gradient "
                         "reduction cannot be XLA-compiled.", getattr(model, "name", "the model"))

@@ -7,8 +7,9 @@ worker (each residual holds what that worker has not sent yet). So:
 * ``CompressionState`` holds the state of one *owner*, the optimizer that trains
   the variables (or the object a custom loop names). It is attached to the owner as
   the checkpoint dependency ``tfgc_compression_state``, so ``tf.train.Checkpoint``,
-  ``model.save_weights``, ``ModelCheckpoint`` and ``BackupAndRestore`` carry it with
-  the optimizer's own slots. It lives and dies with its owner: two models, two
+  and tf-keras's ``model.save_weights``, ``ModelCheckpoint`` and ``BackupAndRestore``
+  carry it with the optimizer's own slots (Keras 3's own files do not:
+  ``keras_hooks``). It lives and dies with its owner: two models, two
   optimizers, two states; nothing is keyed by shapes.
 * Within an owner, state is keyed by variable (``var_key``: the distributed
   variable's id, whichever component the optimizer hands over) and local replica. A step counter per replica counts the compressed reductions that were
