@@ -1822,3 +1822,22 @@ def test_a_gradient_its_largest_entries_hold_goes_top_k_and_sums_as_top_k_does(c
             np.testing.assert_array_equal(run[f"after{step}"].reshape(-1), x - sent)
         for run in runs:
             np.testing.assert_array_equal(run[f"out{step}"], total)
+
+
+def test_models_trained_in_turn_each_get_a_plan_of_their_own_gradients(cluster):
+    # Under AutoPlanCallback the interval sums were kept by place in the plan's layout:
+    # the second model's first step added its [24, 64] kernel into the first model's
+    # [48, 64] sum and failed to trace. Now its regimes start again with its own.
+    runs = _per_worker(cluster, "alternating")
+    assert runs[0] == runs[1]  # the same plans and losses on both workers
+    plans, losses = runs[0]["plans"], runs[0]["losses"]
+    assert all(math.isfinite(v) for v in losses), losses
+    for width, plan in zip(worker.ALTERNATE_WIDTHS, plans):
+        # Each fit's plan is of that model's gradients (the [64, 1] kernel and the
+        # biases are below the policy's 1024 elements), compressed on a 1 Mbit/s link.
+        assert [shape for _, shape, _ in plan] == [[width, 64]], (width, plan)
+        assert plan[0][2] != "fp32", plan
+    w0, w1 = (np.load(cluster / f"alternating.w{r}.npz") for r in range(2))
+    for key in w0.files:
+        np.testing.assert_array_equal(w0[key], w1[key])
+        assert np.all(np.isfinite(w0[key]))

@@ -48,6 +48,10 @@
    intervals of one step each (the first ends critical), then, under the plan that
    makes, ``SPARSE_STEPS`` more: writes the plans and, per step, the gradient, the
    error-feedback residual before and after, and the result (``sparse.w<rank>.npz``).
+11. Trains two models of different input widths in turn under ``AutoPlanCallback`` on
+   a slow given link (``ALTERNATE_WIDTHS``, a fit each, the first model again last):
+   the plan's gradients after each fit, the losses and both models' weights
+   (``alternating.w<rank>.json``, ``alternating.w<rank>.npz``).
 """
 
 import dataclasses
@@ -134,6 +138,7 @@ def main():
     tables(strategy, rank, out_dir)
     skipped_rows(strategy, rank, out_dir)
     planned_top_k(strategy, rank, out_dir)
+    alternating(strategy, rank, n, out_dir)
 
 
 MOVED_TO = ["auto:link_gbps=0.001,error=0.00015,low_rank=0", "auto:link_gbps=1000,low_rank=0"]
@@ -543,5 +548,47 @@ def planned_top_k(strategy, rank, out_dir):
     np.savez(os.path.join(out_dir, f"sparse.w{rank}.npz"), **arrays)
 
 
+# Two models trained in turn (a GAN's two halves, say): their input widths, and the steps
+# of each fit, AutoPlanCallback's interval.
+ALTERNATE_WIDTHS = (48, 24, 48)
+ALTERNATE_STEPS, ALTERNATE_EVERY = 4, 2
+
+
+def alternating(strategy, rank, num_workers, out_dir):
+    """Step 11 of the module docstring."""
+    import tf_keras as keras
+
+    import tfgc
+    from tfgc.apps import data as data_lib
+
+    strategy.compressor = "auto:link_gbps=0.001"
+    rng = np.random.RandomState(rank)
+    nets = {}
+    with strategy.scope():
+        for width in sorted(set(ALTERNATE_WIDTHS)):
+            keras.utils.set_random_seed(width)
+            nets[width] = keras.Sequential([keras.Input((width,)),
+                                            keras.layers.Dense(64, activation="relu"),
+                                            keras.layers.Dense(1)])
+            nets[width].compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    plans, losses = [], []
+    for width in ALTERNATE_WIDTHS:
+        x = rng.randn(ALTERNATE_STEPS * 8, width).astype(np.float32)
+        y = rng.randn(ALTERNATE_STEPS * 8, 1).astype(np.float32)
+        history = nets[width].fit(
+            data_lib.make_tf_dataset(x, y, 8, shuffle=False, workers=num_workers),
+            epochs=1, steps_per_epoch=ALTERNATE_STEPS, verbose=0,
+            callbacks=[tfgc.keras.AutoPlanCallback(strategy, every_steps=ALTERNATE_EVERY)])
+        losses.append(float(history.history["loss"][0]))
+        plans.append([[e.name, list(e.shape), e.label]
+                      for e in strategy.compression_plan().entries])
+    np.savez(os.path.join(out_dir, f"alternating.w{rank}.npz"),
+             **{f"{width}_{i}": w.numpy() for width, net in nets.items()
+                for i, w in enumerate(net.weights)})
+    with open(os.path.join(out_dir, f"alternating.w{rank}.json"), "w") as f:
+        json.dump({"plans": plans, "losses": losses}, f)
+
+
 if __name__ == "__main__":
     main()
+

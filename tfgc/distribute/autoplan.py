@@ -133,6 +133,22 @@ class AutoPlanner:
         self._steps = {}
         self._forget_rows()  # rows counted under another model are no count of this one's
 
+    def _new_layout(self):
+        """Other gradients are planned (another model trained under the strategy, or
+        layers frozen or thawed): what was tracked by place in the old layout (interval
+        sums, norms, the kept matrices) and the steps timed under its plans belong to
+        it, so the regimes start again, every gradient critical, and the pace with them.
+        The low-rank errors, by gradient name, stay. Models trained in turn thus start
+        their regimes again at each change."""
+        if self._sums is not None:
+            logging.info("tfgc: compressor='auto': other gradients are planned (another "
+                         "model, or other trainable variables); the critical regimes "
+                         "start again")
+            self._sums, self._critical, self._norms = {}, "all", {}
+        self._last, self._last_vars = {}, {}
+        self._matrices, self._row_matrices = [], []
+        self._steps = {}
+
     def _forget_rows(self):
         self._rows = {}
         with tf.init_scope():
@@ -241,6 +257,8 @@ class AutoPlanner:
         if self._is_current(gradients, dense):
             return
         self._attach(owner)  # a deferred checkpoint restore reaches ``restored`` here
+        if self._plan is not None and self._plan[1] != gradients:
+            self._new_layout()
         if self._plan is None or _tables_of(self._plan[1]) != _tables_of(gradients):
             self._forget_rows()  # other tables: what was counted is not theirs
         self._count_rows(gradients)
