@@ -144,10 +144,14 @@ class AutoPlanner:
             logging.info("tfgc: compressor='auto': other gradients are planned (another "
                          "model, or other trainable variables); the critical regimes "
                          "start again")
-            self._sums, self._critical, self._norms = {}, "all", {}
+            self._start_regimes()
         self._last, self._last_vars = {}, {}
         self._matrices, self._row_matrices = [], []
         self._steps = {}
+
+    def _start_regimes(self):
+        """No interval summed yet: every gradient critical until two intervals compare."""
+        self._sums, self._critical, self._norms = {}, "all", {}
 
     def _forget_rows(self):
         self._rows = {}
@@ -390,9 +394,8 @@ class AutoPlanner:
             return None
         nbytes = sum((tf.TensorShape(g[1]).num_elements() or 0) * tf.as_dtype(g[2]).size
                      for g in gradients)
-        n = figures.num_workers
-        before, after = (f.link().time("allreduce", n, nbytes) for f in (figures, new))
-        if max(before, after) < RESTORED_LINK_FACTOR * max(min(before, after), 1e-9):
+        ratio = max(planner.link_ratio(figures, new, nbytes, figures.num_workers), 1e-12)
+        if max(ratio, 1.0 / ratio) < RESTORED_LINK_FACTOR:
             return None
         logging.info("tfgc: compressor='auto': the link differs from the checkpoint's "
                      "(%s, was %s): planning for it afresh", new.describe_link(),
@@ -694,7 +697,7 @@ class AutoPlanner:
         """See ``CompressedAllReduce.track_regimes``."""
         if self._sums is not None:
             return
-        self._sums, self._critical, self._norms = {}, "all", {}
+        self._start_regimes()
         if self.plan is not None:
             gradients, figures = self._plan[1], self._figures[1]
             self._count_rows(gradients)

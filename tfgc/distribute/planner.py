@@ -489,13 +489,18 @@ def _slowest(cross_device_ops, words):
     return [int(w) for w in np.max(cross_device_ops.gather_words(words), axis=0)]
 
 
+def link_ratio(old: "Figures", new: "Figures", nbytes: int, num_workers: int) -> float:
+    """The float32 all-reduce of ``nbytes`` on ``num_workers`` as ``new``'s link predicts
+    it, over the same as ``old``'s does."""
+    before, after = (f.link().time("allreduce", num_workers, nbytes) for f in (old, new))
+    return after / max(before, 1e-12)
+
+
 def link_changed(old: "Figures", new: "Figures", plan: "Plan", margin: float) -> bool:
     """Whether the float32 all-reduce of the planned gradients, as each link predicts
     it, moved by more than ``margin`` (relative) between ``old`` and ``new``."""
     nbytes = sum(e.dense_bytes for e in plan.entries)
-    n = plan.num_workers
-    before, after = (f.link().time("allreduce", n, nbytes) for f in (old, new))
-    return abs(after - before) > margin * before
+    return abs(link_ratio(old, new, nbytes, plan.num_workers) - 1.0) > margin
 
 
 def critical_layers(previous: Dict[str, float], current: Dict[str, float],
