@@ -25,7 +25,7 @@ import tensorflow as tf
 import tfgc
 from cluster_scripts import assert_fit_identical_and_learning, cluster_script, run_cluster
 from tfgc.compressors import get as get_compressor
-from tfgc.distribute import planner
+from tfgc.distribute import autoplan, planner
 
 SCRIPT, worker = cluster_script("auto_plan")
 
@@ -720,15 +720,16 @@ def test_the_planner_keeps_its_plan_unless_a_change_pays_at_every_slope():
     outcomes = {}
     for se in (0.010, 0.0003):
         # pylint: disable=protected-access
-        auto._critical, auto._low_rank = frozenset(), dict(MEASURED)
+        lay = auto._layout(gradients)
+        lay.critical, auto._low_rank = frozenset(), dict(MEASURED)
         auto._figures = (ops.generation, fig)
-        auto._plan = (ops.generation, gradients, current)
-        auto._steps = steps(se)
-        fresh = auto._planned(gradients, fig)
+        lay.plan = (ops.generation, current)
+        lay.steps = steps(se)
+        fresh = auto._planned(lay, fig)
         assert fresh.pace.measured_slope and fresh.pace.scale == pytest.approx(slope)
         assert fresh.key() != current.key()  # the planner alone would change
         generation = ops.generation
-        changed = auto._plan_again(gradients, current, 0.0)
+        changed = auto._take({lay: auto._plan_again(lay, current, 0.0)}, fig)
         outcomes[se] = changed
         assert (ops.generation == generation + 1) == changed
         assert auto.plan.key() == (fresh.key() if changed else current.key())
@@ -829,9 +830,6 @@ def test_embedding_rows_travel_as_the_plans_quantizer_or_the_fewest_bytes_in_bud
     # an element within its error budget, ties to the least error.
     import dataclasses
 
-    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
-    ops = strategy.cross_device_ops
-    auto = ops._auto  # pylint: disable=protected-access
     base = planner.make_plan(GRADIENTS, figures(), 0.05)
 
     def rows(labels, budget=0.05):
@@ -839,8 +837,7 @@ def test_embedding_rows_travel_as_the_plans_quantizer_or_the_fewest_bytes_in_bud
             base, error_budget=budget,
             entries=tuple(dataclasses.replace(e, label=label)
                           for e, label in zip(base.entries, labels)))
-        auto._plan = (ops.generation, tuple(GRADIENTS), plan)  # pylint: disable=protected-access
-        return auto.row_compressor()
+        return autoplan.AutoPlanner.row_compressor(plan)
 
     def compressor(label):
         return planner.BY_LABEL[label].compressor
@@ -1838,6 +1835,38 @@ def test_models_trained_in_turn_each_get_a_plan_of_their_own_gradients(cluster):
         assert [shape for _, shape, _ in plan] == [[width, 64]], (width, plan)
         assert plan[0][2] != "fp32", plan
     w0, w1 = (np.load(cluster / f"alternating.w{r}.npz") for r in range(2))
+    for key in w0.files:
+        np.testing.assert_array_equal(w0[key], w1[key])
+        assert np.all(np.isfinite(w0[key]))
+
+
+def test_a_gan_plans_each_models_gradients_apart_and_adapts_both(cluster):
+    # A train_step that applies two optimizers reduces two sets of gradients a step.
+    # The planner held one plan: the second set's trace replaced the first's, whose
+    # regimes then never moved, and compression_plan() showed one model. Now each set
+    # has its plan and regimes, and a change of either retraces once.
+    runs = _per_worker(cluster, "gan")
+    assert runs[0] == runs[1]  # the same plans, generations and losses on both workers
+    intervals = runs[0]["intervals"]
+    assert len(intervals) == worker.GAN_STEPS // worker.GAN_EVERY
+    sample, noise = worker.GAN_SAMPLE, worker.GAN_NOISE
+    # The discriminator's gradients are reduced first, the generator's second.
+    shapes = [[[sample, 64]], [[noise, 64], [64, sample]]]
+    for interval in intervals:
+        assert [[e[1] for e in plan] for plan in interval["plans"]] == shapes, interval
+    # ACCORDION's first interval has no norm to compare with: every gradient critical.
+    assert all(e[3] for plan in intervals[0]["plans"] for e in plan), intervals[0]
+    # Each model's regimes move on from it: under the single plan the discriminator's
+    # stayed critical for good.
+    for k in range(len(shapes)):
+        assert any(not e[3] for interval in intervals[1:] for e in interval["plans"][k]), k
+    # Both models' changes at an interval's end take one new generation (one retrace).
+    generations = [interval["generation"] for interval in intervals]
+    assert all(0 <= b - a <= 1 for a, b in zip(generations, generations[1:])), generations
+    # compression_plan() is the plan of the gradients reduced last: the generator's.
+    assert runs[0]["shown"] == [e[:3] for e in intervals[-1]["plans"][1]]
+    assert all(math.isfinite(v) for vs in runs[0]["losses"].values() for v in vs)
+    w0, w1 = (np.load(cluster / f"gan.w{r}.npz") for r in range(2))
     for key in w0.files:
         np.testing.assert_array_equal(w0[key], w1[key])
         assert np.all(np.isfinite(w0[key]))

@@ -52,6 +52,10 @@
    a slow given link (``ALTERNATE_WIDTHS``, a fit each, the first model again last):
    the plan's gradients after each fit, the losses and both models' weights
    (``alternating.w<rank>.json``, ``alternating.w<rank>.npz``).
+12. Trains a GAN whose ``train_step`` applies two optimizers (a generator's and a
+   discriminator's gradients, two reductions a step) under ``AutoPlanCallback`` on a
+   slow given link: each interval's plans (``compression_plans``) and generation, the
+   losses and the weights (``gan.w<rank>.json``, ``gan.w<rank>.npz``).
 """
 
 import dataclasses
@@ -139,6 +143,7 @@ def main():
     skipped_rows(strategy, rank, out_dir)
     planned_top_k(strategy, rank, out_dir)
     alternating(strategy, rank, n, out_dir)
+    gan(strategy, rank, n, out_dir)
 
 
 MOVED_TO = ["auto:link_gbps=0.001,error=0.00015,low_rank=0", "auto:link_gbps=1000,low_rank=0"]
@@ -226,7 +231,8 @@ def low_rank(strategy, rank, num_workers, out_dir):
     with open(os.path.join(out_dir, f"low_rank.w{rank}.json"), "w") as f:
         json.dump({"first": first[0][0], "first_at": first[0][1], "intervals": intervals,
                    "losses": losses,
-                   "steps": {key: list(v) for key, v in auto._steps.items()}}, f)  # pylint: disable=protected-access
+                   "steps": {key: list(v) for key, v in auto._shown().steps.items()}},  # pylint: disable=protected-access
+                  f)
 
 
 def restart(strategy, rank, num_workers, out_dir):
@@ -489,7 +495,8 @@ def skipped_rows(strategy, rank, out_dir):
         out = reduce()[0]
         arrays[f"kernel{step}"] = strategy.experimental_local_results(out)[0].numpy()
         if rank == 0:
-            sums = cdo._auto._sums  # pylint: disable=protected-access
+            (layout,) = cdo._auto._layouts.values()  # pylint: disable=protected-access
+            sums = layout.sums
             arrays[f"sums{step}"] = np.array(
                 [v.numpy() for _, v in sorted(sums.items()) if v.shape == SHAPES[0]])
     arrays["nonfinite_steps"] = np.array(strategy.compression_stats()["nonfinite_steps"]
@@ -589,6 +596,90 @@ def alternating(strategy, rank, num_workers, out_dir):
         json.dump({"plans": plans, "losses": losses}, f)
 
 
+# The GAN's noise and sample widths (its kernels: [16, 64] and [64, 32] in the
+# generator, [32, 64] in the discriminator; its [64, 1] head is below the policy's
+# 1024 elements), its steps and AutoPlanCallback's interval.
+GAN_NOISE, GAN_SAMPLE = 16, 32
+GAN_STEPS, GAN_EVERY = 10, 2
+
+
+def gan(strategy, rank, num_workers, out_dir):
+    """Step 12 of the module docstring."""
+    import tensorflow as tf
+    import tf_keras as keras
+
+    import tfgc
+    from tfgc.apps import data as data_lib
+
+    class Gan(keras.Model):
+        """A generator and a discriminator, each with its own optimizer."""
+
+        def __init__(self):
+            super().__init__()
+            self.generator = keras.Sequential([
+                keras.Input((GAN_NOISE,)), keras.layers.Dense(64, activation="relu"),
+                keras.layers.Dense(GAN_SAMPLE)])
+            self.discriminator = keras.Sequential([
+                keras.Input((GAN_SAMPLE,)), keras.layers.Dense(64, activation="relu"),
+                keras.layers.Dense(1)])
+            self.g_opt = keras.optimizers.SGD(0.01)
+            self.d_opt = keras.optimizers.SGD(0.01)
+            self.bce = keras.losses.BinaryCrossentropy(
+                from_logits=True, reduction=keras.losses.Reduction.NONE)
+
+        def mean_bce(self, labels, logits):
+            return tf.nn.compute_average_loss(self.bce(labels, logits),
+                                              global_batch_size=8 * num_workers)
+
+        def train_step(self, data):
+            real, noise = data
+            with tf.GradientTape() as tape:
+                fake = self.generator(noise)
+                d_loss = (self.mean_bce(tf.ones_like(real[:, :1]), self.discriminator(real))
+                          + self.mean_bce(tf.zeros_like(real[:, :1]), self.discriminator(fake)))
+            d_vars = self.discriminator.trainable_variables
+            self.d_opt.apply_gradients(zip(tape.gradient(d_loss, d_vars), d_vars))
+            with tf.GradientTape() as tape:
+                logits = self.discriminator(self.generator(noise))
+                g_loss = self.mean_bce(tf.ones_like(logits), logits)
+            g_vars = self.generator.trainable_variables
+            self.g_opt.apply_gradients(zip(tape.gradient(g_loss, g_vars), g_vars))
+            return {"d_loss": d_loss, "g_loss": g_loss}
+
+    strategy.compressor = "auto:link_gbps=0.001"
+    cdo = strategy.cross_device_ops
+    rng = np.random.RandomState(rank)
+    with strategy.scope():
+        keras.utils.set_random_seed(3)
+        model = Gan()
+        model.compile()
+    real = (rng.randn(GAN_STEPS * 8, GAN_SAMPLE) * 0.5 + 1.0).astype(np.float32)
+    noise = rng.randn(GAN_STEPS * 8, GAN_NOISE).astype(np.float32)
+    intervals = []
+
+    class Plans(keras.callbacks.Callback):
+        """After AutoPlanCallback's interval ends: the plans and the generation."""
+
+        def on_train_batch_end(self, batch, logs=None):
+            if (batch + 1) % GAN_EVERY == 0:
+                intervals.append({
+                    "generation": cdo.generation,
+                    "plans": [[[e.name, list(e.shape), e.label, e.critical]
+                               for e in plan.entries]
+                              for plan in strategy.compression_plans()]})
+
+    history = model.fit(
+        data_lib.make_tf_dataset(real, noise, 8, shuffle=False, workers=num_workers),
+        epochs=1, steps_per_epoch=GAN_STEPS, verbose=0,
+        callbacks=[tfgc.keras.AutoPlanCallback(strategy, every_steps=GAN_EVERY), Plans()])
+    np.savez(os.path.join(out_dir, f"gan.w{rank}.npz"),
+             **{f"w{i}": w.numpy() for i, w in enumerate(model.weights)})
+    with open(os.path.join(out_dir, f"gan.w{rank}.json"), "w") as f:
+        json.dump({"intervals": intervals,
+                   "losses": {k: [float(v) for v in vs] for k, vs in history.history.items()},
+                   "shown": [[e.name, list(e.shape), e.label]
+                             for e in strategy.compression_plan().entries]}, f)
+
+
 if __name__ == "__main__":
     main()
-

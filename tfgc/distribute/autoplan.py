@@ -2,21 +2,24 @@
 and adapted (``AutoPlanner``); what a plan is and how it is chosen is ``planner``.
 
 The cross-device ops hold one ``AutoPlanner`` and ask it for the plan of each traced
-gradient reduction (``plan_for``). A plan belongs to the ops' *generation* (it goes
+gradient reduction (``plan_for``). Each layout of gradients (a model's; a GAN's two
+optimizers reduce two every step) has a plan, regimes and timed steps of its own
+(``_Layout``), on figures they share. A plan belongs to the ops' *generation* (it goes
 up with every change of setting, and each change retraces the train functions):
 the first trace of a generation measures (every worker at once: the figures need
 collectives) and plans, later traces of the same gradients reuse the plan. Between
 steps, ``replan`` (the link measured again) and ``adapt`` (the end of an interval of
 training: ACCORDION's critical regimes, and the low-rank errors measured again) and
 ``measure_low_rank`` (the first of those measurements, after the first step) may make
-a new plan, which ``_adopt`` hands to the next step by starting a new generation with
-the plan and figures ready, so that trace measures nothing.
+new plans, which ``_take`` hands to the next step by starting a new generation with
+every layout's plan and the figures ready, so that trace measures nothing.
 
 Checkpoints: the owner of the compression state (the optimizer) also tracks a
 ``PlanRecord``, which saves what the plan was made from (the gradients, the agreed
 figures, the critical set, the last norms and low-rank errors, the steps timed under
-each plan) and the plan itself. Restored before the first step (Keras'
-``BackupAndRestore``, a ``tf.train.Checkpoint`` restored into a new optimizer), it
+each plan) and the plan itself, of the layout reduced last (a restarted job whose
+first reduction is of another layout measures again). Restored before the first step
+(Keras' ``BackupAndRestore``, a ``tf.train.Checkpoint`` restored into a new optimizer), it
 reaches the planner when the record is attached, just before the first plan, and that
 plan is the saved one, priced under the saved figures, instead of measuring again (or,
 where the restored regimes and budgets rule it out, a plan made from them). The link
@@ -31,6 +34,8 @@ first agree that they all restored the same record (an all-gather of their check
 otherwise they all measure.
 """
 
+import collections
+import itertools
 import json
 import math
 import time
@@ -57,6 +62,10 @@ _RECORD_FORMAT = 1
 # not undo a restored plan (AutoPlanCallback's ``link_margin`` re-plans later, on
 # its own interval).
 RESTORED_LINK_FACTOR = 3.0
+# The layouts of gradients kept at most (``_Layout``: a GAN's two models, models fitted
+# in turn, a model's trainable sets as layers are frozen and thawed); beyond that the
+# least recently planned is forgotten, with the interval sums worker 0 keeps for it.
+MAX_LAYOUTS = 4
 
 
 class PlanRecord(trackable.Trackable):
@@ -80,8 +89,50 @@ class PlanRecord(trackable.Trackable):
         return None
 
 
+class _Layout:
+    """One layout of planned gradients (``plan_for``'s: a model's, or the trainable part
+    of one) and what the planner keeps by place in it: its plan, its regimes, the
+    matrices kept for the low-rank measurement, the steps timed under its plans and its
+    embedding tables' counted rows. A GAN's two optimizers reduce two layouts every
+    step; models fitted in turn, or layers frozen and thawed, alternate between them."""
+
+    def __init__(self, gradients, number, tracked):
+        self.gradients = gradients
+        self.number = number  # what the traced steps write to say this layout ran
+        self.plan = None  # (generation, planner.Plan) once planned
+        # The names of the gradients in a critical regime ("all": every one, until the
+        # first interval ends), the last interval's norms and, by place, a sum of each
+        # planned gradient's reduced values over the interval (None: regimes not
+        # tracked), and the steps the interval summed (worker 0's, with the sums).
+        self.critical, self.norms, self.sums, self.summed = frozenset(), {}, None, None
+        if tracked:
+            self.start_regimes()
+        # With regimes tracked and low-rank candidates on: by place, each matrix's last
+        # kept local gradient (worker 0's only; a table sent as rows, densified) and its
+        # variable (whose residual the measurement adds); the places of the planned
+        # gradients and of the tables sent as rows that are matrices (every worker).
+        self.last, self.last_vars = {}, {}
+        self.matrices, self.row_matrices = [], []
+        # The plans that ran, by key: (predicted communication, worker 0's measured
+        # median step, its standard error), seconds (``planner.pace_from``).
+        self.steps = {}
+        # By place among the embedding tables: this worker's rows of the last step (a
+        # local int32 variable: distinct rows, rows with repeats; zeros: not counted),
+        # and every worker's most as last gathered (``AutoPlanner._count_rows``).
+        self.counts, self.rows = {}, {}
+
+    def start_regimes(self):
+        """No interval summed yet: every gradient critical until two intervals compare."""
+        self.sums, self.critical, self.norms = {}, "all", {}
+
+    def current(self, generation):
+        """Its plan in ``generation``, or None."""
+        return self.plan[1] if self.plan is not None and self.plan[0] == generation else None
+
+
 class AutoPlanner:
-    """The plan of one ``CompressedAllReduce`` under ``compressor="auto"``.
+    """The plans of one ``CompressedAllReduce`` under ``compressor="auto"``: one per
+    layout of gradients it reduces (``_Layout``), on figures they share.
 
     ``ops`` gives the collectives (``gather_words``, ``time_all_reduce``), the cluster
     (``group_size``, ``local_devices``), the current ``generation`` and ``compressor``;
@@ -92,16 +143,15 @@ class AutoPlanner:
         self._ops = ops
         self._new_generation = new_generation
         self._figures = None  # (generation, planner.Figures) once measured
-        self._plan = None  # (generation, gradients, planner.Plan) once planned
         # A checkpoint's record, restored and not yet used by a plan; and, for the
         # generation's first trace, the places among the tables that its plan sent dense
         # (generation, traced tables, places: ``dense_tables``).
         self._saved = None
         self._saved_dense = None
-        # By place among the embedding tables: this worker's rows of the last step (a
-        # local int32 variable: distinct rows, rows with repeats; zeros: not counted),
-        # and every worker's most as last gathered (``_count_rows``).
-        self._counts, self._rows = {}, {}
+        # Which layout's planned reduction ran last on this worker (its number; a local
+        # int32 variable, made at the first trace): the one ``plan`` shows.
+        self._ran = None
+        self._numbers = itertools.count()
         # How many times the figures were measured (a restored plan measures only the
         # link), and how many restored plans the link measured then made afresh.
         self.measurements = 0
@@ -110,68 +160,47 @@ class AutoPlanner:
 
     def reset(self):
         """Another compressor: the next plan starts afresh, no regimes tracked."""
-        # Places below are indices in the plan's *layout*: the planned gradients and the
-        # embedding tables, in the gradients' order (``plan_for``), the same whichever
-        # tables go dense.
-        # The names of the gradients in a critical regime ("all": every one, until the
-        # first interval ends), the last interval's norms and, by place, a sum of each
-        # planned gradient's reduced values over the interval (None: regimes not
-        # tracked).
-        self._critical, self._norms, self._sums = frozenset(), {}, None
-        # With regimes tracked and low-rank candidates on: by place, each matrix's last
-        # kept local gradient (worker 0's only; a table sent as rows, densified) and its
-        # variable (whose residual the measurement adds), and worker 0's last
-        # measurement by name (``planner.LowRank.errors``).
-        self._last, self._last_vars, self._low_rank = {}, {}, {}
-        # Whether the next step keeps those gradients (``capture``; worker 0's: a copy
-        # of the matrices every step would cost the step a pass over them), and the
-        # places of the planned gradients and of the tables sent as rows that are
-        # matrices (on every worker).
-        self._capture, self._matrices, self._row_matrices = None, [], []
-        # The plans that ran, by key: (predicted communication, worker 0's measured
-        # median step, its standard error), seconds (``planner.pace_from``).
-        self._steps = {}
-        self._forget_rows()  # rows counted under another model are no count of this one's
+        # By layout, least recently planned first.
+        self._layouts = collections.OrderedDict()
+        self._tracked = False
+        # Worker 0's last low-rank measurement by gradient name (``planner.LowRank.errors``),
+        # of every layout; and whether the next step keeps the matrices it measures
+        # (``capture``; worker 0's: a copy of the matrices every step would cost the step
+        # a pass over them).
+        self._low_rank, self._capture = {}, None
 
-    def _new_layout(self):
-        """Other gradients are planned (another model trained under the strategy, or
-        layers frozen or thawed): what was tracked by place in the old layout (interval
-        sums, norms, the kept matrices) and the steps timed under its plans belong to
-        it, so the regimes start again, every gradient critical, and the pace with them.
-        The low-rank errors, by gradient name, stay. Models trained in turn thus start
-        their regimes again at each change."""
-        if self._sums is not None:
-            logging.info("tfgc: compressor='auto': other gradients are planned (another "
-                         "model, or other trainable variables); the critical regimes "
-                         "start again")
-            self._start_regimes()
-        self._last, self._last_vars = {}, {}
-        self._matrices, self._row_matrices = [], []
-        self._steps = {}
+    def _active(self):
+        """The layouts planned in the current generation, in the order they were."""
+        generation = self._ops.generation
+        return [lay for lay in self._layouts.values() if lay.current(generation) is not None]
 
-    def _start_regimes(self):
-        """No interval summed yet: every gradient critical until two intervals compare."""
-        self._sums, self._critical, self._norms = {}, "all", {}
-
-    def _forget_rows(self):
-        self._rows = {}
-        with tf.init_scope():
-            for count in self._counts.values():
-                count.assign(tf.zeros([2], tf.int32))
+    def _shown(self):
+        """The layout whose reduction ran last (the last planned before any ran)."""
+        if not self._layouts:
+            return None
+        if self._ran is not None:
+            with tf.init_scope():
+                number = int(self._ran.numpy())
+            for lay in self._layouts.values():
+                if lay.number == number:
+                    return lay
+        return next(reversed(self._layouts.values()))
 
     @property
     def plan(self):
-        """The current generation's plan, or None."""
-        if self._plan is None or self._plan[0] != self._ops.generation:
-            return None
-        return self._plan[2]
+        """The current generation's plan of the gradients reduced last, or None."""
+        lay = self._shown()
+        return None if lay is None else lay.current(self._ops.generation)
 
-    def row_compressor(self):
-        """What the embedding rows travel as under the current plan (its tables' label,
+    @property
+    def plans(self):
+        """The current generation's plan of each layout, in the order first planned."""
+        return [lay.plan[1] for lay in sorted(self._active(), key=lambda lay: lay.number)]
+
+    @staticmethod
+    def row_compressor(plan):
+        """What the embedding rows travel as under ``plan`` (its tables' label,
         ``planner.row_candidate``), or None: the stock gather."""
-        plan = self.plan
-        if plan is None:
-            return None
         if plan.tables:
             candidate = planner.BY_LABEL[plan.tables[0].label]
         else:
@@ -179,21 +208,23 @@ class AutoPlanner:
                                               plan.num_workers)
         return None if candidate is None else candidate.compressor
 
-    def dense_tables(self, variables=None, owner=None) -> frozenset:
-        """The places among the embedding tables (in the gradients' order) that the
-        current generation's plan sends as dense gradients; with ``variables`` (the
-        tables traced), none unless they are the plan's tables (another model). Before
-        the generation's first plan, with ``variables``: the places a restored
-        checkpoint's plan sent dense (``_restored_dense``; ``owner``: the state's
-        owner, which a deferred restore reaches), so that its first step sends the
-        tables as the saved plan did."""
-        plan = self.plan
-        if plan is None:
+    def dense_tables(self, variables, owner=None) -> frozenset:
+        """The places among the embedding tables ``variables`` (traced, in the gradients'
+        order) that the current generation's plan of those tables sends as dense
+        gradients; none where no plan of this generation has them (another model).
+        Before the generation's first plan: the places a restored checkpoint's plan
+        sent dense (``_restored_dense``; ``owner``: the state's owner, which a deferred
+        restore reaches), so that its first step sends the tables as the saved plan
+        did."""
+        active = self._active()
+        if not active:
             return self._restored_dense(variables, owner) if variables else frozenset()
-        if variables is not None and [(t.name, t.shape) for t in plan.tables] != _traced(
-                variables):
-            return frozenset()
-        return frozenset(t.place for t in plan.tables if t.dense)
+        traced = _traced(variables)
+        for lay in active:
+            plan = lay.plan[1]
+            if plan.tables and [(t.name, t.shape) for t in plan.tables] == traced:
+                return plan.dense_places
+        return frozenset()
 
     def _restored_dense(self, variables, owner) -> frozenset:
         """The places the restored record's plan sent dense, where its tables are the
@@ -242,35 +273,32 @@ class AutoPlanner:
                        tf.as_dtype(dtype).name, "table")) for i, v, dtype in tables]
         layout = tuple(g for _, g in sorted(items, key=lambda item: item[0]))
         dense = frozenset(where[i] for i, m in zip(positions, mask) if m and i in where)
-        if self._is_current(layout, dense):
-            return self._plan[2]
-        replica_ctx = tf.distribute.get_replica_context()
-        if replica_ctx is not None and len(self._ops.local_devices) > 1:
-            # Replica threads take turns; the measurements run once, in the merge.
-            replica_ctx.merge_call(lambda _: self._make(layout, owner, dense))
-        else:
-            self._make(layout, owner, dense)
-        return self._plan[2]
+        if not self._is_current(layout, dense):
+            replica_ctx = tf.distribute.get_replica_context()
+            if replica_ctx is not None and len(self._ops.local_devices) > 1:
+                # Replica threads take turns; the measurements run once, in the merge.
+                replica_ctx.merge_call(lambda _: self._make(layout, owner, dense))
+            else:
+                self._make(layout, owner, dense)
+        return self._layouts[layout].plan[1]
 
     def _is_current(self, layout, dense) -> bool:
-        return (self._plan is not None and self._plan[:2] == (self._ops.generation, layout)
-                and self.dense_tables() == dense)
+        lay = self._layouts.get(layout)
+        plan = None if lay is None else lay.current(self._ops.generation)
+        return plan is not None and plan.dense_places == dense
 
     def _make(self, gradients, owner, dense=frozenset()):
         generation = self._ops.generation
         if self._is_current(gradients, dense):
             return
         self._attach(owner)  # a deferred checkpoint restore reaches ``restored`` here
-        if self._plan is not None and self._plan[1] != gradients:
-            self._new_layout()
-        if self._plan is None or _tables_of(self._plan[1]) != _tables_of(gradients):
-            self._forget_rows()  # other tables: what was counted is not theirs
-        self._count_rows(gradients)
+        lay = self._layout(gradients)
+        self._count_rows(lay)
         auto = self._ops.compressor
         labels = rows_label = None
         if self._figures is None or self._figures[0] != generation:
-            figures, labels, rows_label = self._restored_figures(gradients)
-            moved = figures is not None and self._moved_link(gradients, figures)
+            figures, labels, rows_label = self._restored_figures(lay)
+            moved = figures is not None and self._moved_link(lay, figures)
             if moved:
                 figures, labels, rows_label = moved, None, None
             if figures is None:
@@ -286,13 +314,32 @@ class AutoPlanner:
             # it: a plan made afresh could differ (a change kept out because it did not
             # pay, steps timed after the plan was made).
             # Its tables' rows too, in what they went as then.
-            plan = self._planned(gradients, self._figures[1], only=labels, dense=dense,
+            plan = self._planned(lay, self._figures[1], only=labels, dense=dense,
                                  rows_label=rows_label)
         if plan is None:
-            plan = self._planned(gradients, self._figures[1], dense=dense)
+            plan = self._planned(lay, self._figures[1], dense=dense)
         self._check_agree(plan)
-        self._plan = (generation, gradients, plan)
+        lay.plan = (generation, plan)
         logging.info("%s", plan.table())
+
+    def _layout(self, gradients):
+        """The layout of ``gradients``, made the first time (each layout has regimes,
+        sums and timed steps of its own; the low-rank errors, by gradient name, and the
+        figures are shared), now the most recently planned. Beyond ``MAX_LAYOUTS``, the
+        least recently planned is forgotten, and with it its sums (worker 0 keeps a
+        gradient's size in them for each layout)."""
+        lay = self._layouts.pop(gradients, None)
+        if lay is None:
+            if self._layouts:
+                logging.info("tfgc: compressor='auto': other gradients are planned (another "
+                             "model, or other trainable variables): a plan of their own, "
+                             "beside %d other%s", len(self._layouts),
+                             "s" if len(self._layouts) > 1 else "")
+            lay = _Layout(gradients, next(self._numbers), self._tracked)
+            while len(self._layouts) >= MAX_LAYOUTS:
+                self._layouts.popitem(last=False)
+        self._layouts[gradients] = lay
+        return lay
 
     # -- checkpoints -------------------------------------------------------------------
 
@@ -308,27 +355,28 @@ class AutoPlanner:
             owner._track_trackable(PlanRecord(self), name=RECORD_NAME, overwrite=True)  # pylint: disable=protected-access
 
     def snapshot(self) -> dict:
-        """The current plan's inputs and key, as the checkpoint keeps them ({} before
-        the first plan)."""
-        plan = self.plan
+        """The inputs and key of the current plan of the gradients reduced last, as the
+        checkpoint keeps them ({} before the first plan)."""
+        lay = self._shown()
+        plan = None if lay is None else lay.current(self._ops.generation)
         if plan is None:
             return {}
         figures = self._figures[1]
-        critical = self._critical
+        critical = lay.critical
         return {"format": _RECORD_FORMAT, "key": plan.key(),
                 "labels": {e.name: e.label for e in plan.entries},
-                "gradients": json.loads(json.dumps(self._plan[1])),
+                "gradients": json.loads(json.dumps(lay.gradients)),
                 "num_workers": figures.num_workers,
                 "candidates": [c.label for c in planner.ALL],
                 "link_us": list(figures.link_us),
                 "encode_us": {k: list(v) for k, v in figures.encode_us.items()},
                 "decode_us": {k: list(v) for k, v in figures.decode_us.items()},
                 "critical": critical if critical == "all" else sorted(critical),
-                "norms": {str(k): v for k, v in self._norms.items()},
+                "norms": {str(k): v for k, v in lay.norms.items()},
                 "low_rank": {name: [sq, {str(r): e for r, e in rel.items()}]
                              for name, (sq, rel) in self._low_rank.items()},
                 "steps": [[key, comm, step, se if math.isfinite(se) else None]
-                          for key, (comm, step, se) in sorted(self._steps.items())],
+                          for key, (comm, step, se) in sorted(lay.steps.items())],
                 # Each table: place, name, shape, sent dense, the rows it was priced
                 # with, what its rows go as.
                 "tables": [[t.place, t.name, list(t.shape), t.dense, t.rows, t.tokens,
@@ -338,15 +386,15 @@ class AutoPlanner:
         """A checkpoint's record (``PlanRecord``): the next plan is made from it."""
         self._saved = record
 
-    def _restored_figures(self, gradients):
-        """The restored record's figures for these gradients and its plan's labels by
+    def _restored_figures(self, lay):
+        """The restored record's figures for the layout ``lay`` and its plan's labels by
         name, when every worker restored the same ones; else (None, None) (then all
         measure). Takes the record. Every worker calls it at the same point: it
         all-gathers a checksum."""
         record, self._saved = self._saved, None
         auto = self._ops.compressor
         usable = (record is not None
-                  and json.loads(json.dumps(gradients)) == record["gradients"]
+                  and json.loads(json.dumps(lay.gradients)) == record["gradients"]
                   and record["num_workers"] == self._ops.group_size
                   and record["candidates"] == [c.label for c in planner.ALL]
                   and len(record["link_us"]) == len(planner.LINK_SIZES)
@@ -368,24 +416,24 @@ class AutoPlanner:
             {label: tuple(us) for label, us in record["encode_us"].items()},
             {label: tuple(us) for label, us in record["decode_us"].items()},
             auto.link_gbps, auto.latency_ms)
-        if self._sums is not None:  # regimes tracked: carry on from the saved interval
+        if lay.sums is not None:  # regimes tracked: carry on from the saved interval
             critical = record["critical"]
-            self._critical = critical if critical == "all" else frozenset(critical)
-            self._norms = {int(k): v for k, v in record["norms"].items()}
+            lay.critical = critical if critical == "all" else frozenset(critical)
+            lay.norms = {int(k): v for k, v in record["norms"].items()}
             self._low_rank = {name: (sq, {_error_key(k): e for k, e in rel.items()})
                               for name, (sq, rel) in record.get("low_rank", {}).items()}
-            self._steps = steps_from_record(record.get("steps", []))
+            lay.steps = steps_from_record(record.get("steps", []))
         tables = record.get("tables") or []
         for place, _, _, _, rows, tokens, _ in tables:
-            if self._rows.get(place, (0, 0))[0] == 0:  # not counted since: the saved count
-                self._rows[place] = (rows, tokens)
+            if lay.rows.get(place, (0, 0))[0] == 0:  # not counted since: the saved count
+                lay.rows[place] = (rows, tokens)
         logging.info("tfgc: compressor='auto': the plan's figures restored from the "
                      "checkpoint (%s)", figures.describe())
         return figures, record.get("labels"), tables[0][6] if tables else None
 
-    def _moved_link(self, gradients, figures):
+    def _moved_link(self, lay, figures):
         """The restored ``figures`` with the link measured now (every worker at once),
-        where that predicts the float32 all-reduce of ``gradients``
+        where that predicts the float32 all-reduce of ``lay``'s gradients
         ``RESTORED_LINK_FACTOR`` times slower or faster than they do; then the steps
         timed on the old link are forgotten. Otherwise None. Every worker calls it at
         the same point, after agreeing on the restored figures."""
@@ -393,7 +441,7 @@ class AutoPlanner:
         if new is figures:  # a given link, or one worker: nothing measured
             return None
         nbytes = sum((tf.TensorShape(g[1]).num_elements() or 0) * tf.as_dtype(g[2]).size
-                     for g in gradients)
+                     for g in lay.gradients)
         ratio = max(planner.link_ratio(figures, new, nbytes, figures.num_workers), 1e-12)
         if max(ratio, 1.0 / ratio) < RESTORED_LINK_FACTOR:
             return None
@@ -401,7 +449,8 @@ class AutoPlanner:
                      "(%s, was %s): planning for it afresh", new.describe_link(),
                      figures.describe_link())
         self.relinked += 1
-        self._steps = {}
+        for other in self._layouts.values():
+            other.steps = {}
         return new
 
     def _all_restored(self, text) -> bool:
@@ -412,68 +461,70 @@ class AutoPlanner:
         words = self._ops.gather_words([word])[:, 0]
         return bool(word) and len(set(words.tolist())) == 1
 
-    def _planned(self, gradients, figures, only=None, dense=None, rows_label=None):
-        """The plan of the layout ``gradients`` under ``figures`` and the current
-        regimes, errors and steps (``planner.plan_tables``): the tables at the places
+    def _planned(self, lay, figures, only=None, dense=None, rows_label=None):
+        """The plan of the layout ``lay`` under ``figures`` and its current regimes,
+        the errors and its steps (``planner.plan_tables``): the tables at the places
         ``dense`` sent dense (their rows as ``rows_label``, where given), or, with None,
         the faster choice from the rows last counted (``_count_rows``, which the
         callers gather first)."""
-        critical = self._critical
+        gradients = lay.gradients
+        critical = lay.critical
         if critical == "all":
             critical = frozenset(g[0] for g in gradients)
         auto = self._ops.compressor
         low_rank = None
         if auto.budget_rank and self._low_rank:
             low_rank = planner.LowRank(auto.budget_rank, dict(self._low_rank))
-        pace = planner.pace_from(list(self._steps.values()), auto.low_rank_steps)
-        tables = {k: self._rows.get(p, (0, 0))
+        pace = planner.pace_from(list(lay.steps.values()), auto.low_rank_steps)
+        tables = {k: lay.rows.get(p, (0, 0))
                   for p, k in enumerate(_table_places(gradients))}
         return planner.plan_tables([tuple(g[:3]) for g in gradients], tables, figures,
                                    auto.error, dense=dense, rows_label=rows_label,
                                    critical=critical, low_rank=low_rank, only=only, pace=pace)
 
-    def _count_rows(self, gradients):
-        """Every worker's rows of the last step, the most of each (``_rows``). Every
+    def _count_rows(self, lay):
+        """Every worker's rows of ``lay``'s last step, the most of each (``rows``). Every
         worker calls it at the same point."""
-        places = range(len(_table_places(gradients)))
-        if not places or any(p not in self._counts for p in places):
+        places = range(len(_table_places(lay.gradients)))
+        if not places or any(p not in lay.counts for p in places):
             return  # no step counted them yet (the same on every worker)
         with tf.init_scope():
-            words = np.concatenate([self._counts[p].numpy() for p in places])
+            words = np.concatenate([lay.counts[p].numpy() for p in places])
         most = np.max(self._ops.gather_words(words.tolist()), axis=0)
-        self._rows = {p: (int(most[2 * p]), int(most[2 * p + 1])) for p in places}
+        lay.rows = {p: (int(most[2 * p]), int(most[2 * p + 1])) for p in places}
 
     def _first_floats(self, values):
         """Worker 0's ``values`` (float32, sent as the bits of words), on every worker."""
         bits = np.asarray(values, np.float32).view(np.int32)
         return self._ops.gather_words(bits)[0].astype(np.int32).view(np.float32)
 
-    def _repriced(self, gradients, current):
+    def _repriced(self, lay, current):
         """``current`` priced with the rows the last step counted, where it has tables
         (the first plan's are not counted yet, so it priced their rows at nothing): the
         communication its timed steps are set against. Every worker calls it at the same
         point."""
         if not current.tables:
             return current
-        self._count_rows(gradients)
-        plan = self._as_running(gradients, self._figures[1], current)
+        self._count_rows(lay)
+        plan = self._as_running(lay, self._figures[1], current)
         return current if plan is None or plan.key() != current.key() else plan
 
-    def _as_running(self, gradients, figures, current):
+    def _as_running(self, lay, figures, current):
         """``current``'s choice priced anew under ``figures`` and the current regimes
         and budgets, its tables as its traced step sends them (None where they rule
         that choice out)."""
-        return self._planned(gradients, figures,
+        return self._planned(lay, figures,
                              only={e.name: e.label for e in current.entries},
                              dense=current.dense_places,
                              rows_label=current.tables[0].label if current.tables else None)
 
-    def _timed(self, plan, step_s, step_se_s):
+    @staticmethod
+    def _timed(lay, plan, step_s, step_se_s):
         """Keeps worker 0's measured step and its standard error (from its words, NaN:
         none; an error not given stays NaN, which ``planner.pace_from`` reads as
-        unknown) for the current plan, with the communication it predicts."""
+        unknown) for ``lay``'s current plan, with the communication it predicts."""
         if plan is not None and math.isfinite(step_s) and step_s > 0:
-            self._steps[plan.key()] = (plan.step_seconds(), step_s, step_se_s)
+            lay.steps[plan.key()] = (plan.step_seconds(), step_s, step_se_s)
 
     def _check_agree(self, plan):
         """Stops with a message if any worker derived another plan (a bug, or workers
@@ -485,38 +536,50 @@ class AutoPlanner:
                 f"{digests.tolist()}); every worker must build the same model. This "
                 f"worker's plan:\n{plan.table()}")
 
+    def _layout_of(self, plan):
+        """The layout whose plan ``plan`` is (the traced step's), or None."""
+        for lay in self._layouts.values():
+            if lay.plan is not None and lay.plan[1] is plan:
+                return lay
+        return None
 
-    def track(self, tensors, variables, mask, reduced, replica_id, ok=None):
-        """On worker 0 (whose figures every worker takes, ``adapt``): adds this step's
-        reduced planned gradients to their interval sums, unless the step was skipped
-        (``ok`` False: not finite somewhere), and, with low-rank candidates on and a
-        capture asked for, keeps each matrix's local gradient for the next measurement.
-        Every worker notes which gradients are matrices. In the traced step, replica 0.
+    def track(self, plan, tensors, variables, mask, reduced, replica_id, ok=None):
+        """For the reduction ``plan_for`` planned as ``plan``: notes that its layout ran
+        (``plan``), and on worker 0 (whose figures every worker takes, ``adapt``) adds
+        this step's reduced planned gradients to their interval sums, unless the step
+        was skipped (``ok`` False: not finite somewhere), and, with low-rank candidates
+        on and a capture asked for, keeps each matrix's local gradient for the next
+        measurement. Every worker notes which gradients are matrices. In the traced
+        step, replica 0.
 
         The other workers keep nothing: on a cluster of few cores the sums alone cost
         the step about a fifth (the wide MLP, 4 workers on 2 cores: 114 against 147 ms).
         """
-        if self._sums is None or replica_id != 0:
+        lay = self._layout_of(plan)
+        if lay is None or replica_id != 0:
+            return
+        with tf.init_scope(), tf.device(self._ops.local_devices[0]):
+            if self._ran is None:
+                self._ran = state_lib.local_variable(tf.constant(-1), "tfgc_planned_layout")
+        self._ran.assign(lay.number)
+        if lay.sums is None:
             return
         # By place in the layout.
-        planned = dict(zip(self._planned_places(), [
+        planned = dict(zip(_planned_places(lay.gradients, plan), [
             (t, v, r) for t, v, m, r in zip(tensors, variables, mask, reduced) if m]))
         if self._ops.compressor.budget_rank > 0:
-            self._matrices = [j for j, (t, _, _) in planned.items()
-                              if planner.LOW_RANK[0].described.supports(t.shape, t.dtype)]
+            lay.matrices = [j for j, (t, _, _) in planned.items()
+                            if planner.LOW_RANK[0].described.supports(t.shape, t.dtype)]
         if self._ops.worker_rank != 0:
             return
         with tf.init_scope(), tf.device(self._ops.local_devices[0]):
-            for j, (t, _, _) in planned.items():
-                if j not in self._sums:
-                    self._sums[j] = state_lib.local_variable(tf.zeros(t.shape, t.dtype),
-                                                             "tfgc_interval_sum")
-            for j in self._matrices:
-                if j not in self._last:
-                    self._last[j] = state_lib.local_variable(
+            self._make_sums(lay, [(j, t.shape, t.dtype) for j, (t, _, _) in planned.items()])
+            for j in lay.matrices:
+                if j not in lay.last:
+                    lay.last[j] = state_lib.local_variable(
                         tf.zeros(planned[j][0].shape, planned[j][0].dtype),
                         "tfgc_last_gradient")
-            if self._matrices and self._capture is None:
+            if lay.matrices and self._capture is None:
                 self._capture = state_lib.local_variable(tf.constant(True), "tfgc_capture")
         if ok is None:  # nothing compressed: no step decision, so look at the values
             ok = tf.reduce_all([tf.reduce_all(tf.math.is_finite(r))
@@ -524,66 +587,69 @@ class AutoPlanner:
 
         def add():
             for j, (_, _, r) in planned.items():
-                self._sums[j].assign_add(r)
+                lay.sums[j].assign_add(r)
+            lay.summed.assign_add(1)
             return tf.constant(True)
 
         tf.cond(ok, add, lambda: tf.constant(False))
-        for j in self._matrices:
-            self._last_vars[j] = planned[j][1]
-        if self._matrices:
+        for j in lay.matrices:
+            lay.last_vars[j] = planned[j][1]
+        if lay.matrices:
             def keep():
-                for j in self._matrices:
-                    self._last[j].assign(planned[j][0])
+                for j in lay.matrices:
+                    lay.last[j].assign(planned[j][0])
                 return tf.constant(True)
 
             tf.cond(self._capture.read_value(), keep, lambda: tf.constant(False))
 
-    def _planned_places(self):
-        """The places in the layout of the current plan's entries, in order."""
-        layout, plan = self._plan[1], self._plan[2]
-        dense = plan.dense_places
-        tables = {k: p for p, k in enumerate(_table_places(layout))}
-        return [k for k in range(len(layout)) if k not in tables or tables[k] in dense]
+    @staticmethod
+    def _make_sums(lay, places):
+        """Worker 0's interval sums of ``lay`` at ``places`` ((place, shape, dtype)), and
+        its count of summed steps, where not made yet. In ``tf.init_scope``."""
+        for j, shape, dtype in places:
+            if j not in lay.sums:
+                lay.sums[j] = state_lib.local_variable(tf.zeros(shape, dtype),
+                                                       "tfgc_interval_sum")
+        if lay.summed is None:
+            lay.summed = state_lib.local_variable(tf.constant(0), "tfgc_interval_steps")
 
-    def track_tables(self, slices, variables, reduced, ok, replica_id):
+    def track_tables(self, plan, slices, variables, reduced, ok, replica_id):
         """Each embedding table's rows this step (``slices``, IndexedSlices, by place
-        among the tables; ``reduced``: the summed rows of those the plan does not send
+        among the tables; ``reduced``: the summed rows of those ``plan`` does not send
         dense, None for the others; ``ok``: the step's decision, or None). Counted on
         every worker (``_count_rows``); on worker 0, with regimes tracked, the summed
         rows added to the table's interval sum (a table has its regime as rows too, so
         a switch to dense finds its previous norm), and, with low-rank candidates on,
         the local rows kept densified when a capture is asked for, so that the low-rank
         measurement prices the table dense too. In the traced step, replica 0."""
-        if replica_id != 0 or self.plan is None:
+        lay = self._layout_of(plan)
+        if replica_id != 0 or lay is None:
             return
         with tf.init_scope(), tf.device(self._ops.local_devices[0]):
             for p in range(len(slices)):
-                if p not in self._counts:
-                    self._counts[p] = state_lib.local_variable(tf.zeros([2], tf.int32),
-                                                               "tfgc_table_rows")
+                if p not in lay.counts:
+                    lay.counts[p] = state_lib.local_variable(tf.zeros([2], tf.int32),
+                                                             "tfgc_table_rows")
         for p, s in enumerate(slices):
             unique, _ = tf.unique(tf.reshape(s.indices, [-1]))
-            self._counts[p].assign(tf.stack([tf.size(unique, tf.int32),
-                                             tf.size(s.indices, tf.int32)]))
-        if self._sums is None:
+            lay.counts[p].assign(tf.stack([tf.size(unique, tf.int32),
+                                           tf.size(s.indices, tf.int32)]))
+        if lay.sums is None:
             return
-        places = _table_places(self._plan[1])
+        places = _table_places(lay.gradients)
         rows = [(places[p], s, v, r)
                 for p, (s, v, r) in enumerate(zip(slices, variables, reduced)) if r is not None]
         low_rank = planner.LOW_RANK[0].described
         captured = [(k, s, v) for k, s, v, _ in rows if self._ops.compressor.budget_rank > 0
                     and low_rank.supports(tf.TensorShape(v.shape), s.values.dtype)]
-        self._row_matrices = [k for k, _, _ in captured]
+        lay.row_matrices = [k for k, _, _ in captured]
         if self._ops.worker_rank != 0 or not rows:
             return
         with tf.init_scope(), tf.device(self._ops.local_devices[0]):
-            for k, s, v, _ in rows:
-                if k not in self._sums:
-                    self._sums[k] = state_lib.local_variable(
-                        tf.zeros(v.shape, s.values.dtype), "tfgc_interval_sum")
+            self._make_sums(lay, [(k, v.shape, s.values.dtype) for k, s, v, _ in rows])
             for k, s, v in captured:
-                if k not in self._last:
-                    self._last[k] = state_lib.local_variable(
+                if k not in lay.last:
+                    lay.last[k] = state_lib.local_variable(
                         tf.zeros(v.shape, s.values.dtype), "tfgc_last_gradient")
             if captured and self._capture is None:
                 self._capture = state_lib.local_variable(tf.constant(True), "tfgc_capture")
@@ -593,7 +659,7 @@ class AutoPlanner:
 
         def add():
             for k, _, v, r in rows:
-                self._sums[k].scatter_add(tf.IndexedSlices(
+                lay.sums[k].scatter_add(tf.IndexedSlices(
                     tf.reshape(r.values, [-1] + tf.TensorShape(v.shape)[1:].as_list()),
                     r.indices))
             return tf.constant(True)
@@ -602,7 +668,7 @@ class AutoPlanner:
         if captured:
             def keep():
                 for k, s, v in captured:
-                    self._last[k].assign(embeddings.densify(s, v))
+                    lay.last[k].assign(embeddings.densify(s, v))
                 return tf.constant(True)
 
             tf.cond(self._capture.read_value(), keep, lambda: tf.constant(False))
@@ -612,23 +678,22 @@ class AutoPlanner:
         if self._capture is not None:
             self._capture.assign(True)
 
-    def _measure_low_rank(self, gradients):
-        """Worker 0's measured errors of every kept matrix (``planner.low_rank_errors``
-        and ``planner.top_k_errors`` of its last local gradient plus its residual, where
-        it has one), agreed: every worker gets the same numbers. Eager; every worker
-        calls it at the same point."""
-        places = list(self._matrices) + [k for k in self._row_matrices
-                                         if k not in self._matrices]
+    def _measure_low_rank(self, lay):
+        """Worker 0's measured errors of every matrix ``lay`` kept
+        (``planner.low_rank_errors`` and ``planner.top_k_errors`` of its last local
+        gradient plus its residual, where it has one), agreed: every worker gets the
+        same numbers. Eager; every worker calls it at the same point."""
+        places = list(lay.matrices) + [k for k in lay.row_matrices if k not in lay.matrices]
         if not places:
             return {}
         sparse = [(c.label, c.described.inner.ratio) for c in planner.SPARSE]
         width = 1 + len(planner.RANKS) + len(sparse)
         values = np.zeros([len(places), width], np.float32)
         if self._ops.worker_rank == 0:
-            residuals = self._residuals()
+            residuals = self._residuals(lay)
             for row, j in enumerate(places):
-                x = self._last[j].numpy()
-                residual = residuals.get(j) if j in self._matrices else None
+                x = lay.last[j].numpy()
+                residual = residuals.get(j) if j in lay.matrices else None
                 if residual is not None and residual.shape == x.shape:
                     x = x + residual
                 shape = planner.LOW_RANK[0].described.matrix_shape(tf.TensorShape(x.shape))
@@ -642,16 +707,17 @@ class AutoPlanner:
         agreed = agreed.reshape(len(places), width)
         # A matrix without a squared norm was not measured (not finite): no low rank.
         keys = list(planner.RANKS) + [label for label, _ in sparse]
-        return {gradients[j][0]: (float(agreed[row, 0]),
-                                  {key: float(agreed[row, 1 + k]) for k, key in enumerate(keys)})
+        return {lay.gradients[j][0]: (float(agreed[row, 0]),
+                                      {key: float(agreed[row, 1 + k])
+                                       for k, key in enumerate(keys)})
                 for row, j in enumerate(places) if agreed[row, 0] > 0}
 
-    def _residuals(self):
-        """By place, the error-feedback residual the live state holds for the kept
+    def _residuals(self, lay):
+        """By place, the error-feedback residual the live state holds for ``lay``'s kept
         matrices' variables (replica 0), as arrays."""
         out = {}
         for state in self._ops.states():
-            for j, var in self._last_vars.items():
+            for j, var in lay.last_vars.items():
                 if j in out or not state.has_slot(var):
                     continue
                 slot = state.slot(var, 0)
@@ -661,47 +727,57 @@ class AutoPlanner:
 
     # -- between steps -----------------------------------------------------------------
 
-    def _adopt(self, gradients, figures, plan):
-        """``plan`` from the next step on: a new generation (new train functions), which
-        finds the plan and the figures ready."""
-        self._new_generation()
+    def _take(self, plans, figures, retrace=False) -> bool:
+        """``plans`` ({layout: plan}, the current generation's layouts) and ``figures``
+        from the next step on. Where a plan differs from its layout's (or ``retrace``),
+        a new generation (new train functions) finds every plan and the figures ready;
+        otherwise they replace the current ones (priced anew) in this generation.
+        Returns whether a new generation started."""
+        changed = [lay for lay, plan in plans.items() if plan.key() != lay.plan[1].key()]
+        if changed or retrace:
+            self._new_generation()
         generation = self._ops.generation
         self._figures = (generation, figures)
-        self._plan = (generation, gradients, plan)
-        logging.info("%s", plan.table())
+        for lay, plan in plans.items():
+            lay.plan = (generation, plan)
+            if lay in changed or retrace:
+                logging.info("%s", plan.table())
+        return bool(changed or retrace)
 
     def replan(self, margin: float, due=None) -> bool:
         """See ``CompressedAllReduce.replan``."""
         check_number("margin", margin, 0)
         if due is not None and not self._ops.gather_words([int(bool(due))])[0][0]:
             return False
-        current = self.plan
-        if current is None:
+        active = self._active()
+        if not active:
             return False
-        gradients, old = self._plan[1], self._figures[1]
+        old = self._figures[1]
         new = planner.measure_link(self._ops, old)
-        if not planner.link_changed(old, new, current, margin):
+        if not any(planner.link_changed(old, new, lay.plan[1], margin) for lay in active):
             return False
         logging.info("tfgc: compressor='auto': the link changed (%s, was %s)",
                      new.describe(), old.describe())
-        self._count_rows(gradients)
-        plan = self._planned(gradients, new)
-        if plan.key() == current.key():
-            self._figures = (self._figures[0], new)
-            self._plan = (self._plan[0], gradients, plan)
-            return False
-        self._adopt(gradients, new, plan)
-        return True
+        plans = {}
+        for lay in active:
+            self._count_rows(lay)
+            plans[lay] = self._planned(lay, new)
+        return self._take(plans, new)
 
     def track_regimes(self):
         """See ``CompressedAllReduce.track_regimes``."""
-        if self._sums is not None:
+        if self._tracked:
             return
-        self._start_regimes()
-        if self.plan is not None:
-            gradients, figures = self._plan[1], self._figures[1]
-            self._count_rows(gradients)
-            self._adopt(gradients, figures, self._planned(gradients, figures))
+        self._tracked = True
+        for lay in self._layouts.values():
+            lay.start_regimes()
+        active = self._active()
+        if active:
+            figures = self._figures[1]
+            for lay in active:
+                self._count_rows(lay)
+            self._take({lay: self._planned(lay, figures) for lay in active}, figures,
+                       retrace=True)
 
     def adapt(self, threshold: float, min_gain_s: float = 0.0, step_s=None,
               step_se_s=None) -> frozenset:
@@ -709,103 +785,140 @@ class AutoPlanner:
         check_number("threshold", threshold, 0, strict=True)
         check_number("min_gain_s", min_gain_s, 0)
         _check_step(step_s, step_se_s)
-        current = self.plan
-        if self._sums is None:
+        if not self._tracked:
             raise ValueError("adapt() needs track_regimes() and a step under "
                              "compressor='auto' first")
-        if current is None:
+        active = self._active()
+        if not active:
             # No plan in this generation: the policy sends every gradient dense (a small
             # model), or no step has run since. Nothing is in a regime.
             return frozenset()
-        gradients = self._plan[1]
+        # Worker 0's norms and summed steps of each layout, least gain, step and its
+        # error (as the bits of float32 words), so every worker decides alike.
+        values = []
         with tf.init_scope():
-            norms = [float(tf.norm(self._sums[j])) if j in self._sums else float("nan")
-                     for j in range(len(gradients))]
-            for total in self._sums.values():
-                total.assign(tf.zeros_like(total))
-        # Worker 0's norms, least gain, step and its error (as the bits of float32
-        # words), so every worker decides alike.
-        first = self._first_floats(norms + [min_gain_s, _or_nan(step_s), _or_nan(step_se_s)])
-        min_gain_s = float(first[-3])
-        self._timed(self._repriced(gradients, current), float(first[-2]), float(first[-1]))
-        now = {j: float(v) for j, v in enumerate(first[:-3])}
-        critical = frozenset(gradients[j][0] for j in
-                             planner.critical_layers(self._norms, now, threshold))
-        self._norms = now
-        self._critical = critical
-        if self._ops.compressor.budget_rank:
-            self._measured(gradients)
+            for lay in active:
+                values += [float(tf.norm(lay.sums[j])) if j in lay.sums else float("nan")
+                           for j in range(len(lay.gradients))]
+                values.append(float(lay.summed.numpy()) if lay.summed is not None else 0.0)
+                for total in lay.sums.values():
+                    total.assign(tf.zeros_like(total))
+                if lay.summed is not None:
+                    lay.summed.assign(0)
+        first = self._first_floats(values + [min_gain_s, _or_nan(step_s), _or_nan(step_se_s)])
+        min_gain_s, step_s, step_se_s = (float(v) for v in first[-3:])
+        ran = [lay for lay in active if first[self._offset(active, lay) + len(lay.gradients)]]
+        for lay in ran:
+            # The step measured is the whole step's, every layout that ran in it.
+            self._timed(lay, self._repriced(lay, lay.plan[1]), step_s, step_se_s)
+        critical = set()
+        for lay in ran:
+            start = self._offset(active, lay)
+            now = {j: float(v) for j, v in enumerate(first[start:start + len(lay.gradients)])}
+            lay.critical = frozenset(lay.gradients[j][0] for j in
+                                     planner.critical_layers(lay.norms, now, threshold))
+            lay.norms = now
+            critical |= lay.critical
+        if self._ops.compressor.budget_rank and ran:
+            self._measured(ran)
         # Planned again every time: the regimes, the low-rank errors or the steps timed
-        # (the pace) may have moved, and a new plan is taken only where it pays.
-        self._plan_again(gradients, current, min_gain_s)
-        return critical
+        # (the pace) may have moved, and a new plan is taken only where it pays. A
+        # layout that no step summed in the interval (a model not trained in it) is
+        # left as it was.
+        self._take({lay: self._plan_again(lay, lay.plan[1], min_gain_s) if lay in ran
+                    else lay.plan[1] for lay in active}, self._figures[1])
+        return frozenset(critical)
+
+    @staticmethod
+    def _offset(active, lay):
+        """Where ``lay``'s norms start among ``adapt``'s words."""
+        start = 0
+        for other in active:
+            if other is lay:
+                return start
+            start += len(other.gradients) + 1
+        raise KeyError(lay)
 
     def measure_low_rank(self, step_s=None, step_se_s=None) -> bool:
         """See ``CompressedAllReduce.measure_low_rank``."""
         _check_step(step_s, step_se_s)
-        current = self.plan
-        if self._sums is None or current is None or not self._ops.compressor.budget_rank:
+        active = self._active()
+        if not self._tracked or not active or not self._ops.compressor.budget_rank:
             return False
-        gradients = self._plan[1]
-        self._timed(self._repriced(gradients, current), *(float(v) for v in self._first_floats(
-            [_or_nan(step_s), _or_nan(step_se_s)])))
-        if not self._measured(gradients):
+        step_s, step_se_s = (float(v) for v in self._first_floats(
+            [_or_nan(step_s), _or_nan(step_se_s)]))
+        for lay in active:
+            self._timed(lay, self._repriced(lay, lay.plan[1]), step_s, step_se_s)
+        if not self._measured(active):
             return False
-        return self._plan_again(gradients, current)
+        return self._take({lay: self._plan_again(lay, lay.plan[1]) for lay in active},
+                          self._figures[1])
 
-    def _measured(self, gradients) -> bool:
-        """Measures the low-rank errors again (and, the first time, the low-rank
-        candidates' CPU cost); whether they changed."""
+    def _measured(self, layouts) -> bool:
+        """Measures the low-rank errors of ``layouts`` again (and, the first time, the
+        low-rank candidates' CPU cost); whether they changed."""
         figures = planner.measure_low_rank(self._ops, self._figures[1])
         if figures is not self._figures[1]:
             logging.info("tfgc: compressor='auto' measured the low-rank candidates: %s",
                          figures.describe())
             self._figures = (self._figures[0], figures)
+        low_rank = dict(self._low_rank)
         with tf.init_scope():
-            low_rank = self._measure_low_rank(gradients)
+            for lay in layouts:
+                names = {g[0] for g in lay.gradients}
+                low_rank = {name: errors for name, errors in low_rank.items()
+                            if name not in names}
+                low_rank.update(self._measure_low_rank(lay))
             if self._capture is not None:
                 self._capture.assign(False)  # until the next ``capture``
         changed = low_rank != self._low_rank
         self._low_rank = low_rank
         return changed
 
-    def _plan_again(self, gradients, current, min_gain_s: float = 0.0) -> bool:
-        """Plans from the current figures, regimes and errors, and adopts a plan that
-        differs, unless the current one still keeps within the regimes and budgets and
-        the new one is predicted to save less than ``min_gain_s`` a step, under the
-        pace and the paces its measured slope allows (``planner.change_pays``): a change
-        retraces the train function, which costs seconds, and a new rank that saves a
-        tenth of a millisecond does not pay that back, nor does one that only the
-        steps' noise favours. Its callers have counted the tables' rows."""
+    def _plan_again(self, lay, current, min_gain_s: float = 0.0):
+        """The plan for ``lay`` from the current figures, regimes and errors: one that
+        differs from ``current``, unless ``current`` still keeps within the regimes and
+        budgets and the new one is predicted to save less than ``min_gain_s`` a step,
+        under the pace and the paces its measured slope allows (``planner.change_pays``):
+        a change retraces the train function, which costs seconds, and a new rank that
+        saves a tenth of a millisecond does not pay that back, nor does one that only
+        the steps' noise favours; then ``current`` priced anew. Its callers have
+        counted the tables' rows."""
         figures = self._figures[1]
-        plan = self._planned(gradients, figures)
-        if plan.key() != current.key():
-            kept = None
-            if min_gain_s > 0 or (plan.pace is not None and plan.pace.measured_slope):
-                kept = self._as_running(gradients, figures, current)
-            if planner.change_pays(kept, plan, min_gain_s):
-                self._adopt(gradients, figures, plan)
-                return True
-            logging.info("tfgc: compressor='auto' keeps its plan: the new one would save "
-                         "%.3f ms a step at the measured pace and %.3f ms at the least the "
-                         "steps allow, less than a change costs (%.3f ms a step over the "
-                         "steps it would run)",
-                         (kept.paced_seconds() - plan.paced_seconds()) * 1e3,
-                         planner.least_gain(kept, plan) * 1e3, min_gain_s * 1e3)
-            plan = kept
-        self._plan = (self._plan[0], gradients, plan)
-        return False
+        plan = self._planned(lay, figures)
+        if plan.key() == current.key():
+            return plan
+        kept = None
+        if min_gain_s > 0 or (plan.pace is not None and plan.pace.measured_slope):
+            kept = self._as_running(lay, figures, current)
+        if planner.change_pays(kept, plan, min_gain_s):
+            return plan
+        logging.info("tfgc: compressor='auto' keeps its plan: the new one would save "
+                     "%.3f ms a step at the measured pace and %.3f ms at the least the "
+                     "steps allow, less than a change costs (%.3f ms a step over the "
+                     "steps it would run)",
+                     (kept.paced_seconds() - plan.paced_seconds()) * 1e3,
+                     planner.least_gain(kept, plan) * 1e3, min_gain_s * 1e3)
+        return kept
 
     @property
     def norms(self):
-        """The last interval's norms, by place in the plan's layout (the planned
-        gradients and the embedding tables, in order)."""
-        return dict(self._norms)
+        """The last interval's norms of the gradients reduced last, by place in their
+        layout (the planned gradients and the embedding tables, in order)."""
+        lay = self._shown()
+        return {} if lay is None else dict(lay.norms)
 
     @property
     def figures(self):
         """The current figures (``planner.Figures``), or None before the first plan."""
         return None if self._figures is None else self._figures[1]
+
+
+def _planned_places(layout, plan):
+    """The places in ``layout`` of ``plan``'s entries, in order."""
+    dense = plan.dense_places
+    tables = {k: p for p, k in enumerate(_table_places(layout))}
+    return [k for k in range(len(layout)) if k not in tables or tables[k] in dense]
 
 
 def _traced(variables):
@@ -816,10 +929,6 @@ def _traced(variables):
 def _table_places(layout):
     """The indices of the embedding tables in a plan's layout (``plan_for``)."""
     return [k for k, g in enumerate(layout) if len(g) > 3]
-
-
-def _tables_of(layout):
-    return [tuple(g) for g in layout if len(g) > 3]
 
 
 def steps_from_record(rows) -> dict:

@@ -340,8 +340,17 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
     def plan(self):
         """Under ``compressor="auto"``, the plan the next step runs with
         (``tfgc.distribute.planner.Plan``: ``table()``, ``as_dicts()``); None before the
-        first step, or under another compressor."""
+        first step, or under another compressor. Where the strategy reduces the
+        gradients of more than one model (a GAN's two optimizers, models fitted in
+        turn), each has a plan of its own (``plans``): this is that of the gradients
+        reduced last."""
         return self._auto.plan
+
+    def plans(self):
+        """Under ``compressor="auto"``, the plan of each set of gradients the current
+        train functions reduce (one per model or optimizer, in the order first
+        planned); [] before the first step, or under another compressor."""
+        return self._auto.plans
 
     def states(self):
         """The live ``CompressionState`` objects (one per optimizer that trained)."""
@@ -592,7 +601,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         if compressor.applied_momentum:
             momentum.check_momentum(ctx.owner, compressor)
         state = None
-        planned, sent = 0, None
+        planned, sent, plan = 0, None, None
         if not any(mask) or compressor.reduces_as_stock:
             # Nothing worth compressing (biases only, float64), or identity: the stock
             # strategy's own all-reduce, as it is.
@@ -614,7 +623,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                     _let_go(state, carried, reduced, ok, replica_id)
                     state.step(replica_id).assign_add(1)
         elif compressor.plans_per_tensor:
-            reduced, ok, state, planned, sent = self._planned_reduce(
+            reduced, ok, state, planned, sent, plan = self._planned_reduce(
                 ctx.owner, tensors, variables, mask, replica_id, options, wire, tensor_pos,
                 [(i, ctx.variables[i], s.values.dtype) for i, s in tables])
         else:
@@ -663,7 +672,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         rows_pos = [i for i in slices_pos if modes[i] == embeddings.ROWS]
         row_compressor, planned_stock = compressor, set()
         if rows_pos and compressor.plans_per_tensor:
-            row_compressor = self._auto.row_compressor() if any(mask) else None
+            row_compressor = self._auto.row_compressor(plan) if any(mask) else None
             if row_compressor is None:
                 # Everything planned as float32 (or nothing else to plan): the rows too.
                 for i in rows_pos:
@@ -717,11 +726,11 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         if sent is not None:
             # After the rows: a step that their values skip adds nothing to the sums.
             with tf.device(device):
-                self._auto.track(sent, variables, mask, reduced, replica_id, ok)
+                self._auto.track(plan, sent, variables, mask, reduced, replica_id, ok)
         if tables and any(mask):
             with tf.device(device):
                 self._auto.track_tables(
-                    [s for _, s in tables], [ctx.variables[i] for i, _ in tables],
+                    plan, [s for _, s in tables], [ctx.variables[i] for i, _ in tables],
                     [None if modes[i] == embeddings.DENSE else results[i] for i, _ in tables],
                     ok, replica_id)
 
@@ -811,7 +820,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         path and in buckets, one decision for the whole step (``positions``: their
         indices among all the gradients; ``tables``: the embedding tables the plan
         covers, ``AutoPlanner.plan_for``). Returns ``(reduced, ok, state, how many
-        gradients it compressed, the tensors sent)``: the caller hands them to
+        gradients it compressed, the tensors sent, the plan)``: the caller hands them to
         ``AutoPlanner.track`` with the step's decision once the rows are reduced too."""
         n = self._num_replicas
         plan = self._auto.plan_for(tensors, variables, mask, owner, positions, tables)
@@ -870,7 +879,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                     step_var.assign_add(1)
                 ok = None
             _let_go(state, carried, reduced, ok, replica_id)
-        return reduced, ok, state, len(grouped), tensors
+        return reduced, ok, state, len(grouped), tensors, plan
 
     def _with_moments(self, compressor, variables, mask, replica_id):
         """The mask without the gradients that have no second moment (kernels of

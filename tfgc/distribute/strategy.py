@@ -296,8 +296,17 @@ class CompressedMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStr
     def compression_plan(self):
         """Under ``compressor="auto"``: what each gradient is sent as, and why
         (``tfgc.distribute.planner.Plan``; ``table()`` prints it), or None before the
-        first step or under another compressor."""
+        first step or under another compressor. A strategy that reduces the gradients
+        of more than one model or optimizer (a GAN) plans each apart: this is the plan
+        of those reduced last, ``compression_plans()`` lists them all."""
         return self.cross_device_ops.plan()
+
+    def compression_plans(self):
+        """Under ``compressor="auto"``: the plan of each set of gradients the current
+        train functions reduce (a GAN's generator and discriminator each have one),
+        in the order they were first planned; [] before the first step or under
+        another compressor."""
+        return self.cross_device_ops.plans()
 
     def compression_state(self, owner=None):
         """This worker's compressor state (residuals, counters).
