@@ -21,6 +21,12 @@ kind of model a user brings, on 2 local workers (``--workers``):
   IndexedSlices (the rows a batch touched; README, "Embeddings", says what each
   compressor does with it). ``sent / none`` compares what a setting sends with what
   ``none`` sends in the same run, embedding included.
+* ``gan`` (not in the default sweep): a GAN whose ``train_step`` applies two
+  optimizers, so that two sets of gradients are reduced every step: a generator
+  128 -> 1024 -> 1024 -> 784 (tanh) and a discriminator 784 -> 1024 -> 1024 -> 1,
+  3.7M parameters, batch 32 per worker; the discriminator takes the compiled optimizer
+  and the generator a copy of it; the data are Gaussian noise and tanh-squashed
+  Gaussian "samples".
 
 Data are synthetic (Gaussian images or uniform token ids and uniform labels, drawn
 from a fixed seed per worker, the same shapes every run): only the cost of a step
@@ -123,7 +129,8 @@ from tfgc.apps.plots import COLORS, Panel, fmt_bytes  # noqa: E402  (stdlib only
 
 DEFAULT_OUT = os.path.join(_common.RESULTS_DIR, "models")
 STOCK = "stock"
-MODELS = ("resnet50", "mobilenetv2", "encoder")
+MODELS = ("resnet50", "mobilenetv2", "encoder", "gan")
+DEFAULT_MODELS = ["resnet50", "mobilenetv2", "encoder"]
 # tfgc.compressors.names() less "ef" and "variance", plus "ef+topk" (the driver does not
 # import TensorFlow, so it cannot ask the registry; the worker checks this list against
 # it and says which names are missing).
@@ -134,7 +141,8 @@ DEFAULT_COMPRESSORS = REGISTRY_NAMES + ["ef+topk"]
 SKIPPED_NAMES = ("ef", "variance")
 QUICK_MODELS = ["encoder", "mobilenetv2"]
 QUICK_COMPRESSORS = ["none", "fp16", "ef+topk", "qsgd", "powersgd"]
-BATCH = {"resnet50": 8, "mobilenetv2": 8, "encoder": 16}
+BATCH = {"resnet50": 8, "mobilenetv2": 8, "encoder": 16, "gan": 32}
+GAN_NOISE, GAN_SAMPLE, GAN_HIDDEN = 128, 784, 1024
 IMAGE_SHAPE = (32, 32, 3)
 NUM_CLASSES = 10
 VOCAB, WIDTH, SEQ_LEN, HEADS, KEY_DIM, FF_UNITS, LAYERS = 8000, 128, 64, 4, 32, 512, 2
@@ -183,7 +191,7 @@ def parse_args(argv=None):
     if args.worker:
         return args
     if args.models is None:
-        args.models = QUICK_MODELS if args.quick else list(MODELS)
+        args.models = QUICK_MODELS if args.quick else list(DEFAULT_MODELS)
     if args.compressors is None:
         args.compressors = QUICK_COMPRESSORS if args.quick else DEFAULT_COMPRESSORS
     if args.steps is None:
@@ -253,6 +261,9 @@ def synthetic_data(model, rank, batch_size):
     if model == "encoder":
         x = rng.integers(0, VOCAB, size=(n, SEQ_LEN), dtype=np.int32)
         y = rng.integers(0, 2, size=n, dtype=np.int32)
+    elif model == "gan":  # (real samples, the generator's noise)
+        x = np.tanh(rng.standard_normal((n, GAN_SAMPLE), dtype=np.float32))
+        y = rng.standard_normal((n, GAN_NOISE), dtype=np.float32)
     else:
         x = rng.standard_normal((n,) + IMAGE_SHAPE, dtype=np.float32)
         y = rng.integers(0, NUM_CLASSES, size=n, dtype=np.int32)
@@ -292,8 +303,60 @@ def build_encoder(keras):
     return keras.Model(tokens, logits, name="encoder")
 
 
+def build_gan(keras):
+    """The GAN (see the module docstring): ``compile(optimizer=...)`` gives the
+    discriminator that optimizer and the generator a copy; ``fit`` on (samples, noise)
+    takes a discriminator step, then a generator step, each reduced on its own."""
+    import tensorflow as tf
+
+    def mlp(width, out, activation=None):
+        return keras.Sequential([keras.Input((width,)),
+                                 keras.layers.Dense(GAN_HIDDEN, activation="relu"),
+                                 keras.layers.Dense(GAN_HIDDEN, activation="relu"),
+                                 keras.layers.Dense(out, activation=activation)])
+
+    class Gan(keras.Model):
+        def __init__(self):
+            super().__init__(name="gan")
+            self.generator = mlp(GAN_NOISE, GAN_SAMPLE, "tanh")
+            self.discriminator = mlp(GAN_SAMPLE, 1)
+            self.bce = keras.losses.BinaryCrossentropy(
+                from_logits=True, reduction=keras.losses.Reduction.NONE)
+            self.d_opt = self.g_opt = None
+
+        def compile(self, optimizer, **kwargs):
+            kwargs.pop("loss", None)
+            super().compile(optimizer=optimizer, **kwargs)
+            self.d_opt = optimizer
+            self.g_opt = optimizer.__class__.from_config(optimizer.get_config())
+
+        def _mean_bce(self, label, logits):
+            replicas = tf.distribute.get_strategy().num_replicas_in_sync
+            per_example = self.bce(tf.fill(tf.shape(logits), label), logits)
+            return tf.nn.compute_average_loss(
+                per_example, global_batch_size=tf.shape(logits)[0] * replicas)
+
+        def train_step(self, data):
+            real, noise = data
+            with tf.GradientTape() as tape:
+                d_loss = (self._mean_bce(1.0, self.discriminator(real))
+                          + self._mean_bce(0.0, self.discriminator(self.generator(noise))))
+            d_vars = self.discriminator.trainable_variables
+            self.d_opt.apply_gradients(zip(tape.gradient(d_loss, d_vars), d_vars))
+            with tf.GradientTape() as tape:
+                g_loss = self._mean_bce(1.0, self.discriminator(self.generator(noise)))
+            g_vars = self.generator.trainable_variables
+            self.g_opt.apply_gradients(zip(tape.gradient(g_loss, g_vars), g_vars))
+            return {"loss": d_loss + g_loss, "d_loss": d_loss, "g_loss": g_loss}
+
+    return Gan()
+
+
 def build_model(keras, model):
-    """(model, loss): the applications end in a softmax, the encoder in logits."""
+    """(model, loss): the applications end in a softmax, the encoder in logits; the
+    GAN has its own losses (None)."""
+    if model == "gan":
+        return build_gan(keras), None
     if model == "resnet50":
         net = keras.applications.ResNet50(weights=None, input_shape=IMAGE_SHAPE,
                                           classes=NUM_CLASSES)

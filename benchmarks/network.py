@@ -74,12 +74,13 @@ DEFAULT_CONFIGS = [
     "ef+topk:ratio=0.001@auto", "ef+topk:ratio=0.01@auto",
 ]
 ARGUMENT_ERRORS = ("ValueError", "TypeError", "KeyError")
-MODELS = ("wide_mlp", "cnn", "mlp", "resnet50", "mobilenetv2", "encoder")
+MODELS = ("wide_mlp", "cnn", "mlp", "resnet50", "mobilenetv2", "encoder", "gan")
 # ResNet-50 (tf_keras.applications, no weights) on synthetic 32x32x3 images, 10 classes.
 RESNET_SHAPE, RESNET_EXAMPLES = (32, 32, 3), 2048
-# Models built by benchmarks/models.py, on its synthetic data: MobileNetV2, and the
-# BERT-like encoder whose token embedding's gradient is an IndexedSlices.
-USER_MODELS = ("mobilenetv2", "encoder")
+# Models built by benchmarks/models.py, on its synthetic data: MobileNetV2, the
+# BERT-like encoder whose token embedding's gradient is an IndexedSlices, and a GAN
+# whose train_step applies two optimizers (two reductions a step).
+USER_MODELS = ("mobilenetv2", "encoder", "gan")
 WIDE_MLP_UNITS = (2048, 2048)
 # --auto_plan settled: steps under AutoPlanCallback before the warm-up: two intervals of
 # AUTO_SETTLE_EVERY steps (each a trace or retrace, a step that settles, and six the
@@ -95,8 +96,8 @@ def parse_args(argv=None):
     p.add_argument("--models", nargs="+", choices=MODELS, default=["wide_mlp"],
                    help="wide_mlp: 784-2048-2048-10 (defined here); cnn, mlp: "
                         "tfgc.apps.models; resnet50: tf_keras.applications on 32x32 "
-                        "images; mobilenetv2, encoder: as benchmarks/models.py builds "
-                        "them, on its synthetic data")
+                        "images; mobilenetv2, encoder, gan: as benchmarks/models.py "
+                        "builds them, on its synthetic data")
     p.add_argument("--rates", nargs="+", default=["100mbit", "1gbit", "10gbit"],
                    help="link rates in tc's syntax (default: 100mbit 1gbit 10gbit)")
     p.add_argument("--workers", type=int, nargs="+", default=[4],
@@ -273,8 +274,9 @@ def _worker(args, prefix, phase):
         import models as user_models  # benchmarks/models.py
 
         x, y = user_models.synthetic_data(args.model, rank, args.batch_size * num_workers)
-        dataset = ("uniform token ids" if args.model == "encoder"
-                   else "gaussian 32x32x3 images")
+        dataset = {"encoder": "uniform token ids",
+                   "gan": "gaussian noise and tanh-squashed gaussian samples"}.get(
+                       args.model, "gaussian 32x32x3 images")
     else:
         try:
             ds = data_lib.load_dataset(args.dataset, seed=0)
@@ -412,10 +414,14 @@ def _worker(args, prefix, phase):
         result["strategy_sent_per_step"] = ring
         result["dense_sent_per_step"] = ring
         result["strategy_sent_source"] = "ring formula 2(N-1)/N x gradient bytes"
-    plan = strategy.compression_plan() if hasattr(strategy, "compression_plan") else None
-    if plan is not None:
-        # compressor="auto": what it chose for each gradient, and from what figures.
-        result["plan"] = plan.key()[len("auto:"):].split(";")
+    plans = strategy.compression_plans() if hasattr(strategy, "compression_plans") else []
+    if plans:
+        # compressor="auto": what it chose for each gradient (of every set of gradients
+        # the step reduces: a GAN's two), and from what figures (shared); the pace of
+        # the set reduced last.
+        plan = strategy.compression_plan()
+        result["plan"] = [entry for p in plans for entry in p.key()[len("auto:"):].split(";")]
+        result["plan_sets"] = len(plans)
         result["plan_figures"] = plan.figures.describe()
         if plan.pace is not None:
             result["plan_pace"] = [plan.pace.compute_s, plan.pace.scale,
@@ -607,6 +613,7 @@ def summarize_run(run, workers):
     })
     if "plan" in w0:
         run["plan"], run["plan_figures"] = w0["plan"], w0["plan_figures"]
+        run["plan_sets"] = w0.get("plan_sets", 1)
         run["plan_pace"] = w0.get("plan_pace")
     if "compression_stats" in w0:
         run["compression_stats"] = w0["compression_stats"]

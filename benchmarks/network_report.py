@@ -320,9 +320,11 @@ def render_markdown(report, args):
                        f" Weighed by the steps that ran: compute {pace[0] * 1e3:.1f} ms + "
                        f"{pace[1]:.2f} x the predicted communication, {pace[2]:g} more "
                        "steps for a whole low-rank budget.")
+            sets = r.get("plan_sets", 1)
+            apart = f" in {sets} sets (a plan each)" if sets > 1 else ""
             lines.append(f"- `{r['config']}`, {r['model']}, {r['workers']} workers, "
-                         f"{rate_label(r['rate'])}: {len(r['plan'])} gradients planned: "
-                         f"{kinds}.{weighed} Figures: {r['plan_figures']}")
+                         f"{rate_label(r['rate'])}: {len(r['plan'])} gradients planned"
+                         f"{apart}: {kinds}.{weighed} Figures: {r['plan_figures']}")
         lines.append("")
 
     failures = [r for r in runs if r.get("status") == "failed"]
