@@ -1434,6 +1434,23 @@ def test_a_checkpoint_for_other_gradients_is_measured_again(tmp_path):
     assert auto.measurements == 2
 
 
+def test_a_record_of_the_first_format_is_read_as_one_layout():
+    # Records written before a plan per layout held the one layout's part beside the
+    # figures (format 1); restored, they serve that layout as before, measuring nothing.
+    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
+    auto = strategy.cross_device_ops._auto  # pylint: disable=protected-access
+    small_model(strategy).fit(*small_data(32), batch_size=16, verbose=0)
+    record = auto.snapshot()
+    assert record["format"] == 2 and len(record["layouts"]) == 1
+    (part,) = record.pop("layouts")
+    old = dict(record, format=1, **part)
+    strategy.compressor = "auto"
+    auto.restored(old)
+    small_model(strategy).fit(*small_data(32), batch_size=16, verbose=0)
+    assert auto.measurements == 1
+    assert auto.snapshot() == record | {"layouts": [part]}
+
+
 def test_the_benchmarks_gan_trains_with_a_plan_per_model():
     # benchmarks/models.py's GAN (network.py runs it): its train_step reduces the
     # discriminator's gradients, then the generator's; each set gets a plan of its own,
@@ -1888,6 +1905,12 @@ def test_a_gan_plans_each_models_gradients_apart_and_adapts_both(cluster):
     assert all(0 <= b - a <= 1 for a, b in zip(generations, generations[1:])), generations
     # compression_plan() is the plan of the gradients reduced last: the generator's.
     assert runs[0]["shown"] == [e[:3] for e in intervals[-1]["plans"][1]]
+    # Both plans come back from the checkpoint of both optimizers, with nothing
+    # measured (the record held the generator's alone, and the discriminator,
+    # planned first after the restore, measured and planned both afresh).
+    assert runs[0]["restored"] == runs[0]["saved"] and len(runs[0]["saved"]) == 2
+    before, after = runs[0]["measurements"]
+    assert after == before, runs[0]["measurements"]
     assert all(math.isfinite(v) for vs in runs[0]["losses"].values() for v in vs)
     w0, w1 = (np.load(cluster / f"gan.w{r}.npz") for r in range(2))
     for key in w0.files:

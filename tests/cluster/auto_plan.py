@@ -55,7 +55,10 @@
 12. Trains a GAN whose ``train_step`` applies two optimizers (a generator's and a
    discriminator's gradients, two reductions a step) under ``AutoPlanCallback`` on a
    slow given link: each interval's plans (``compression_plans``) and generation, the
-   losses and the weights (``gan.w<rank>.json``, ``gan.w<rank>.npz``).
+   losses and the weights (``gan.w<rank>.json``, ``gan.w<rank>.npz``); then saves both
+   optimizers' checkpoint, restores it into a new GAN with the compressor set afresh
+   and writes the plans of its first step and the count of measurements before and
+   after.
 """
 
 import dataclasses
@@ -616,12 +619,16 @@ def gan(strategy, rank, num_workers, out_dir):
 
         def __init__(self):
             super().__init__()
+            # Named layers: the second GAN's variables are named as the first's, as
+            # they would be in a process started again.
             self.generator = keras.Sequential([
-                keras.Input((GAN_NOISE,)), keras.layers.Dense(64, activation="relu"),
-                keras.layers.Dense(GAN_SAMPLE)])
+                keras.Input((GAN_NOISE,)),
+                keras.layers.Dense(64, activation="relu", name="g_hidden"),
+                keras.layers.Dense(GAN_SAMPLE, name="g_out")])
             self.discriminator = keras.Sequential([
-                keras.Input((GAN_SAMPLE,)), keras.layers.Dense(64, activation="relu"),
-                keras.layers.Dense(1)])
+                keras.Input((GAN_SAMPLE,)),
+                keras.layers.Dense(64, activation="relu", name="d_hidden"),
+                keras.layers.Dense(1, name="d_out")])
             self.g_opt = keras.optimizers.SGD(0.01)
             self.d_opt = keras.optimizers.SGD(0.01)
             self.bce = keras.losses.BinaryCrossentropy(
@@ -668,17 +675,35 @@ def gan(strategy, rank, num_workers, out_dir):
                                for e in plan.entries]
                               for plan in strategy.compression_plans()]})
 
+    data = data_lib.make_tf_dataset(real, noise, 8, shuffle=False, workers=num_workers)
     history = model.fit(
-        data_lib.make_tf_dataset(real, noise, 8, shuffle=False, workers=num_workers),
-        epochs=1, steps_per_epoch=GAN_STEPS, verbose=0,
+        data, epochs=1, steps_per_epoch=GAN_STEPS, verbose=0,
         callbacks=[tfgc.keras.AutoPlanCallback(strategy, every_steps=GAN_EVERY), Plans()])
+    shown = [[e.name, list(e.shape), e.label] for e in strategy.compression_plan().entries]
+    # Both optimizers' checkpoint, restored into a new GAN under the compressor set
+    # afresh and the callback again (the low-rank errors come back with regimes
+    # tracked): its first step takes both plans back without measuring.
+    saved = [plan.key() for plan in strategy.compression_plans()]
+    path = tf.train.Checkpoint(d_opt=model.d_opt, g_opt=model.g_opt).save(
+        os.path.join(out_dir, f"gan_ckpt.w{rank}", "ckpt"))
+    measured = cdo._auto.measurements  # pylint: disable=protected-access
+    strategy.compressor = "auto:link_gbps=0.001"
+    with strategy.scope():
+        keras.utils.set_random_seed(3)
+        again = Gan()
+        again.compile()
+    tf.train.Checkpoint(d_opt=again.d_opt, g_opt=again.g_opt).restore(path)
+    again.fit(data, epochs=1, steps_per_epoch=1, verbose=0,
+              callbacks=[tfgc.keras.AutoPlanCallback(strategy, every_steps=GAN_EVERY)])
     np.savez(os.path.join(out_dir, f"gan.w{rank}.npz"),
              **{f"w{i}": w.numpy() for i, w in enumerate(model.weights)})
     with open(os.path.join(out_dir, f"gan.w{rank}.json"), "w") as f:
         json.dump({"intervals": intervals,
                    "losses": {k: [float(v) for v in vs] for k, vs in history.history.items()},
-                   "shown": [[e.name, list(e.shape), e.label]
-                             for e in strategy.compression_plan().entries]}, f)
+                   "shown": shown, "saved": saved,
+                   "restored": [plan.key() for plan in strategy.compression_plans()],
+                   "measurements": [measured,
+                                    cdo._auto.measurements]}, f)  # pylint: disable=protected-access
 
 
 if __name__ == "__main__":

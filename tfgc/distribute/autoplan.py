@@ -17,12 +17,14 @@ every layout's plan and the figures ready, so that trace measures nothing.
 Checkpoints: the owner of the compression state (the optimizer) also tracks a
 ``PlanRecord``, which saves what the plan was made from (the gradients, the agreed
 figures, the critical set, the last norms and low-rank errors, the steps timed under
-each plan) and the plan itself, of the layout reduced last (a restarted job whose
-first reduction is of another layout measures again). Restored before the first step
+each plan) and the plan itself: the figures once, and a part per layout planned
+(a GAN's two). Restored before the first step
 (Keras' ``BackupAndRestore``, a ``tf.train.Checkpoint`` restored into a new optimizer), it
 reaches the planner when the record is attached, just before the first plan, and that
 plan is the saved one, priced under the saved figures, instead of measuring again (or,
-where the restored regimes and budgets rule it out, a plan made from them). The link
+where the restored regimes and budgets rule it out, a plan made from them); the other
+layouts' parts wait for their first plans, which take them under the restored figures
+(a record with no part for the first layout planned is not used). The link
 alone is measured again first (``planner.measure_link``, a fraction of a second): a
 checkpoint restored on another network, where a float32 all-reduce of the planned
 gradients takes ``RESTORED_LINK_FACTOR`` times as long or as short, is planned afresh
@@ -54,7 +56,10 @@ from tfgc.distribute.paths import base
 
 # The record's name among the owner's checkpoint dependencies.
 RECORD_NAME = "tfgc_auto_plan"
-_RECORD_FORMAT = 1
+# 2: the figures once and a part per layout (``layouts``); 1 (read too): one layout,
+# its part beside the figures.
+_RECORD_FORMAT = 2
+_LAYOUT_FIELDS = ("key", "labels", "gradients", "critical", "norms", "steps", "tables")
 # A restored plan is kept unless the link measured at the restore predicts a float32
 # all-reduce of its gradients this many times slower or faster than the saved figures
 # did. Link classes differ by 10x (100 Mbit/s, 1, 10 Gbit/s); the probe of one link
@@ -84,7 +89,7 @@ class PlanRecord(trackable.Trackable):
             return tf.no_op()  # a SavedModel's traced restore: nothing to plan there
         record = json.loads(restored_tensors["plan"].numpy().decode())
         auto_planner = self._planner_ref()
-        if auto_planner is not None and record.get("format") == _RECORD_FORMAT:
+        if auto_planner is not None and record.get("format") in (1, _RECORD_FORMAT):
             auto_planner.restored(record)
         return None
 
@@ -168,9 +173,14 @@ class AutoPlanner:
         # (``capture``; worker 0's: a copy of the matrices every step would cost the step
         # a pass over them).
         self._low_rank, self._capture = {}, None
+        # The restored record's parts of the layouts not planned yet, by their
+        # gradients (``_layout_key``): each takes its part when first planned.
+        self._saved_layouts = {}
 
     def _active(self):
-        """The layouts planned in the current generation, in the order they were."""
+        """The layouts planned in the current generation, the least recently made
+        first (the same order on every worker: each makes its plans at the same
+        points)."""
         generation = self._ops.generation
         return [lay for lay in self._layouts.values() if lay.current(generation) is not None]
 
@@ -224,6 +234,9 @@ class AutoPlanner:
             plan = lay.plan[1]
             if plan.tables and [(t.name, t.shape) for t in plan.tables] == traced:
                 return plan.dense_places
+        for part in self._saved_layouts.values():  # restored, planned later in this trace
+            if _saved_tables(part) == traced:
+                return frozenset(t[0] for t in part["tables"] if t[3])
         return frozenset()
 
     def _restored_dense(self, variables, owner) -> frozenset:
@@ -238,10 +251,11 @@ class AutoPlanner:
 
         def agree(*_):
             self._attach(owner)  # a deferred checkpoint restore reaches ``restored`` here
-            saved = (self._saved or {}).get("tables") or []
-            usable = [(t[1], tuple(t[2])) for t in saved] == traced
+            parts = (self._saved or {}).get("layouts") or []
+            saved = next((part["tables"] for part in parts if _saved_tables(part) == traced),
+                         None)
             places = frozenset()
-            if self._all_restored(json.dumps(saved) if usable else None):
+            if self._all_restored(json.dumps(saved) if saved is not None else None):
                 places = frozenset(t[0] for t in saved if t[3])
             self._saved_dense = (generation, traced, places)
 
@@ -296,11 +310,21 @@ class AutoPlanner:
         self._count_rows(lay)
         auto = self._ops.compressor
         labels = rows_label = None
-        if self._figures is None or self._figures[0] != generation:
+        if self._figures is not None and self._figures[0] == generation:
+            # A record reaching the planner now (another optimizer's copy of the
+            # checkpoint, attached at its first plan) comes after this generation's
+            # figures: the one taken with them holds every layout's part already.
+            self._saved = None
+            part = self._saved_layouts.pop(_layout_key(gradients), None)
+            if part is not None:  # restored with the figures this generation took
+                labels, rows_label = self._take_part(lay, part)
+        else:
             figures, labels, rows_label = self._restored_figures(lay)
             moved = figures is not None and self._moved_link(lay, figures)
             if moved:
                 figures, labels, rows_label = moved, None, None
+                for part in self._saved_layouts.values():
+                    part["labels"], part["steps"] = None, []  # timed on the old link
             if figures is None:
                 started = time.perf_counter()
                 figures = planner.measure(self._ops, auto.link_gbps, auto.latency_ms)
@@ -355,26 +379,32 @@ class AutoPlanner:
             owner._track_trackable(PlanRecord(self), name=RECORD_NAME, overwrite=True)  # pylint: disable=protected-access
 
     def snapshot(self) -> dict:
-        """The inputs and key of the current plan of the gradients reduced last, as the
-        checkpoint keeps them ({} before the first plan)."""
-        lay = self._shown()
-        plan = None if lay is None else lay.current(self._ops.generation)
-        if plan is None:
+        """The current plans' inputs and keys, as the checkpoint keeps them: the figures
+        and low-rank errors once, and a part per layout planned in this generation,
+        in the order first planned ({} before the first plan)."""
+        active = sorted(self._active(), key=lambda lay: lay.number)
+        if not active:
             return {}
         figures = self._figures[1]
-        critical = lay.critical
-        return {"format": _RECORD_FORMAT, "key": plan.key(),
-                "labels": {e.name: e.label for e in plan.entries},
-                "gradients": json.loads(json.dumps(lay.gradients)),
+        return {"format": _RECORD_FORMAT,
                 "num_workers": figures.num_workers,
                 "candidates": [c.label for c in planner.ALL],
                 "link_us": list(figures.link_us),
                 "encode_us": {k: list(v) for k, v in figures.encode_us.items()},
                 "decode_us": {k: list(v) for k, v in figures.decode_us.items()},
-                "critical": critical if critical == "all" else sorted(critical),
-                "norms": {str(k): v for k, v in lay.norms.items()},
                 "low_rank": {name: [sq, {str(r): e for r, e in rel.items()}]
                              for name, (sq, rel) in self._low_rank.items()},
+                "layouts": [self._part(lay) for lay in active]}
+
+    def _part(self, lay) -> dict:
+        """``lay``'s part of the record: its plan, gradients, regimes and timed steps."""
+        plan = lay.plan[1]
+        critical = lay.critical
+        return {"key": plan.key(),
+                "labels": {e.name: e.label for e in plan.entries},
+                "gradients": json.loads(json.dumps(lay.gradients)),
+                "critical": critical if critical == "all" else sorted(critical),
+                "norms": {str(k): v for k, v in lay.norms.items()},
                 "steps": [[key, comm, step, se if math.isfinite(se) else None]
                           for key, (comm, step, se) in sorted(lay.steps.items())],
                 # Each table: place, name, shape, sent dense, the rows it was priced
@@ -383,30 +413,32 @@ class AutoPlanner:
                             t.label] for t in plan.tables]}
 
     def restored(self, record: dict):
-        """A checkpoint's record (``PlanRecord``): the next plan is made from it."""
+        """A checkpoint's record (``PlanRecord``): the next plans are made from it."""
+        if record.get("format") == 1:  # one layout, its part beside the figures
+            record = dict({k: v for k, v in record.items() if k not in _LAYOUT_FIELDS},
+                          layouts=[{k: record.get(k) for k in _LAYOUT_FIELDS}])
         self._saved = record
 
     def _restored_figures(self, lay):
-        """The restored record's figures for the layout ``lay`` and its plan's labels by
-        name, when every worker restored the same ones; else (None, None) (then all
-        measure). Takes the record. Every worker calls it at the same point: it
-        all-gathers a checksum."""
+        """The restored record's figures, where it has a part for the layout ``lay`` and
+        every worker restored the same record, and that part's plan's labels by name and
+        what its tables' rows went as; else (None, None, None) (then all measure). Takes
+        the record; its parts of other layouts wait for their first plan
+        (``_saved_layouts``). Every worker calls it at the same point: it all-gathers a
+        checksum."""
         record, self._saved = self._saved, None
         auto = self._ops.compressor
-        usable = (record is not None
-                  and json.loads(json.dumps(lay.gradients)) == record["gradients"]
+        key = _layout_key(lay.gradients)
+        parts = {_layout_key(part["gradients"]): part
+                 for part in (record or {}).get("layouts") or []}
+        usable = (key in parts
                   and record["num_workers"] == self._ops.group_size
                   and record["candidates"] == [c.label for c in planner.ALL]
                   and len(record["link_us"]) == len(planner.LINK_SIZES)
                   and (auto.link_gbps or any(record["link_us"])
                        or self._ops.group_size < 2))
-        figures_json = None
-        if usable:
-            figures_json = json.dumps({k: record.get(k) for k in
-                                       ("link_us", "encode_us", "decode_us", "critical",
-                                        "norms", "low_rank", "steps", "labels", "tables")},
-                                      sort_keys=True)
-        if not self._all_restored(figures_json):
+        self._saved_layouts = {}
+        if not self._all_restored(json.dumps(record, sort_keys=True) if usable else None):
             if record is not None:
                 logging.info("tfgc: compressor='auto': the checkpoint's plan is not for "
                              "these gradients, this cluster or every worker; measuring")
@@ -416,20 +448,30 @@ class AutoPlanner:
             {label: tuple(us) for label, us in record["encode_us"].items()},
             {label: tuple(us) for label, us in record["decode_us"].items()},
             auto.link_gbps, auto.latency_ms)
-        if lay.sums is not None:  # regimes tracked: carry on from the saved interval
-            critical = record["critical"]
-            lay.critical = critical if critical == "all" else frozenset(critical)
-            lay.norms = {int(k): v for k, v in record["norms"].items()}
+        if self._tracked:
             self._low_rank = {name: (sq, {_error_key(k): e for k, e in rel.items()})
                               for name, (sq, rel) in record.get("low_rank", {}).items()}
-            lay.steps = steps_from_record(record.get("steps", []))
-        tables = record.get("tables") or []
+        part = parts.pop(key)
+        self._saved_layouts = parts
+        logging.info("tfgc: compressor='auto': the plan's figures restored from the "
+                     "checkpoint (%s)", figures.describe())
+        return (figures,) + self._take_part(lay, part)
+
+    @staticmethod
+    def _take_part(lay, part):
+        """A restored ``part`` of the record into the layout ``lay`` (its regimes and
+        timed steps, where regimes are tracked, and its tables' counted rows); returns
+        its plan's labels by name and what its tables' rows went as."""
+        if lay.sums is not None:  # regimes tracked: carry on from the saved interval
+            critical = part["critical"]
+            lay.critical = critical if critical == "all" else frozenset(critical)
+            lay.norms = {int(k): v for k, v in part["norms"].items()}
+            lay.steps = steps_from_record(part.get("steps") or [])
+        tables = part.get("tables") or []
         for place, _, _, _, rows, tokens, _ in tables:
             if lay.rows.get(place, (0, 0))[0] == 0:  # not counted since: the saved count
                 lay.rows[place] = (rows, tokens)
-        logging.info("tfgc: compressor='auto': the plan's figures restored from the "
-                     "checkpoint (%s)", figures.describe())
-        return figures, record.get("labels"), tables[0][6] if tables else None
+        return part.get("labels"), tables[0][6] if tables else None
 
     def _moved_link(self, lay, figures):
         """The restored ``figures`` with the link measured now (every worker at once),
@@ -929,6 +971,16 @@ def _traced(variables):
 def _table_places(layout):
     """The indices of the embedding tables in a plan's layout (``plan_for``)."""
     return [k for k, g in enumerate(layout) if len(g) > 3]
+
+
+def _layout_key(gradients) -> str:
+    """A layout's gradients as a record writes them (JSON: tuples become lists)."""
+    return json.dumps(gradients)
+
+
+def _saved_tables(part):
+    """The tables of a record's ``part`` as ``_traced`` names traced ones."""
+    return [(t[1], tuple(t[2])) for t in part.get("tables") or []]
 
 
 def steps_from_record(rows) -> dict:
