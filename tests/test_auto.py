@@ -23,8 +23,7 @@ import pytest
 import tensorflow as tf
 
 import tfgc
-from cluster_scripts import (assert_fit_identical_and_learning, benchmark_module, cluster_script,
-                             run_cluster)
+from cluster_scripts import assert_fit_identical_and_learning, cluster_script, run_cluster
 from tfgc.compressors import get as get_compressor
 from tfgc.distribute import autoplan, planner
 
@@ -1449,28 +1448,6 @@ def test_a_record_of_the_first_format_is_read_as_one_layout():
     small_model(strategy).fit(*small_data(32), batch_size=16, verbose=0)
     assert auto.measurements == 1
     assert auto.snapshot() == record | {"layouts": [part]}
-
-
-def test_the_benchmarks_gan_trains_with_a_plan_per_model():
-    # benchmarks/models.py's GAN (network.py runs it): its train_step reduces the
-    # discriminator's gradients, then the generator's; each set gets a plan of its own,
-    # in that order.
-    import tf_keras as keras
-
-    models = benchmark_module("models")
-    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
-    x, y = models.synthetic_data("gan", 0, 8)
-    with strategy.scope():
-        net, loss = models.build_model(keras, "gan")
-        net.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss)
-    history = net.fit(x, y, batch_size=8, epochs=1, steps_per_epoch=2, verbose=0)
-    assert all(math.isfinite(v) for v in history.history["loss"])
-    plans = strategy.compression_plans()
-    assert len(plans) == 2
-    for plan, part in zip(plans, (net.discriminator, net.generator)):
-        names = {v.name for v in part.trainable_variables}
-        assert plan.entries and {e.name for e in plan.entries} <= names, plan.table()
-    assert strategy.compression_plan() is plans[1]  # the generator's, reduced last
 
 
 # -- a real cluster ----------------------------------------------------------------

@@ -309,12 +309,42 @@ def test_auto_writes_its_plan_as_text_once_per_plan(make_strategy, tmp_path):
     cb = CompressionStatsCallback(strategy, log_dir=str(tmp_path))
     x, y = data()
     model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[cb])
+    # One plan for both epochs: written once, at the first write, as plan.table() says.
+    assert _texts(tmp_path) == [("compression/plan", 0, strategy.compression_plan().table())]
+
+
+def test_auto_writes_every_plan_of_a_gan_as_text(make_strategy, tmp_path):
+    # benchmarks/models.py's GAN (network.py runs it) reduces the discriminator's
+    # gradients, then the generator's: a plan each, in that order, and both tables
+    # written.
+    from cluster_scripts import benchmark_module
+
+    models = benchmark_module("models")
+    strategy = make_strategy("auto")
+    x, y = models.synthetic_data("gan", 0, 8)
+    with strategy.scope():
+        net, loss = models.build_model(keras, "gan")
+        net.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss)
+    cb = CompressionStatsCallback(strategy, log_dir=str(tmp_path))
+    net.fit(x, y, batch_size=8, epochs=1, steps_per_epoch=2, verbose=0, callbacks=[cb])
+    assert all(np.isfinite(v) for v in net.history.history["loss"])
+    plans = strategy.compression_plans()
+    assert len(plans) == 2
+    for plan, part in zip(plans, (net.discriminator, net.generator)):
+        names = {v.name for v in part.trainable_variables}
+        assert plan.entries and {e.name for e in plan.entries} <= names, plan.table()
+    assert strategy.compression_plan() is plans[1]  # the generator's, reduced last
+    assert _texts(tmp_path) == [("compression/plan", 0,
+                                 plans[0].table() + "\n\n" + plans[1].table())]
+
+
+def _texts(log_dir):
+    """Worker 0's text summaries: (tag, step, text)."""
     texts = []
-    for path in glob.glob(os.path.join(tmp_path, "worker0", "events.out.tfevents.*")):
+    for path in glob.glob(os.path.join(log_dir, "worker0", "events.out.tfevents.*")):
         for event in tf.compat.v1.train.summary_iterator(path):
             for value in event.summary.value:
                 if value.metadata.plugin_data.plugin_name == "text":
                     texts.append((value.tag, event.step,
                                   tf.make_ndarray(value.tensor).item().decode()))
-    # One plan for both epochs: written once, at the first write, as plan.table() says.
-    assert texts == [("compression/plan", 0, strategy.compression_plan().table())]
+    return texts

@@ -246,17 +246,20 @@ class CompressionStatsCallback(keras.callbacks.Callback):
         if self._writer is None:
             self._writer = tf.summary.create_file_writer(self.log_dir)
         values = self.scalars()
-        plan_of = getattr(self._strategy, "compression_plan", None)
-        plan = plan_of() if plan_of is not None else None
+        # compressor="auto": its plans (one per set of gradients the step reduces: a
+        # GAN's two), as text, when they are new.
+        plans_of = getattr(self._strategy, "compression_plans", None)
+        plans = plans_of() if plans_of is not None else []
+        digests = [plan.digest() for plan in plans]
         with self._writer.as_default(step=int(step)):
             for tag, value in values.items():
                 tf.summary.write(f"{self._prefix}{tag}", tf.constant(value, tf.float32),
                                  metadata=_SCALAR_METADATA)
-            if plan is not None and plan.digest() != self._plan_written:
-                # compressor="auto": its plan as text, when it is new.
-                tf.summary.write(f"{self._prefix}compression/plan", tf.constant(plan.table()),
+            if plans and digests != self._plan_written:
+                text = "\n\n".join(plan.table() for plan in plans)
+                tf.summary.write(f"{self._prefix}compression/plan", tf.constant(text),
                                  metadata=_TEXT_METADATA)
-                self._plan_written = plan.digest()
+                self._plan_written = digests
 
 
 class AutoPlanCallback(keras.callbacks.Callback):
