@@ -1331,6 +1331,70 @@ def test_the_plan_callback_ends_an_interval_every_so_many_steps():
     assert callback.history[0][1] == sorted(names)
 
 
+def test_a_step_of_more_sets_than_the_planner_keeps_keeps_them_all():
+    # One train_step applying five optimizers: five sets of gradients a step, one more
+    # than autoplan.MAX_LAYOUTS. Each retrace evicted the set it was about to need, so
+    # every set was planned afresh at every retrace, its regimes gone, and one was
+    # missing from compression_plans(). Now the sets a train function reduces stay.
+    import tf_keras as keras
+
+    sets = autoplan.MAX_LAYOUTS + 1
+    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
+    auto = strategy.cross_device_ops._auto  # pylint: disable=protected-access
+
+    class Several(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.nets = [keras.layers.Dense(32 + i, name=f"net{i}") for i in range(sets)]
+            self.opts = [keras.optimizers.SGD(0.01) for _ in range(sets)]
+
+        def train_step(self, data):
+            x, y = data
+            for net, opt in zip(self.nets, self.opts):
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_mean(tf.square(net(x)[:, :4] - y))
+                opt.apply_gradients(zip(tape.gradient(loss, net.trainable_variables),
+                                        net.trainable_variables))
+            return {"loss": loss}
+
+    with strategy.scope():
+        model = Several()
+        model.compile()
+    callback = tfgc.keras.AutoPlanCallback(strategy, every_steps=2, link_margin=None)
+    model.fit(*small_data(32), batch_size=4, epochs=1, steps_per_epoch=6, verbose=0,
+              callbacks=[callback])
+    plans = strategy.compression_plans()
+    assert [[e.name for e in plan.entries] for plan in plans] == [
+        [f"net{i}/kernel:0"] for i in range(sets)]
+    # Made once each (track_regimes' retrace and every interval's found them).
+    layouts = auto._layouts.values()  # pylint: disable=protected-access
+    assert sorted(layout.number for layout in layouts) == list(range(sets))
+
+
+@pytest.mark.parametrize("per_call,ends", [(2, [6, 10]), (3, [6, 12])])
+def test_the_plan_callback_counts_steps_not_calls(per_call, ends):
+    # With steps_per_execution, Keras calls back once per call of the train function:
+    # 12 steps in calls of 2 or 3, intervals of 5 steps end at the first call's end at
+    # or past steps 5 and 10 (counting calls, 3 and 2 calls in, they ended at steps
+    # 10 only, and at none).
+    import tf_keras as keras
+
+    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
+    model = small_model(strategy)
+    model.compile(optimizer=model.optimizer, loss="mse", steps_per_execution=per_call)
+    ended = []
+
+    class Steps(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if len(callback.history) > len(ended):
+                ended.append(int(model.optimizer.iterations.numpy()))
+
+    callback = tfgc.keras.AutoPlanCallback(strategy, every_steps=5, link_margin=None)
+    model.fit(*small_data(48), batch_size=4, epochs=1, steps_per_epoch=12, verbose=0,
+              callbacks=[callback, Steps()])
+    assert ended == ends
+
+
 def test_a_change_of_plan_must_pay_for_itself_over_the_rest_of_the_fit():
     # One worker: the fit's length is Keras' epochs times steps; a change's cost is
     # spread over the steps left of it, and over an interval where fewer are left or

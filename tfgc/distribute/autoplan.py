@@ -69,7 +69,8 @@ _LAYOUT_FIELDS = ("key", "labels", "gradients", "critical", "norms", "steps", "t
 RESTORED_LINK_FACTOR = 3.0
 # The layouts of gradients kept at most (``_Layout``: a GAN's two models, models fitted
 # in turn, a model's trainable sets as layers are frozen and thawed); beyond that the
-# least recently planned is forgotten, with the interval sums worker 0 keeps for it.
+# least recently planned is forgotten, with the interval sums worker 0 keeps for it,
+# unless the current train functions reduce it (a step of more sets keeps them all).
 MAX_LAYOUTS = 4
 
 
@@ -350,8 +351,9 @@ class AutoPlanner:
         """The layout of ``gradients``, made the first time (each layout has regimes,
         sums and timed steps of its own; the low-rank errors, by gradient name, and the
         figures are shared), now the most recently planned. Beyond ``MAX_LAYOUTS``, the
-        least recently planned is forgotten, and with it its sums (worker 0 keeps a
-        gradient's size in them for each layout)."""
+        least recently planned of those not planned in this generation is forgotten,
+        and with it its sums (worker 0 keeps a gradient's size in them for each
+        layout)."""
         lay = self._layouts.pop(gradients, None)
         if lay is None:
             if self._layouts:
@@ -360,8 +362,16 @@ class AutoPlanner:
                              "beside %d other%s", len(self._layouts),
                              "s" if len(self._layouts) > 1 else "")
             lay = _Layout(gradients, next(self._numbers), self._tracked)
+            # Only a layout no train function of this generation reduces: one step
+            # that reduces more sets than the bound keeps them all (they are parts of
+            # its gradients, so their sums add up to the step's gradients at most).
+            generation = self._ops.generation
             while len(self._layouts) >= MAX_LAYOUTS:
-                self._layouts.popitem(last=False)
+                stale = next((key for key, other in self._layouts.items()
+                              if other.current(generation) is None), None)
+                if stale is None:
+                    break
+                del self._layouts[stale]
         self._layouts[gradients] = lay
         return lay
 

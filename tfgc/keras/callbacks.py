@@ -366,6 +366,8 @@ class AutoPlanCallback(keras.callbacks.Callback):
         # The last ordinary steps' seconds since the plan changed.
         self._plan_steps = collections.deque(maxlen=256)
         self._began = None
+        # The first step of the call now running, and how many steps a call ran last.
+        self._first_batch, self._per_call = None, 1
         self.change_s = 0.0
         self._restart_timing(None)
         # (epoch, critical names, whether the link changed the plan) per interval.
@@ -382,7 +384,8 @@ class AutoPlanCallback(keras.callbacks.Callback):
         self._generation = generation
         self._traced = False
         self._after_change = False
-        self._change_steps = None  # the retrace's step and those settling after it
+        # The retrace's step and those settling after it: (seconds a step, steps).
+        self._change_steps = None
         self._settling = 0  # steps after a trace still to settle before timing the plan
         self._plan_steps = collections.deque(maxlen=256)
 
@@ -398,25 +401,33 @@ class AutoPlanCallback(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         self._began = time.perf_counter()
+        self._first_batch = batch
         if self._threshold is None:
             return
-        # The step before an interval's end keeps the gradients its measurement reads.
-        if self._ends_interval(batch) is not False:
+        # The call before an interval's end keeps the gradients its measurement reads
+        # (as many steps as the last call ran: ``steps_per_execution``).
+        if self._ends_interval(batch, batch + self._per_call - 1) is not False:
             self._strategy.cross_device_ops.capture_gradients()
 
-    def _ends_interval(self, batch):
-        """Whether the step now running is its interval's last (None: unknown, an epoch
-        whose length Keras does not know)."""
+    def _ends_interval(self, first, last):
+        """Whether the steps ``first`` to ``last`` of the epoch (one call of the train
+        function: more than one under ``steps_per_execution``) end an interval (None:
+        unknown, an epoch whose length Keras does not know)."""
         if self._every_steps is not None:
-            return (self._steps + 1) % self._every_steps == 0
+            done = self._steps + last - first + 1
+            return done // self._every_steps > self._steps // self._every_steps
         steps = (self.params or {}).get("steps")
         if steps is None:
             return None
-        return batch == steps - 1 and (self._epoch + 1) % self._every == 0
+        return last >= steps - 1 and (self._epoch + 1) % self._every == 0
 
     def on_train_batch_end(self, batch, logs=None):
-        self._time_step()
-        ends = self._ends_interval(batch)
+        # Keras calls back once per call of the train function, with the index of its
+        # last step: steps_per_execution steps (fewer at an epoch's end).
+        first = batch if self._first_batch is None else min(self._first_batch, batch)
+        self._per_call = batch - first + 1
+        self._time_step(self._per_call)
+        ends = self._ends_interval(first, batch)
         if not self._measured and self._threshold is not None \
                 and len(self._plan_steps) >= self.LOW_RANK_AFTER and not ends:
             # The low-rank candidates' first measurement: once the first plan's steps are
@@ -426,30 +437,31 @@ class AutoPlanCallback(keras.callbacks.Callback):
             began = time.perf_counter()
             self._strategy.cross_device_ops.measure_low_rank(**self._plan_step())
             self.measure_s = time.perf_counter() - began
-        self._steps += 1
-        self._fit_steps += 1
+        self._steps += self._per_call
+        self._fit_steps += self._per_call
+        self._first_batch = None
         if self._every_steps is not None and ends:
             self._end_interval(self._epoch, logs)
         self._note_change()
 
-    def _time_step(self):
-        """The step's seconds: what a change of plan cost, when the step followed one (its
-        retrace and the steps that settle after it), else one more ordinary step (of the
-        plan's, once settled)."""
+    def _time_step(self, steps=1):
+        """The step's seconds (a call's over its ``steps``): what a change of plan cost,
+        when the step followed one (its retrace and the steps that settle after it),
+        else one more ordinary step (of the plan's, once settled)."""
         if self._began is None:
             return
-        seconds = time.perf_counter() - self._began
+        seconds = (time.perf_counter() - self._began) / steps
         if self._after_change:
             # Priced once there are ordinary steps to compare with (a change right after
             # the first step comes before any). A change before the last was priced
             # is not priced at all: its retrace and this one are not told apart.
-            self._after_change, self._change_steps = False, [seconds]
+            self._after_change, self._change_steps = False, [(seconds, steps)]
             self._settling = self.SETTLE_STEPS
         elif self._settling > 0:
             # Warming up after a trace: neither an ordinary step nor the plan's.
             self._settling -= 1
             if self._change_steps is not None:
-                self._change_steps.append(seconds)
+                self._change_steps.append((seconds, steps))
         elif self._traced:
             self._durations.append(seconds)
             self._plan_steps.append(seconds)
@@ -458,7 +470,7 @@ class AutoPlanCallback(keras.callbacks.Callback):
             self._settling = self.SETTLE_STEPS
         if self._change_steps is not None and self._settling == 0 and self._durations:
             ordinary = float(np.median(self._durations))
-            self.change_s = sum(max(s - ordinary, 0.0) for s in self._change_steps)
+            self.change_s = sum(n * max(s - ordinary, 0.0) for s, n in self._change_steps)
             self._change_steps = None
 
     def _note_change(self):
