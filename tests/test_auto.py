@@ -1371,6 +1371,45 @@ def test_a_step_of_more_sets_than_the_planner_keeps_keeps_them_all():
     assert sorted(layout.number for layout in layouts) == list(range(sets))
 
 
+def test_a_model_not_trained_in_an_interval_keeps_its_timed_steps():
+    # Two models fitted in turn under AutoPlanCallback, the first leaving a step after
+    # its last interval: that step made it count as trained in the second model's
+    # intervals, whose steps were then timed as its own. Each fit now starts counting
+    # afresh (the callback's track_regimes at its start).
+    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
+    auto = strategy.cross_device_ops._auto  # pylint: disable=protected-access
+
+    def fit(width, steps):
+        model = small_model(strategy, width)
+        callback = tfgc.keras.AutoPlanCallback(strategy, every_steps=4, link_margin=None)
+        model.fit(*small_data(40), batch_size=4, epochs=1, steps_per_epoch=steps,
+                  verbose=0, callbacks=[callback])
+
+    fit(64, 5)  # an interval ends at step 4; step 5 is left over
+    (first,) = auto._layouts.values()  # pylint: disable=protected-access
+    timed = dict(first.steps)
+    fit(48, 8)  # intervals end at steps 4 and 8, with ordinary steps timed
+    assert len(auto._layouts) == 2  # pylint: disable=protected-access
+    assert first.steps == timed
+
+
+def test_models_fitted_one_after_another_are_forgotten_beyond_the_bound():
+    # A sweep: a new model each trial under one strategy. The planner keeps the last
+    # MAX_LAYOUTS of them (and with them worker 0's interval sums), not every one.
+    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
+    auto = strategy.cross_device_ops._auto  # pylint: disable=protected-access
+    strategy.cross_device_ops.track_regimes()
+    widths = [64 + trial for trial in range(autoplan.MAX_LAYOUTS + 3)]
+    for width in widths:
+        small_model(strategy, width).fit(*small_data(16), batch_size=4, steps_per_epoch=2,
+                                         verbose=0)
+        strategy.cross_device_ops.adapt(0.5, step_s=0.1)
+    layouts = list(auto._layouts.values())  # pylint: disable=protected-access
+    assert [layout.gradients[0][1] for layout in layouts] == [
+        (40, width) for width in widths[-autoplan.MAX_LAYOUTS:]]
+    assert len(auto.snapshot()["layouts"]) == autoplan.MAX_LAYOUTS
+
+
 @pytest.mark.parametrize("per_call,ends", [(2, [6, 10]), (3, [6, 12])])
 def test_the_plan_callback_counts_steps_not_calls(per_call, ends):
     # With steps_per_execution, Keras calls back once per call of the train function:

@@ -69,8 +69,9 @@ _LAYOUT_FIELDS = ("key", "labels", "gradients", "critical", "norms", "steps", "t
 RESTORED_LINK_FACTOR = 3.0
 # The layouts of gradients kept at most (``_Layout``: a GAN's two models, models fitted
 # in turn, a model's trainable sets as layers are frozen and thawed); beyond that the
-# least recently planned is forgotten, with the interval sums worker 0 keeps for it,
-# unless the current train functions reduce it (a step of more sets keeps them all).
+# least recently traced is forgotten, with the interval sums worker 0 keeps for it,
+# unless the train function being traced reduces it too (a step of more sets keeps
+# them all).
 MAX_LAYOUTS = 4
 
 
@@ -105,6 +106,7 @@ class _Layout:
     def __init__(self, gradients, number, tracked):
         self.gradients = gradients
         self.number = number  # what the traced steps write to say this layout ran
+        self.graph = None  # a weak reference to the graph that traced it last
         self.plan = None  # (generation, planner.Plan) once planned
         # The names of the gradients in a critical regime ("all": every one, until the
         # first interval ends), the last interval's norms and, by place, a sum of each
@@ -166,7 +168,7 @@ class AutoPlanner:
 
     def reset(self):
         """Another compressor: the next plan starts afresh, no regimes tracked."""
-        # By layout, least recently planned first.
+        # By layout, least recently traced first.
         self._layouts = collections.OrderedDict()
         self._tracked = False
         # Worker 0's last low-rank measurement by gradient name (``planner.LowRank.errors``),
@@ -179,9 +181,9 @@ class AutoPlanner:
         self._saved_layouts = {}
 
     def _active(self):
-        """The layouts planned in the current generation, the least recently made
-        first (the same order on every worker: each makes its plans at the same
-        points)."""
+        """The layouts whose plans belong to the current generation (planned in it, or
+        carried into it by ``_take``), the least recently traced first (the same order
+        on every worker: each traces its steps at the same points)."""
         generation = self._ops.generation
         return [lay for lay in self._layouts.values() if lay.current(generation) is not None]
 
@@ -288,26 +290,30 @@ class AutoPlanner:
                        tf.as_dtype(dtype).name, "table")) for i, v, dtype in tables]
         layout = tuple(g for _, g in sorted(items, key=lambda item: item[0]))
         dense = frozenset(where[i] for i, m in zip(positions, mask) if m and i in where)
+        graph = tf.compat.v1.get_default_graph()  # the train function being traced
         if not self._is_current(layout, dense):
             replica_ctx = tf.distribute.get_replica_context()
             if replica_ctx is not None and len(self._ops.local_devices) > 1:
                 # Replica threads take turns; the measurements run once, in the merge.
-                replica_ctx.merge_call(lambda _: self._make(layout, owner, dense))
+                replica_ctx.merge_call(lambda _: self._make(layout, owner, dense, graph))
             else:
-                self._make(layout, owner, dense)
-        return self._layouts[layout].plan[1]
+                self._make(layout, owner, dense, graph)
+        lay = self._layouts[layout]
+        lay.graph = weakref.ref(graph)
+        self._layouts.move_to_end(layout)  # the most recently traced last
+        return lay.plan[1]
 
     def _is_current(self, layout, dense) -> bool:
         lay = self._layouts.get(layout)
         plan = None if lay is None else lay.current(self._ops.generation)
         return plan is not None and plan.dense_places == dense
 
-    def _make(self, gradients, owner, dense=frozenset()):
+    def _make(self, gradients, owner, dense=frozenset(), graph=None):
         generation = self._ops.generation
         if self._is_current(gradients, dense):
             return
         self._attach(owner)  # a deferred checkpoint restore reaches ``restored`` here
-        lay = self._layout(gradients)
+        lay = self._layout(gradients, graph)
         self._count_rows(lay)
         auto = self._ops.compressor
         labels = rows_label = None
@@ -347,13 +353,13 @@ class AutoPlanner:
         lay.plan = (generation, plan)
         logging.info("%s", plan.table())
 
-    def _layout(self, gradients):
+    def _layout(self, gradients, graph=None):
         """The layout of ``gradients``, made the first time (each layout has regimes,
         sums and timed steps of its own; the low-rank errors, by gradient name, and the
-        figures are shared), now the most recently planned. Beyond ``MAX_LAYOUTS``, the
-        least recently planned of those not planned in this generation is forgotten,
-        and with it its sums (worker 0 keeps a gradient's size in them for each
-        layout)."""
+        figures are shared), now the most recently traced. Beyond ``MAX_LAYOUTS``, the
+        least recently traced of those that ``graph`` (the train function being
+        traced) does not reduce is forgotten, and with it its sums (worker 0 keeps a
+        gradient's size in them for each layout)."""
         lay = self._layouts.pop(gradients, None)
         if lay is None:
             if self._layouts:
@@ -362,13 +368,12 @@ class AutoPlanner:
                              "beside %d other%s", len(self._layouts),
                              "s" if len(self._layouts) > 1 else "")
             lay = _Layout(gradients, next(self._numbers), self._tracked)
-            # Only a layout no train function of this generation reduces: one step
-            # that reduces more sets than the bound keeps them all (they are parts of
-            # its gradients, so their sums add up to the step's gradients at most).
-            generation = self._ops.generation
+            # Never one this trace reduces: a step that reduces more sets than the
+            # bound keeps them all (they are parts of its gradients, so their sums add
+            # up to the step's gradients at most).
             while len(self._layouts) >= MAX_LAYOUTS:
                 stale = next((key for key, other in self._layouts.items()
-                              if other.current(generation) is None), None)
+                              if other.graph is None or other.graph() is not graph), None)
                 if stale is None:
                     break
                 del self._layouts[stale]
@@ -780,11 +785,12 @@ class AutoPlanner:
     # -- between steps -----------------------------------------------------------------
 
     def _take(self, plans, figures, retrace=False) -> bool:
-        """``plans`` ({layout: plan}, the current generation's layouts) and ``figures``
-        from the next step on. Where a plan differs from its layout's (or ``retrace``),
-        a new generation (new train functions) finds every plan and the figures ready;
-        otherwise they replace the current ones (priced anew) in this generation.
-        Returns whether a new generation started."""
+        """``plans`` ({layout: plan}, of layouts planned in the current generation) and
+        ``figures`` from the next step on. Where a plan differs from its layout's (or
+        ``retrace``), a new generation (new train functions) finds these plans and the
+        figures ready (the layouts left out are planned again when traced); otherwise
+        they replace the current ones (priced anew) in this generation. Returns
+        whether a new generation started."""
         changed = [lay for lay, plan in plans.items() if plan.key() != lay.plan[1].key()]
         if changed or retrace:
             self._new_generation()
@@ -819,6 +825,12 @@ class AutoPlanner:
     def track_regimes(self):
         """See ``CompressedAllReduce.track_regimes``."""
         if self._tracked:
+            # Another fit: steps a layout summed before it (another model's fit) do not
+            # make it one that trains now.
+            with tf.init_scope():
+                for lay in self._layouts.values():
+                    if lay.summed is not None:
+                        lay.summed.assign(0)
             return
         self._tracked = True
         for lay in self._layouts.values():
@@ -876,9 +888,10 @@ class AutoPlanner:
         # Planned again every time: the regimes, the low-rank errors or the steps timed
         # (the pace) may have moved, and a new plan is taken only where it pays. A
         # layout that no step summed in the interval (a model not trained in it) is
-        # left as it was.
-        self._take({lay: self._plan_again(lay, lay.plan[1], min_gain_s) if lay in ran
-                    else lay.plan[1] for lay in active}, self._figures[1])
+        # left as it was, and a new generation leaves it behind (its train function,
+        # traced again, plans it again from its regimes; the planner may forget it).
+        self._take({lay: self._plan_again(lay, lay.plan[1], min_gain_s) for lay in ran},
+                   self._figures[1])
         return frozenset(critical)
 
     @staticmethod
@@ -897,13 +910,18 @@ class AutoPlanner:
         active = self._active()
         if not self._tracked or not active or not self._ops.compressor.budget_rank:
             return False
-        step_s, step_se_s = (float(v) for v in self._first_floats(
-            [_or_nan(step_s), _or_nan(step_se_s)]))
-        for lay in active:
+        # Worker 0's count of the steps each layout summed: those that train now.
+        with tf.init_scope():
+            summed = [float(lay.summed.numpy()) if lay.summed is not None else 0.0
+                      for lay in active]
+        first = self._first_floats(summed + [_or_nan(step_s), _or_nan(step_se_s)])
+        step_s, step_se_s = float(first[-2]), float(first[-1])
+        ran = [lay for lay, count in zip(active, first[:-2]) if count]
+        for lay in ran:
             self._timed(lay, self._repriced(lay, lay.plan[1]), step_s, step_se_s)
-        if not self._measured(active):
+        if not ran or not self._measured(ran):
             return False
-        return self._take({lay: self._plan_again(lay, lay.plan[1]) for lay in active},
+        return self._take({lay: self._plan_again(lay, lay.plan[1]) for lay in ran},
                           self._figures[1])
 
     def _measured(self, layouts) -> bool:

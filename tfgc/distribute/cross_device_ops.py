@@ -347,9 +347,9 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         return self._auto.plan
 
     def plans(self):
-        """Under ``compressor="auto"``, the plan of each set of gradients the current
-        train functions reduce (one per model or optimizer, in the order first
-        planned); [] before the first step, or under another compressor."""
+        """Under ``compressor="auto"``, the plan of each set of gradients planned in the
+        current generation (one per model or optimizer, in the order first planned);
+        [] before the first step, or under another compressor."""
         return self._auto.plans
 
     def states(self):
@@ -768,7 +768,10 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
     def track_regimes(self):
         """Under ``compressor="auto"``: from the next step on, worker 0 sums every
         planned gradient over the interval (a variable of its shape each) and every
-        gradient is treated as in a critical regime until ``adapt`` says otherwise."""
+        gradient is treated as in a critical regime until ``adapt`` says otherwise.
+        Called again (``AutoPlanCallback`` does at each fit's start), it marks every
+        set of gradients as not trained yet in this fit (``adapt`` and
+        ``measure_low_rank`` leave alone those no step summed)."""
         self._auto_planner("track_regimes").track_regimes()
 
     def adapt(self, threshold: float = 0.5, min_gain_s: float = 0.0, step_s=None,

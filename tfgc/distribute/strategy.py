@@ -302,10 +302,11 @@ class CompressedMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStr
         return self.cross_device_ops.plan()
 
     def compression_plans(self):
-        """Under ``compressor="auto"``: the plan of each set of gradients the current
-        train functions reduce (a GAN's generator and discriminator each have one),
-        in the order they were first planned; [] before the first step or under
-        another compressor."""
+        """Under ``compressor="auto"``: the plan of each set of gradients planned under
+        the current settings (a GAN's generator and discriminator each have one;
+        models trained one after another too, the last four at least), in the order
+        they were first planned; [] before the first step or under another
+        compressor."""
         return self.cross_device_ops.plans()
 
     def compression_state(self, owner=None):

@@ -315,6 +315,9 @@ class AutoPlanCallback(keras.callbacks.Callback):
         runs of a few epochs, where the first two intervals in bf16 would otherwise be
         most of training. ACCORDION's paper tests every 10 epochs of 300 or so; a short
         interval sums fewer gradients, so its norms move more from one to the next.
+        Under tf-keras's ``steps_per_execution``, steps are counted as such and timed
+        as each call's time over its steps; the counts below (``LOW_RANK_AFTER``,
+        ``SETTLE_STEPS``, ``SPREAD_FROM``) are of calls.
     """
 
     # Ordinary steps of the first plan timed before the low-rank errors are first measured.
@@ -404,10 +407,22 @@ class AutoPlanCallback(keras.callbacks.Callback):
         self._first_batch = batch
         if self._threshold is None:
             return
-        # The call before an interval's end keeps the gradients its measurement reads
-        # (as many steps as the last call ran: ``steps_per_execution``).
-        if self._ends_interval(batch, batch + self._per_call - 1) is not False:
+        # The call before an interval's end keeps the gradients its measurement reads.
+        if self._ends_interval(batch, self._call_ends(batch)) is not False:
             self._strategy.cross_device_ops.capture_gradients()
+
+    def _call_ends(self, batch):
+        """The last step the call starting at ``batch`` runs: the model's
+        ``steps_per_execution`` steps (tf-keras keeps it in a variable; else as many
+        as the last call ran), fewer at the epoch's end."""
+        per_call = getattr(self.model, "_steps_per_execution", None)
+        try:
+            per_call = max(int(per_call.numpy() if hasattr(per_call, "numpy") else per_call), 1)
+        except (TypeError, ValueError):
+            per_call = self._per_call
+        steps = (self.params or {}).get("steps")
+        last = batch + per_call - 1
+        return min(last, steps - 1) if steps else last
 
     def _ends_interval(self, first, last):
         """Whether the steps ``first`` to ``last`` of the epoch (one call of the train
