@@ -137,6 +137,10 @@ class _Layout:
         """Its plan in ``generation``, or None."""
         return self.plan[1] if self.plan is not None and self.plan[0] == generation else None
 
+    def summed_steps(self) -> float:
+        """The steps its interval sums hold (worker 0's; 0 elsewhere). Eager."""
+        return 0.0 if self.summed is None else float(self.summed.numpy())
+
 
 class AutoPlanner:
     """The plans of one ``CompressedAllReduce`` under ``compressor="auto"``: one per
@@ -205,10 +209,14 @@ class AutoPlanner:
         lay = self._shown()
         return None if lay is None else lay.current(self._ops.generation)
 
+    def _first_planned(self):
+        """``_active``'s layouts in the order first planned."""
+        return sorted(self._active(), key=lambda lay: lay.number)
+
     @property
     def plans(self):
         """The current generation's plan of each layout, in the order first planned."""
-        return [lay.plan[1] for lay in sorted(self._active(), key=lambda lay: lay.number)]
+        return [lay.plan[1] for lay in self._first_planned()]
 
     @staticmethod
     def row_compressor(plan):
@@ -237,10 +245,8 @@ class AutoPlanner:
             plan = lay.plan[1]
             if plan.tables and [(t.name, t.shape) for t in plan.tables] == traced:
                 return plan.dense_places
-        for part in self._saved_layouts.values():  # restored, planned later in this trace
-            if _saved_tables(part) == traced:
-                return frozenset(t[0] for t in part["tables"] if t[3])
-        return frozenset()
+        saved = _saved_tables_of(self._saved_layouts.values(), traced)
+        return frozenset() if saved is None else _dense_places(saved)  # planned later
 
     def _restored_dense(self, variables, owner) -> frozenset:
         """The places the restored record's plan sent dense, where its tables are the
@@ -254,12 +260,10 @@ class AutoPlanner:
 
         def agree(*_):
             self._attach(owner)  # a deferred checkpoint restore reaches ``restored`` here
-            parts = (self._saved or {}).get("layouts") or []
-            saved = next((part["tables"] for part in parts if _saved_tables(part) == traced),
-                         None)
+            saved = _saved_tables_of((self._saved or {}).get("layouts") or [], traced)
             places = frozenset()
             if self._all_restored(json.dumps(saved) if saved is not None else None):
-                places = frozenset(t[0] for t in saved if t[3])
+                places = _dense_places(saved)
             self._saved_dense = (generation, traced, places)
 
         replica_ctx = tf.distribute.get_replica_context()
@@ -356,11 +360,11 @@ class AutoPlanner:
     def _layout(self, gradients, graph=None):
         """The layout of ``gradients``, made the first time (each layout has regimes,
         sums and timed steps of its own; the low-rank errors, by gradient name, and the
-        figures are shared), now the most recently traced. Beyond ``MAX_LAYOUTS``, the
-        least recently traced of those that ``graph`` (the train function being
-        traced) does not reduce is forgotten, and with it its sums (worker 0 keeps a
-        gradient's size in them for each layout)."""
-        lay = self._layouts.pop(gradients, None)
+        figures are shared; ``plan_for`` keeps them in the order traced). Beyond
+        ``MAX_LAYOUTS``, the least recently traced of those that ``graph`` (the train
+        function being traced) does not reduce is forgotten, and with it its sums
+        (worker 0 keeps a gradient's size in them for each layout)."""
+        lay = self._layouts.get(gradients)
         if lay is None:
             if self._layouts:
                 logging.info("tfgc: compressor='auto': other gradients are planned (another "
@@ -377,7 +381,7 @@ class AutoPlanner:
                 if stale is None:
                     break
                 del self._layouts[stale]
-        self._layouts[gradients] = lay
+            self._layouts[gradients] = lay
         return lay
 
     # -- checkpoints -------------------------------------------------------------------
@@ -397,7 +401,7 @@ class AutoPlanner:
         """The current plans' inputs and keys, as the checkpoint keeps them: the figures
         and low-rank errors once, and a part per layout planned in this generation,
         in the order first planned ({} before the first plan)."""
-        active = sorted(self._active(), key=lambda lay: lay.number)
+        active = self._first_planned()
         if not active:
             return {}
         figures = self._figures[1]
@@ -859,25 +863,26 @@ class AutoPlanner:
             return frozenset()
         # Worker 0's norms and summed steps of each layout, least gain, step and its
         # error (as the bits of float32 words), so every worker decides alike.
-        values = []
+        values, starts = [], {}
         with tf.init_scope():
             for lay in active:
+                starts[lay] = len(values)
                 values += [float(tf.norm(lay.sums[j])) if j in lay.sums else float("nan")
                            for j in range(len(lay.gradients))]
-                values.append(float(lay.summed.numpy()) if lay.summed is not None else 0.0)
+                values.append(lay.summed_steps())
                 for total in lay.sums.values():
                     total.assign(tf.zeros_like(total))
                 if lay.summed is not None:
                     lay.summed.assign(0)
         first = self._first_floats(values + [min_gain_s, _or_nan(step_s), _or_nan(step_se_s)])
         min_gain_s, step_s, step_se_s = (float(v) for v in first[-3:])
-        ran = [lay for lay in active if first[self._offset(active, lay) + len(lay.gradients)]]
+        ran = [lay for lay in active if first[starts[lay] + len(lay.gradients)]]
         for lay in ran:
             # The step measured is the whole step's, every layout that ran in it.
             self._timed(lay, self._repriced(lay, lay.plan[1]), step_s, step_se_s)
         critical = set()
         for lay in ran:
-            start = self._offset(active, lay)
+            start = starts[lay]
             now = {j: float(v) for j, v in enumerate(first[start:start + len(lay.gradients)])}
             lay.critical = frozenset(lay.gradients[j][0] for j in
                                      planner.critical_layers(lay.norms, now, threshold))
@@ -894,16 +899,6 @@ class AutoPlanner:
                    self._figures[1])
         return frozenset(critical)
 
-    @staticmethod
-    def _offset(active, lay):
-        """Where ``lay``'s norms start among ``adapt``'s words."""
-        start = 0
-        for other in active:
-            if other is lay:
-                return start
-            start += len(other.gradients) + 1
-        raise KeyError(lay)
-
     def measure_low_rank(self, step_s=None, step_se_s=None) -> bool:
         """See ``CompressedAllReduce.measure_low_rank``."""
         _check_step(step_s, step_se_s)
@@ -912,8 +907,7 @@ class AutoPlanner:
             return False
         # Worker 0's count of the steps each layout summed: those that train now.
         with tf.init_scope():
-            summed = [float(lay.summed.numpy()) if lay.summed is not None else 0.0
-                      for lay in active]
+            summed = [lay.summed_steps() for lay in active]
         first = self._first_floats(summed + [_or_nan(step_s), _or_nan(step_se_s)])
         step_s, step_se_s = float(first[-2]), float(first[-1])
         ran = [lay for lay, count in zip(active, first[:-2]) if count]
@@ -1006,9 +1000,19 @@ def _layout_key(gradients) -> str:
     return json.dumps(gradients)
 
 
-def _saved_tables(part):
-    """The tables of a record's ``part`` as ``_traced`` names traced ones."""
-    return [(t[1], tuple(t[2])) for t in part.get("tables") or []]
+def _saved_tables_of(parts, traced):
+    """The tables of the first of a record's ``parts`` whose tables are ``traced``
+    (``_traced``'s (name, shape) pairs), as the record keeps them; None if none."""
+    for part in parts:
+        tables = part.get("tables") or []
+        if [(t[1], tuple(t[2])) for t in tables] == traced:
+            return tables
+    return None
+
+
+def _dense_places(tables):
+    """The places of a record's ``tables`` that its plan sent dense."""
+    return frozenset(t[0] for t in tables if t[3])
 
 
 def steps_from_record(rows) -> dict:
