@@ -635,6 +635,21 @@ def test_a_change_is_weighed_at_the_bend_where_the_pace_has_no_compute_left():
                                  0.3).others) == 2
 
 
+def test_a_pace_beside_other_sets_prices_their_communication_with_its_own():
+    # A step that reduces two sets (a GAN's optimizers): the line through whole steps
+    # against both sets' predicted communication, 12 ms of it the other set's. One
+    # set's plan of c seconds then costs what the whole step of c + 12 ms does, along
+    # the fitted line and each line of its interval (the bend's too).
+    pace = planner.pace_from([(0.040, 0.045, 0.01), (0.080, 0.055, 0.01)], 0.3)
+    beside = pace.beside(0.012)
+    assert beside.shared_s == 0.012 and len(beside.others) == len(pace.others) == 3
+    for whole, part in zip((pace,) + pace.others, (beside,) + beside.others):
+        for comm, share in ((0.0, 0.0), (0.020, 0.5), (0.050, 1.0)):
+            assert part.seconds(comm, share) == pytest.approx(whole.seconds(comm + 0.012, share))
+        assert (part.scale, part.low_rank_steps) == (whole.scale, whole.low_rank_steps)
+    assert pace.beside(0.0) is pace
+
+
 def test_a_checkpoints_timed_steps_read_back_with_or_without_their_errors():
     from tfgc.distribute import autoplan
     rows = [["auto:a=bf16@allreduce", 0.02, 0.05, 0.001], ["auto:a=psgd8@low_rank", 0.01, 0.048]]
@@ -1983,6 +1998,16 @@ def test_a_gan_plans_each_models_gradients_apart_and_adapts_both(cluster):
     # Both models' changes at an interval's end take one new generation (one retrace).
     generations = [interval["generation"] for interval in intervals]
     assert all(0 <= b - a <= 1 for a, b in zip(generations, generations[1:])), generations
+    # A timed step spent both sets' communication: each set's timed steps are set
+    # against the sum of both plans' predictions (each set's own alone before), and
+    # its pace prices the other's part as compute.
+    timed = [interval for interval in intervals if None not in interval["timed"]]
+    assert timed, intervals
+    for interval in timed:
+        predicted = interval["predicted"]
+        assert min(predicted) > 0, interval
+        assert interval["timed"] == pytest.approx([sum(predicted)] * 2, rel=1e-9), interval
+    assert all(shared > 0 for shared in intervals[-1]["shared"]), intervals[-1]
     # compression_plan() is the plan of the gradients reduced last: the generator's.
     assert runs[0]["shown"] == [e[:3] for e in intervals[-1]["plans"][1]]
     # Both plans come back from the checkpoint of both optimizers, with nothing

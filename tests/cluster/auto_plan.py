@@ -55,7 +55,8 @@
 12. Trains a GAN whose ``train_step`` applies two optimizers (a generator's and a
    discriminator's gradients, two reductions a step) under ``AutoPlanCallback`` on a
    slow given link: each interval's plans (``compression_plans``) and generation, the
-   losses and the weights (``gan.w<rank>.json``, ``gan.w<rank>.npz``); then saves both
+   communication each set's timed steps were set against and what the plans that ran
+   predict, the losses and the weights (``gan.w<rank>.json``, ``gan.w<rank>.npz``); then saves both
    optimizers' checkpoint, restores it into a new GAN with the compressor set afresh
    and writes the plans of its first step and the count of measurements before and
    after.
@@ -603,7 +604,7 @@ def alternating(strategy, rank, num_workers, out_dir):
 # generator, [32, 64] in the discriminator; its [64, 1] head is below the policy's
 # 1024 elements), its steps and AutoPlanCallback's interval.
 GAN_NOISE, GAN_SAMPLE = 16, 32
-GAN_STEPS, GAN_EVERY = 10, 2
+GAN_STEPS, GAN_EVERY = 12, 3
 
 
 def gan(strategy, rank, num_workers, out_dir):
@@ -663,17 +664,31 @@ def gan(strategy, rank, num_workers, out_dir):
     real = (rng.randn(GAN_STEPS * 8, GAN_SAMPLE) * 0.5 + 1.0).astype(np.float32)
     noise = rng.randn(GAN_STEPS * 8, GAN_NOISE).astype(np.float32)
     intervals = []
+    running = []
 
     class Plans(keras.callbacks.Callback):
-        """After AutoPlanCallback's interval ends: the plans and the generation."""
+        """After AutoPlanCallback's interval ends: the plans and the generation, and
+        the communication each set's timed steps were set against, with what the
+        plans that ran in the interval's last step predict."""
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if (batch + 1) % GAN_EVERY == 0:
+                running[:] = [(cdo._auto._layout_of(plan), plan.key(),  # pylint: disable=protected-access
+                               plan.step_seconds())
+                              for plan in strategy.compression_plans()]
 
         def on_train_batch_end(self, batch, logs=None):
             if (batch + 1) % GAN_EVERY == 0:
+                plans = strategy.compression_plans()
                 intervals.append({
                     "generation": cdo.generation,
                     "plans": [[[e.name, list(e.shape), e.label, e.critical]
-                               for e in plan.entries]
-                              for plan in strategy.compression_plans()]})
+                               for e in plan.entries] for plan in plans],
+                    "predicted": [s for _, _, s in running],
+                    "timed": [lay.steps[key][0] if key in lay.steps else None
+                              for lay, key, _ in running],
+                    "shared": [plan.pace.shared_s if plan.pace is not None else None
+                               for plan in plans]})
 
     data = data_lib.make_tf_dataset(real, noise, 8, shuffle=False, workers=num_workers)
     history = model.fit(

@@ -121,9 +121,13 @@ class _Layout:
         # gradients and of the tables sent as rows that are matrices (every worker).
         self.last, self.last_vars = {}, {}
         self.matrices, self.row_matrices = [], []
-        # The plans that ran, by key: (predicted communication, worker 0's measured
-        # median step, its standard error), seconds (``planner.pace_from``).
+        # The plans that ran, by key: (the predicted communication of the step, its
+        # own and that of the other layouts that ran beside it, worker 0's measured
+        # median step, its standard error), seconds (``planner.pace_from``); and the
+        # other layouts' part of it when last timed, which its plans' pace holds as
+        # compute (``planner.Pace.beside``).
         self.steps = {}
+        self.others_s = 0.0
         # By place among the embedding tables: this worker's rows of the last step (a
         # local int32 variable: distinct rows, rows with repeats; zeros: not counted),
         # and every worker's most as last gathered (``AutoPlanner._count_rows``).
@@ -426,6 +430,7 @@ class AutoPlanner:
                 "norms": {str(k): v for k, v in lay.norms.items()},
                 "steps": [[key, comm, step, se if math.isfinite(se) else None]
                           for key, (comm, step, se) in sorted(lay.steps.items())],
+                "others_s": lay.others_s,
                 # Each table: place, name, shape, sent dense, the rows it was priced
                 # with, what its rows go as.
                 "tables": [[t.place, t.name, list(t.shape), t.dense, t.rows, t.tokens,
@@ -486,6 +491,7 @@ class AutoPlanner:
             lay.critical = critical if critical == "all" else frozenset(critical)
             lay.norms = {int(k): v for k, v in part["norms"].items()}
             lay.steps = steps_from_record(part.get("steps") or [])
+            lay.others_s = float(part.get("others_s") or 0.0)  # format 2 before it: none
         tables = part.get("tables") or []
         for place, _, _, _, rows, tokens, _ in tables:
             if lay.rows.get(place, (0, 0))[0] == 0:  # not counted since: the saved count
@@ -537,6 +543,8 @@ class AutoPlanner:
         if auto.budget_rank and self._low_rank:
             low_rank = planner.LowRank(auto.budget_rank, dict(self._low_rank))
         pace = planner.pace_from(list(lay.steps.values()), auto.low_rank_steps)
+        if pace is not None:
+            pace = pace.beside(lay.others_s)
         tables = {k: lay.rows.get(p, (0, 0))
                   for p, k in enumerate(_table_places(gradients))}
         return planner.plan_tables([tuple(g[:3]) for g in gradients], tables, figures,
@@ -579,13 +587,22 @@ class AutoPlanner:
                              dense=current.dense_places,
                              rows_label=current.tables[0].label if current.tables else None)
 
-    @staticmethod
-    def _timed(lay, plan, step_s, step_se_s):
+    def _timed(self, ran, step_s, step_se_s):
         """Keeps worker 0's measured step and its standard error (from its words, NaN:
         none; an error not given stays NaN, which ``planner.pace_from`` reads as
-        unknown) for ``lay``'s current plan, with the communication it predicts."""
-        if plan is not None and math.isfinite(step_s) and step_s > 0:
-            lay.steps[plan.key()] = (plan.step_seconds(), step_s, step_se_s)
+        unknown) for the current plan of each layout in ``ran`` (those that trained in
+        the steps measured), with the communication the step's plans predict: a step
+        that reduces several layouts (a GAN) spends the communication of all, so each
+        layout's pace is the line through whole steps against all of it, and it keeps
+        the others' part as compute. It counts their tables' rows (``_repriced``),
+        which the plans made next read. Every worker calls it at the same point."""
+        predicted = {lay: self._repriced(lay, lay.plan[1]).step_seconds() for lay in ran}
+        if not (math.isfinite(step_s) and step_s > 0):
+            return
+        total = sum(predicted.values())
+        for lay in ran:
+            lay.others_s = total - predicted[lay]
+            lay.steps[lay.plan[1].key()] = (total, step_s, step_se_s)
 
     def _check_agree(self, plan):
         """Stops with a message if any worker derived another plan (a bug, or workers
@@ -877,9 +894,7 @@ class AutoPlanner:
         first = self._first_floats(values + [min_gain_s, _or_nan(step_s), _or_nan(step_se_s)])
         min_gain_s, step_s, step_se_s = (float(v) for v in first[-3:])
         ran = [lay for lay in active if first[starts[lay] + len(lay.gradients)]]
-        for lay in ran:
-            # The step measured is the whole step's, every layout that ran in it.
-            self._timed(lay, self._repriced(lay, lay.plan[1]), step_s, step_se_s)
+        self._timed(ran, step_s, step_se_s)
         critical = set()
         for lay in ran:
             start = starts[lay]
@@ -911,8 +926,7 @@ class AutoPlanner:
         first = self._first_floats(summed + [_or_nan(step_s), _or_nan(step_se_s)])
         step_s, step_se_s = float(first[-2]), float(first[-1])
         ran = [lay for lay, count in zip(active, first[:-2]) if count]
-        for lay in ran:
-            self._timed(lay, self._repriced(lay, lay.plan[1]), step_s, step_se_s)
+        self._timed(ran, step_s, step_se_s)
         if not ran or not self._measured(ran):
             return False
         return self._take({lay: self._plan_again(lay, lay.plan[1]) for lay in ran},

@@ -784,6 +784,8 @@ class Pace:
     scale: float = 1.0
     low_rank_steps: float = 0.0
     others: Tuple["Pace", ...] = ()
+    # The other sets' predicted communication in ``compute_s`` (``beside``), seconds.
+    shared_s: float = 0.0
 
     def seconds(self, comm_s: float, low_rank_share: float) -> float:
         return ((self.compute_s + self.scale * comm_s)
@@ -793,6 +795,20 @@ class Pace:
     def measured_slope(self) -> bool:
         """Whether the scale is a measured slope with an interval (``others``)."""
         return bool(self.others)
+
+    def beside(self, others_s: float) -> "Pace":
+        """This pace for one set of gradients among several a step reduces (a GAN's
+        two optimizers): ``others_s`` seconds of the other sets' predicted
+        communication are part of each step it prices, so they join its compute (at
+        each line's own scale). A pace fitted to whole steps against every set's
+        predicted communication (``AutoPlanner``) then prices one set's plan with the
+        others' as they are."""
+        if not others_s:
+            return self
+        return dataclasses.replace(
+            self, compute_s=self.compute_s + self.scale * others_s,
+            shared_s=self.shared_s + others_s,
+            others=tuple(p.beside(others_s) for p in self.others))
 
 
 def pace_from(points: Sequence[Tuple[float, ...]], low_rank_steps: float) -> Optional[Pace]:
@@ -1062,8 +1078,10 @@ class Plan:
                 f"all float32: wire {p['fp32_wire_s'] * 1e3:.1f} ms")
         if self.pace is not None:
             pace = self.pace
-            tail += (f"\nweighed by the steps that ran: compute {pace.compute_s * 1e3:.1f} ms "
-                     f"+ {pace.scale:.2f} x the predicted communication, "
+            shared = (f" (of which {pace.scale * pace.shared_s * 1e3:.1f} ms the step's "
+                      f"other sets' communication)" if pace.shared_s else "")
+            tail += (f"\nweighed by the steps that ran: compute {pace.compute_s * 1e3:.1f} ms"
+                     f"{shared} + {pace.scale:.2f} x the predicted communication, "
                      f"{pace.low_rank_steps * self.low_rank_share:.1%} more steps for its "
                      f"low-rank error: {self.paced_seconds() * 1e3:.1f} ms a step")
         return "\n".join([head] + lines + [tail])
