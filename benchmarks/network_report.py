@@ -316,11 +316,15 @@ def render_markdown(report, args):
             kinds = ", ".join(f"{label} x{k}" for label, k in
                               sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
             pace = r.get("plan_pace")
+            sets = r.get("plan_sets", 1)
+            shared = (f" (of which {pace[3] * 1e3:.1f} ms the other sets' communication)"
+                      if pace and len(pace) > 3 and pace[3] else "")
             weighed = ("" if not pace else
-                       f" Weighed by the steps that ran: compute {pace[0] * 1e3:.1f} ms + "
+                       " Weighed by the steps that ran" + (" (the set reduced last)" if sets > 1
+                                                           else "")
+                       + f": compute {pace[0] * 1e3:.1f} ms{shared} + "
                        f"{pace[1]:.2f} x the predicted communication, {pace[2]:g} more "
                        "steps for a whole low-rank budget.")
-            sets = r.get("plan_sets", 1)
             apart = f" in {sets} sets (a plan each)" if sets > 1 else ""
             lines.append(f"- `{r['config']}`, {r['model']}, {r['workers']} workers, "
                          f"{rate_label(r['rate'])}: {len(r['plan'])} gradients planned"
