@@ -25,7 +25,7 @@ import tensorflow as tf
 import tfgc
 from cluster_scripts import assert_fit_identical_and_learning, cluster_script, run_cluster
 from tfgc.compressors import get as get_compressor
-from tfgc.distribute import autoplan, planner
+from tfgc.distribute import autoplan, embeddings, planner
 
 SCRIPT, worker = cluster_script("auto_plan")
 
@@ -838,6 +838,36 @@ def test_a_table_not_counted_yet_goes_as_rows_priced_at_nothing():
     assert table.sent_bytes == 400 * (256 * 4 + 4) * (fast.num_workers - 1)
 
 
+def test_a_table_planned_alone_goes_as_the_faster_of_quantized_and_float32_rows():
+    # A bag of embeddings under a head too small to plan: nothing beside the table gives
+    # its rows the plan's view of the link. Before its rows are counted they take the
+    # quantizer of the fewest bytes within the budget (within bf16's bound while the
+    # table is critical); counted, that quantizer or float32 on the stock gather,
+    # whichever the plan prices faster.
+    gradients = [("table", (50000, 64), "float32")]
+    budget = 0.05
+    fewest = min((c for c in planner.CANDIDATES[1:]
+                  if c.variance_bound(embeddings.BLOCK_ENTRIES) <= budget),
+                 key=lambda c: planner.sent_bytes(c, "allgather", (embeddings.BLOCK_ENTRIES,),
+                                                  "float32", 4))
+    uncounted = planner.plan_tables(gradients, {0: (0, 0)}, all_figures(0.1), budget)
+    assert uncounted.entries == () and uncounted.tables[0].label == fewest.label != "fp32"
+    critical = planner.plan_tables(gradients, {0: (0, 0)}, all_figures(0.1), budget,
+                                   critical={"table"})
+    label = critical.tables[0].label
+    assert planner.BY_LABEL[label].variance_bound(embeddings.BLOCK_ENTRIES) <= \
+        planner.CRITICAL_BOUND
+    # Counted: on a slow link the quantized rows, on a link whose bytes cost nothing the
+    # stock gather (no encoding), each the faster as priced in full.
+    for link_gbps, expected in ((0.1, fewest.label), (1e6, "fp32")):
+        fig = all_figures(link_gbps)
+        plan = planner.plan_tables(gradients, {0: (800, 3200)}, fig, budget, dense=frozenset())
+        assert plan.tables[0].label == expected, link_gbps
+        other = planner.plan_tables(gradients, {0: (800, 3200)}, fig, budget, dense=frozenset(),
+                                    rows_label="fp32" if expected != "fp32" else fewest.label)
+        assert plan.paced_seconds() < other.paced_seconds()
+
+
 def test_embedding_rows_travel_as_the_plans_quantizer_or_the_fewest_bytes_in_budget():
     # AutoPlanner.row_compressor under plans of given labels: float32 everywhere sends
     # the rows on the stock gather; otherwise the quantizer carrying most elements; a
@@ -1384,6 +1414,40 @@ def test_a_step_of_more_sets_than_the_planner_keeps_keeps_them_all():
     # Made once each (track_regimes' retrace and every interval's found them).
     layouts = auto._layouts.values()  # pylint: disable=protected-access
     assert sorted(layout.number for layout in layouts) == list(range(sets))
+
+
+def test_a_bag_of_embeddings_under_a_small_head_is_planned():
+    # The table is the only gradient large enough to plan (the head's kernel is below
+    # the policy's 1024 elements). Its rows went on the stock gather as float32, with
+    # no plan at all (compression_plans() empty): the planner ran only where some other
+    # gradient was planned.
+    import tf_keras as keras
+
+    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((16,), dtype="int32"),
+                                  keras.layers.Embedding(1000, 32, name="bag"),
+                                  keras.layers.GlobalAveragePooling1D(),
+                                  keras.layers.Dense(4, name="head")])
+        model.compile(optimizer=keras.optimizers.SGD(0.05),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 1000, (96, 16)).astype(np.int32)
+    y = (x[:, 0] % 4).astype(np.int32)
+    callback = tfgc.keras.AutoPlanCallback(strategy, every_steps=3, link_margin=None)
+    history = model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[callback])
+    (plan,) = strategy.compression_plans()
+    assert plan.entries == () or [e.name for e in plan.entries] == ["bag/embeddings:0"]
+    (table,) = plan.tables
+    assert table.name == "bag/embeddings:0" and table.rows > 0  # counted since
+    # Rows (quantized: on one worker nothing is priced, and ties keep the quantizer) or
+    # the table summed into the plan; never the stock gather's float32.
+    assert table.dense or table.label != "fp32"
+    assert not [u for u in strategy.uncompressed_gradients() if u["variable"].startswith("bag")]
+    stats = strategy.compression_stats()
+    assert stats["steps"] == 12 and stats["nonfinite_steps"] == 0
+    assert np.all(np.isfinite(history.history["loss"]))
+    assert len(callback.history) == 4
 
 
 def test_a_model_not_trained_in_an_interval_keeps_its_timed_steps():
@@ -1973,6 +2037,29 @@ def test_models_trained_in_turn_each_get_a_plan_of_their_own_gradients(cluster):
     for key in w0.files:
         np.testing.assert_array_equal(w0[key], w1[key])
         assert np.all(np.isfinite(w0[key]))
+
+
+def test_a_bag_of_embeddings_is_planned_on_every_worker_alike(cluster):
+    # The table alone is large enough to plan: its rows went float32 on the stock
+    # gather, with no plan, on any link. Now the first step's plan sends them in a
+    # quantizer of bf16's bound at most (every gradient critical at first, the rows
+    # not counted yet); later plans price them counted (the steps' pace, not only the
+    # given link, decides between quantized and float32 rows). Both workers alike.
+    runs = _per_worker(cluster, "bag")
+    assert runs[0] == runs[1]
+    ((_, (table,)),) = runs[0]["first"]["plans"]
+    assert table["name"] == "bag/embeddings:0" and not table["dense"], table
+    assert table["label"] != "fp32" and planner.BY_LABEL[table["label"]].variance_bound(
+        embeddings.BLOCK_ENTRIES) <= planner.CRITICAL_BOUND, table
+    assert [u["variable"] for u in runs[0]["first"]["uncompressed"]] == [
+        "head/kernel:0", "head/bias:0"], runs[0]["first"]  # the policy's, not the table
+    ((key, (table,)),) = runs[0]["plans"]
+    assert table["name"] == "bag/embeddings:0" and table["rows"] > 0, key
+    assert (runs[0]["steps"], runs[0]["nonfinite"]) == (worker.BAG_STEPS, 0)
+    assert np.all(np.isfinite(runs[0]["losses"]))
+    w0, w1 = (np.load(cluster / f"bag.w{r}.npz") for r in range(2))
+    for k in w0.files:
+        np.testing.assert_array_equal(w0[k], w1[k])
 
 
 def test_a_gan_plans_each_models_gradients_apart_and_adapts_both(cluster):

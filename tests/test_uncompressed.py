@@ -29,6 +29,7 @@ def test_reason_names_each_cause_and_none_when_compressed():
         (spec([None, 64]), "shape known only at run time"),
         (spec([64, 64], tf.int32), "not floating point"),
         (spec([4096]), "a vector (compress_vectors=False)"),
+        (spec([]), "a scalar (compress_vectors=False)"),
         (spec([10, 10]), "fewer than min_elements=1024 elements"),
         (spec([64, 64], tf.float64), "float64, which qsgd does not take"),
         (spec([64, 64]), None),
@@ -42,6 +43,7 @@ def test_reason_names_each_cause_and_none_when_compressed():
     assert policy.reason(spec([3, 3, 64, 64]), gradiveq) is None
     vectors = tfgc.CompressionPolicy(min_elements=16, compress_vectors=True)
     assert vectors.reason(spec([4096]), qsgd) is None
+    assert vectors.reason(spec([]), qsgd) == "fewer than min_elements=16 elements"
 
 
 def _train(compressor):

@@ -56,10 +56,14 @@
    discriminator's gradients, two reductions a step) under ``AutoPlanCallback`` on a
    slow given link: each interval's plans (``compression_plans``) and generation, the
    communication each set's timed steps were set against and what the plans that ran
-   predict, the losses and the weights (``gan.w<rank>.json``, ``gan.w<rank>.npz``); then saves both
-   optimizers' checkpoint, restores it into a new GAN with the compressor set afresh
-   and writes the plans of its first step and the count of measurements before and
-   after.
+   predict, the losses and the weights (``gan.w<rank>.json``, ``gan.w<rank>.npz``);
+   then saves both optimizers' checkpoint, restores it into a new GAN with the
+   compressor set afresh and writes the plans of its first step and the count of
+   measurements before and after.
+13. Trains a bag of embeddings whose head is below the policy's size (the table the
+   only gradient to plan) under ``AutoPlanCallback`` on a slow given link: its plans
+   and the gradients sent as they are after the first step and at the end, the losses
+   and the weights (``bag.w<rank>.json``, ``bag.w<rank>.npz``).
 """
 
 import dataclasses
@@ -148,6 +152,7 @@ def main():
     planned_top_k(strategy, rank, out_dir)
     alternating(strategy, rank, n, out_dir)
     gan(strategy, rank, n, out_dir)
+    bag(strategy, rank, out_dir)
 
 
 MOVED_TO = ["auto:link_gbps=0.001,error=0.00015,low_rank=0", "auto:link_gbps=1000,low_rank=0"]
@@ -719,6 +724,59 @@ def gan(strategy, rank, num_workers, out_dir):
                    "restored": [plan.key() for plan in strategy.compression_plans()],
                    "measurements": [measured,
                                     cdo._auto.measurements]}, f)  # pylint: disable=protected-access
+
+
+# The bag of embeddings: its table, tokens a sequence, steps and the callback's interval.
+BAG_TABLE, BAG_TOKENS, BAG_STEPS, BAG_EVERY = (1000, 32), 16, 12, 3
+
+
+def bag(strategy, rank, out_dir):
+    """Step 13 of the module docstring."""
+    import tensorflow as tf
+    import tf_keras as keras
+
+    import tfgc
+
+    strategy.compressor = "auto:link_gbps=0.001"
+    rng = np.random.RandomState(11 + rank)
+    x = rng.randint(BAG_TABLE[0], size=(BAG_STEPS * 8, BAG_TOKENS)).astype(np.int32)
+    y = (x[:, 0] % 4).astype(np.int32)
+    with strategy.scope():
+        keras.utils.set_random_seed(5)
+        net = keras.Sequential([keras.Input((BAG_TOKENS,), dtype="int32"),
+                                keras.layers.Embedding(*BAG_TABLE, name="bag"),
+                                keras.layers.GlobalAveragePooling1D(),
+                                keras.layers.Dense(4, name="head")])
+        net.compile(optimizer=keras.optimizers.SGD(0.05),
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    callback = tfgc.keras.AutoPlanCallback(strategy, every_steps=BAG_EVERY, link_margin=None)
+    first = {}
+
+    class First(keras.callbacks.Callback):
+        """The first step's plans and the gradients it sent as they are."""
+
+        def on_train_batch_end(self, batch, logs=None):
+            if not first:
+                first.update(plans=[[plan.key(), [dataclasses.asdict(t) for t in plan.tables]]
+                                    for plan in strategy.compression_plans()],
+                             uncompressed=strategy.uncompressed_gradients())
+
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    before = strategy.compression_stats()
+    history = net.fit(data.with_options(options), epochs=1, steps_per_epoch=BAG_STEPS,
+                      verbose=0, callbacks=[callback, First()])
+    after = strategy.compression_stats()
+    np.savez(os.path.join(out_dir, f"bag.w{rank}.npz"), *[w.numpy() for w in net.weights])
+    with open(os.path.join(out_dir, f"bag.w{rank}.json"), "w") as f:
+        json.dump({"first": first,
+                   "plans": [[plan.key(), [dataclasses.asdict(t) for t in plan.tables]]
+                             for plan in strategy.compression_plans()],
+                   "uncompressed": strategy.uncompressed_gradients(),
+                   "steps": after["steps"] - before["steps"],
+                   "nonfinite": after["nonfinite_steps"] - before["nonfinite_steps"],
+                   "losses": [float(v) for v in history.history["loss"]]}, f)
 
 
 if __name__ == "__main__":

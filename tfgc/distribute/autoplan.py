@@ -661,7 +661,7 @@ class AutoPlanner:
                 self._capture = state_lib.local_variable(tf.constant(True), "tfgc_capture")
         if ok is None:  # nothing compressed: no step decision, so look at the values
             ok = tf.reduce_all([tf.reduce_all(tf.math.is_finite(r))
-                                for _, _, r in planned.values()])
+                                for _, _, r in planned.values()] or [True])
 
         def add():
             for j, (_, _, r) in planned.items():

@@ -602,7 +602,10 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             momentum.check_momentum(ctx.owner, compressor)
         state = None
         planned, sent, plan = 0, None, None
-        if not any(mask) or compressor.reduces_as_stock:
+        # Under auto, tables whose rows it may send are planned even with nothing else
+        # to plan (a bag of embeddings under a small head): the plan says what the rows
+        # go as.
+        if (not any(mask) and not tables) or compressor.reduces_as_stock:
             # Nothing worth compressing (biases only, float64), or identity: the stock
             # strategy's own all-reduce, as it is.
             carried = []
@@ -672,7 +675,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         rows_pos = [i for i in slices_pos if modes[i] == embeddings.ROWS]
         row_compressor, planned_stock = compressor, set()
         if rows_pos and compressor.plans_per_tensor:
-            row_compressor = self._auto.row_compressor(plan) if any(mask) else None
+            row_compressor = self._auto.row_compressor(plan)
             if row_compressor is None:
                 # Everything planned as float32 (or nothing else to plan): the rows too.
                 for i in rows_pos:
@@ -699,7 +702,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                     row_compressor, [flat[i] for i in rows_pos],
                     [ctx.variables[i] for i in rows_pos], step_var.read_value(), launcher,
                     rank, n, options, wire)
-                if not any(mask):
+                if plan is None and not any(mask):
                     # No path advanced the step counter (it seeds the next draws).
                     step_var.assign_add(tf.cast(rows_ok, step_var.dtype))
             ok = rows_ok if ok is None else tf.logical_and(ok, rows_ok)
@@ -727,7 +730,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             # After the rows: a step that their values skip adds nothing to the sums.
             with tf.device(device):
                 self._auto.track(plan, sent, variables, mask, reduced, replica_id, ok)
-        if tables and any(mask):
+        if tables and plan is not None:
             with tf.device(device):
                 self._auto.track_tables(
                     plan, [s for _, s in tables], [ctx.variables[i] for i, _ in tables],

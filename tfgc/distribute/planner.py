@@ -83,6 +83,7 @@ back and forth.
 
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import os
@@ -1422,15 +1423,16 @@ TABLE_CHOICES = 3
 
 
 def row_candidate(entries: Sequence[Entry], error_budget: float,
-                  num_workers: int) -> Optional[Candidate]:
+                  num_workers: int, critical: bool = False) -> Optional[Candidate]:
     """What embedding rows travel as beside a plan of ``entries``: the quantizing
     candidate that carries most of the planned elements (the plan's view of the link);
     where the plan quantizes nothing but sends some gradients as measured candidates,
     low-rank or top-k (rows change from step to step: no residual or query of their
-    own), the quantizer that sends the fewest bytes an element within
-    ``error_budget``, or within ``CRITICAL_BOUND`` while some gradient is critical
-    (ties: the least error); None (the stock gather) when the plan sends everything as
-    float32 or no quantizer fits."""
+    own), or where it plans nothing beside the tables, the quantizer that sends the
+    fewest bytes an element within ``error_budget``, or within ``CRITICAL_BOUND`` while
+    some gradient (or, with ``critical``, a table) is critical (ties: the least error);
+    None (the stock gather) when the plan sends everything as float32 or no quantizer
+    fits."""
     elements = {}
     for e in entries:
         if e.label != "fp32" and e.candidate.error_key is None:
@@ -1438,10 +1440,10 @@ def row_candidate(entries: Sequence[Entry], error_budget: float,
     if elements:
         # Ties go to the candidate with less error (max keeps the first).
         return max(CANDIDATES, key=lambda c: elements.get(c.label, 0))
-    if not any(e.candidate.error_key is not None for e in entries):
+    if entries and not any(e.candidate.error_key is not None for e in entries):
         return None
     budget = error_budget
-    if any(e.critical for e in entries):
+    if critical or any(e.critical for e in entries):
         budget = min(budget, CRITICAL_BOUND)  # as critical gradients take
     block = (embeddings.BLOCK_ENTRIES,)
     within = [c for c in CANDIDATES[1:]
@@ -1502,6 +1504,10 @@ def plan_tables(gradients: Sequence[Tuple[str, Sequence[int], str]],
     (a set of places among the tables) fixes which go dense; None takes the least
     ``Plan.paced_seconds`` among every choice for the counted tables (all rows or all
     dense beyond ``TABLE_CHOICES`` of them; ties keep rows), uncounted ones as rows.
+    Where nothing but the tables is planned (a bag of embeddings under a head too
+    small to plan), the plan gives the rows no view of the link: they go as
+    ``row_candidate``'s quantizer until their rows are counted, then as that or as
+    float32 on the stock gather, whichever the plan prices faster.
     ``rows_label``: the candidate the rows go as instead (a running plan priced anew
     keeps what its traced step sends). ``kwargs``: ``make_plan``'s. None where
     ``make_plan`` returns None (``only``)."""
@@ -1523,23 +1529,27 @@ def plan_tables(gradients: Sequence[Tuple[str, Sequence[int], str]],
 
     plans = {}
     if rows_label is not None:
-        candidate = BY_LABEL[rows_label]
+        candidates = [BY_LABEL[rows_label]]
     else:
-        plans[frozenset()] = planned(frozenset())
-        if plans[frozenset()] is None:
+        plans[frozenset(), ""] = rows = planned(frozenset())
+        if rows is None:
             return None
-        candidate = row_candidate(plans[frozenset()].entries, error_budget,
-                                  figures.num_workers)
-    if candidate is not None and candidate.spec is None:
-        candidate = None  # fp32: the stock gather
+        critical = frozenset(kwargs.get("critical") or ())
+        candidates = [row_candidate(rows.entries, error_budget, figures.num_workers,
+                                    critical=any(gradients[k][0] in critical for k in order))]
+        if not rows.entries and counted and candidates[0] is not None:
+            candidates.append(None)
     best = None
-    for choice in choices:
-        if choice not in plans:
-            plans[choice] = planned(choice, {
+    for candidate, choice in itertools.product(candidates, choices):
+        if candidate is not None and candidate.spec is None:
+            candidate = None  # fp32: the stock gather
+        key = (choice, "" if not choice else None if candidate is None else candidate.label)
+        if key not in plans:
+            plans[key] = planned(choice, {
                 gradients[order[p]][0]: 0.0 if candidate is None else
                 candidate.variance_bound(int(np.prod(gradients[order[p]][1])))
                 for p in choice})
-        plan = plans[choice]
+        plan = plans[key]
         if plan is None:
             continue
         lines = []

@@ -40,7 +40,7 @@ class CompressionPolicy:
         if not dtype.is_floating:
             return "not floating point"
         if shape.rank < 2 and not self.compress_vectors:
-            return "a vector (compress_vectors=False)"
+            return f"a {'scalar' if shape.rank == 0 else 'vector'} (compress_vectors=False)"
         if shape.num_elements() < max(self.min_elements, 1):
             return f"fewer than min_elements={self.min_elements} elements"
         if dtype.base_dtype not in compressor.dtypes:

@@ -296,7 +296,9 @@ class CompressedMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStr
     def compression_plan(self):
         """Under ``compressor="auto"``: what each gradient is sent as, and why
         (``tfgc.distribute.planner.Plan``; ``table()`` prints it), or None before the
-        first step or under another compressor. A strategy that reduces the gradients
+        first step, under another compressor, or where the policy sends every gradient
+        as it is (none large enough, and no embedding table; ``uncompressed_gradients``
+        says why). A strategy that reduces the gradients
         of more than one model or optimizer (a GAN) plans each apart: this is the plan
         of those reduced last, ``compression_plans()`` lists them all."""
         return self.cross_device_ops.plan()
@@ -305,8 +307,8 @@ class CompressedMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStr
         """Under ``compressor="auto"``: the plan of each set of gradients planned under
         the current settings (a GAN's generator and discriminator each have one;
         models trained one after another too, the last four at least), in the order
-        they were first planned; [] before the first step or under another
-        compressor."""
+        they were first planned; [] before the first step, under another compressor,
+        or where nothing is planned (``compression_plan``)."""
         return self.cross_device_ops.plans()
 
     def compression_state(self, owner=None):
