@@ -27,6 +27,11 @@ kind of model a user brings, on 2 local workers (``--workers``):
   3.7M parameters, batch 32 per worker; the discriminator takes the compiled optimizer
   and the generator a copy of it; the data are Gaussian noise and tanh-squashed
   Gaussian "samples".
+* ``bag`` (not in the default sweep): a bag of embeddings (fastText-like): a token
+  embedding of a 100000-word vocabulary, width 64, averaged over 128 tokens and a
+  Dense(4) head (256 weights, below the policy's size): the table is the only
+  gradient worth compressing, and a batch of 32 per worker touches its rows as a
+  Zipf(1.2) draw of words does (about a quarter of its 4096 tokens distinct).
 
 Data are synthetic (Gaussian images or uniform token ids and uniform labels, drawn
 from a fixed seed per worker, the same shapes every run): only the cost of a step
@@ -129,7 +134,7 @@ from tfgc.apps.plots import COLORS, Panel, fmt_bytes  # noqa: E402  (stdlib only
 
 DEFAULT_OUT = os.path.join(_common.RESULTS_DIR, "models")
 STOCK = "stock"
-MODELS = ("resnet50", "mobilenetv2", "encoder", "gan")
+MODELS = ("resnet50", "mobilenetv2", "encoder", "gan", "bag")
 DEFAULT_MODELS = ["resnet50", "mobilenetv2", "encoder"]
 # tfgc.compressors.names() less "ef" and "variance", plus "ef+topk" (the driver does not
 # import TensorFlow, so it cannot ask the registry; the worker checks this list against
@@ -141,11 +146,12 @@ DEFAULT_COMPRESSORS = REGISTRY_NAMES + ["ef+topk"]
 SKIPPED_NAMES = ("ef", "variance")
 QUICK_MODELS = ["encoder", "mobilenetv2"]
 QUICK_COMPRESSORS = ["none", "fp16", "ef+topk", "qsgd", "powersgd"]
-BATCH = {"resnet50": 8, "mobilenetv2": 8, "encoder": 16, "gan": 32}
+BATCH = {"resnet50": 8, "mobilenetv2": 8, "encoder": 16, "gan": 32, "bag": 32}
 GAN_NOISE, GAN_SAMPLE, GAN_HIDDEN = 128, 784, 1024
 IMAGE_SHAPE = (32, 32, 3)
 NUM_CLASSES = 10
 VOCAB, WIDTH, SEQ_LEN, HEADS, KEY_DIM, FF_UNITS, LAYERS = 8000, 128, 64, 4, 32, 512, 2
+BAG_VOCAB, BAG_WIDTH, BAG_TOKENS, BAG_ZIPF = 100000, 64, 128, 1.2
 DATA_BATCHES = 16  # batches of synthetic data per worker, cycled
 LEARNING_RATE = 0.01
 STARTUP_S = 240.0  # allowance per cluster for TensorFlow's start-up, on top of the settings
@@ -261,6 +267,9 @@ def synthetic_data(model, rank, batch_size):
     if model == "encoder":
         x = rng.integers(0, VOCAB, size=(n, SEQ_LEN), dtype=np.int32)
         y = rng.integers(0, 2, size=n, dtype=np.int32)
+    elif model == "bag":  # word ranks of a Zipf law, the most frequent first
+        x = (np.minimum(rng.zipf(BAG_ZIPF, size=(n, BAG_TOKENS)), BAG_VOCAB) - 1).astype(np.int32)
+        y = rng.integers(0, 4, size=n, dtype=np.int32)
     elif model == "gan":  # (real samples, the generator's noise)
         x = np.tanh(rng.standard_normal((n, GAN_SAMPLE), dtype=np.float32))
         y = rng.standard_normal((n, GAN_NOISE), dtype=np.float32)
@@ -357,6 +366,12 @@ def build_model(keras, model):
     GAN has its own losses (None)."""
     if model == "gan":
         return build_gan(keras), None
+    if model == "bag":
+        tokens = keras.Input(shape=(BAG_TOKENS,), dtype="int32", name="tokens")
+        x = keras.layers.Embedding(BAG_VOCAB, BAG_WIDTH, name="word_embedding")(tokens)
+        x = keras.layers.GlobalAveragePooling1D()(x)
+        return (keras.Model(tokens, keras.layers.Dense(4, name="logits")(x), name="bag"),
+                keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     if model == "resnet50":
         net = keras.applications.ResNet50(weights=None, input_shape=IMAGE_SHAPE,
                                           classes=NUM_CLASSES)

@@ -74,13 +74,14 @@ DEFAULT_CONFIGS = [
     "ef+topk:ratio=0.001@auto", "ef+topk:ratio=0.01@auto",
 ]
 ARGUMENT_ERRORS = ("ValueError", "TypeError", "KeyError")
-MODELS = ("wide_mlp", "cnn", "mlp", "resnet50", "mobilenetv2", "encoder", "gan")
+MODELS = ("wide_mlp", "cnn", "mlp", "resnet50", "mobilenetv2", "encoder", "gan", "bag")
 # ResNet-50 (tf_keras.applications, no weights) on synthetic 32x32x3 images, 10 classes.
 RESNET_SHAPE, RESNET_EXAMPLES = (32, 32, 3), 2048
 # Models built by benchmarks/models.py, on its synthetic data: MobileNetV2, the
 # BERT-like encoder whose token embedding's gradient is an IndexedSlices, and a GAN
-# whose train_step applies two optimizers (two reductions a step).
-USER_MODELS = ("mobilenetv2", "encoder", "gan")
+# whose train_step applies two optimizers (two reductions a step), and a bag of
+# embeddings whose table is its only gradient worth compressing.
+USER_MODELS = ("mobilenetv2", "encoder", "gan", "bag")
 WIDE_MLP_UNITS = (2048, 2048)
 # --auto_plan settled: steps under AutoPlanCallback before the warm-up: two intervals of
 # AUTO_SETTLE_EVERY steps (each a trace or retrace, a step that settles, and six the
@@ -96,7 +97,7 @@ def parse_args(argv=None):
     p.add_argument("--models", nargs="+", choices=MODELS, default=["wide_mlp"],
                    help="wide_mlp: 784-2048-2048-10 (defined here); cnn, mlp: "
                         "tfgc.apps.models; resnet50: tf_keras.applications on 32x32 "
-                        "images; mobilenetv2, encoder, gan: as benchmarks/models.py "
+                        "images; mobilenetv2, encoder, gan, bag: as benchmarks/models.py "
                         "builds them, on its synthetic data")
     p.add_argument("--rates", nargs="+", default=["100mbit", "1gbit", "10gbit"],
                    help="link rates in tc's syntax (default: 100mbit 1gbit 10gbit)")
@@ -274,7 +275,7 @@ def _worker(args, prefix, phase):
         import models as user_models  # benchmarks/models.py
 
         x, y = user_models.synthetic_data(args.model, rank, args.batch_size * num_workers)
-        dataset = {"encoder": "uniform token ids",
+        dataset = {"encoder": "uniform token ids", "bag": "Zipf-distributed token ids",
                    "gan": "gaussian noise and tanh-squashed gaussian samples"}.get(
                        args.model, "gaussian 32x32x3 images")
     else:

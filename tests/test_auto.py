@@ -1440,14 +1440,51 @@ def test_a_bag_of_embeddings_under_a_small_head_is_planned():
     assert plan.entries == () or [e.name for e in plan.entries] == ["bag/embeddings:0"]
     (table,) = plan.tables
     assert table.name == "bag/embeddings:0" and table.rows > 0  # counted since
-    # Rows (quantized: on one worker nothing is priced, and ties keep the quantizer) or
-    # the table summed into the plan; never the stock gather's float32.
-    assert table.dense or table.label != "fp32"
-    assert not [u for u in strategy.uncompressed_gradients() if u["variable"].startswith("bag")]
+    # On one worker nothing travels: the rows go float32 (encoding them would cost
+    # CPU for nothing), and say so. A cluster's plan compresses them:
+    # test_a_bag_of_embeddings_is_planned_on_every_worker_alike.
+    assert table.label == "fp32" and not table.dense
+    assert [u["reason"] for u in strategy.uncompressed_gradients()
+            if u["variable"].startswith("bag")] == [
+                "auto's plan: float32, embedding rows on the stock gather"]
     stats = strategy.compression_stats()
     assert stats["steps"] == 12 and stats["nonfinite_steps"] == 0
     assert np.all(np.isfinite(history.history["loss"]))
     assert len(callback.history) == 4
+
+
+def test_a_plan_of_tables_alone_comes_back_from_its_record_as_saved():
+    # A plan with no entries (the table alone) has no labels to restore ({}): the
+    # restore took that for no saved plan and planned afresh, dropping what the rows
+    # went as (a plan kept because a change did not pay would come back changed).
+    import tf_keras as keras
+
+    def fit(strategy, steps):
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((16,), dtype="int32"),
+                                      keras.layers.Embedding(1000, 32, name="bag"),
+                                      keras.layers.GlobalAveragePooling1D(),
+                                      keras.layers.Dense(4, name="head")])
+            model.compile(optimizer=keras.optimizers.SGD(0.05),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        rng = np.random.default_rng(0)
+        x = rng.integers(0, 1000, (16, 16)).astype(np.int32)
+        model.fit(x, (x[:, 0] % 4).astype(np.int32), batch_size=8, steps_per_epoch=steps,
+                  verbose=0)
+
+    first = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
+    fit(first, 2)
+    record = first.cross_device_ops._auto.snapshot()  # pylint: disable=protected-access
+    (part,) = record["layouts"]
+    assert part["labels"] == {} and part["tables"][0][6] == "fp32", part  # one worker
+    for label in ("bf16", "rqsgd8"):  # each unlike the plan made afresh
+        part["tables"][0][6] = label
+        part["key"] = f"auto:bag/embeddings:0=rows:{label}"
+        again = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
+        again.cross_device_ops._auto.restored(json.loads(json.dumps(record)))  # pylint: disable=protected-access
+        fit(again, 1)
+        assert [p.key() for p in again.compression_plans()] == [part["key"]]
+        assert again.cross_device_ops._auto.measurements == 0  # pylint: disable=protected-access
 
 
 def test_a_model_not_trained_in_an_interval_keeps_its_timed_steps():

@@ -138,6 +138,27 @@ def test_rows_of_qsgd_keep_their_signs_and_draw_anew_each_step():
         assert np.abs(out).max() <= norm * (1 + 1e-6)
 
 
+@pytest.mark.parametrize("label", ["rqsgd8", "rqsgd4"])
+def test_rotated_rows_decode_under_the_rotation_they_were_encoded_with(label):
+    # A rotation's signs are drawn from the step and the block: each block was encoded
+    # under step * 2^16 + its number but decoded under the step alone, so every block
+    # (every block after step 0's first) came back un-rotated with other signs: a
+    # relative error of about 1.4 where rotated 8 bits bound it at 2.5e-4. Two blocks
+    # of rows (170 a block), at the third step.
+    from tfgc.distribute import planner
+
+    candidate = planner.BY_LABEL[label]
+    values, indices = rows(300, seed=4)
+    (out,), _, _ = reduce_slices(candidate.spec, values, indices, steps=3)
+    np.testing.assert_array_equal(out.indices.numpy(), indices)
+    for block in (slice(0, 170), slice(170, 300)):
+        x, y = values[block], out.values.numpy()[block]
+        error = np.sum((y - x) ** 2) / np.sum(x ** 2)
+        # The bound is on the expected squared error; one draw of thousands of entries
+        # lies within a few times it.
+        assert error <= 4 * candidate.variance_bound(embeddings.BLOCK_ENTRIES), (block, error)
+
+
 def test_rows_with_a_nan_come_out_nan_and_the_step_is_counted_non_finite():
     values, indices = rows(50)
     values[3, 5] = np.nan

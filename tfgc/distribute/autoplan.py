@@ -348,7 +348,7 @@ class AutoPlanner:
                              time.perf_counter() - started, figures.describe())
             self._figures = (generation, figures)
         plan = None
-        if labels:
+        if labels is not None:  # {}: a plan of tables alone
             # The saved plan itself, where the restored regimes and budgets still allow
             # it: a plan made afresh could differ (a change kept out because it did not
             # pay, steps timed after the plan was made).

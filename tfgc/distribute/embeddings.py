@@ -209,13 +209,18 @@ def reduce_rows(compressor, slices: Sequence[tf.IndexedSlices], variables, step,
     for j, (s, p, part) in enumerate(zip(slices, plans, parts)):
         r, d, width, like = p["r"], p["d"], p["width"], p["like"]
         part = tf.reshape(part, [-1, width + r])
-        ctx = CompressContext(rank=rank, num_workers=n, index=_INDEX_BASE + j, step=step)
 
-        def decode(words, like=like, r=r, d=d, dtype=p["dtype"], ctx=ctx):
+        def decode(args, like=like, r=r, d=d, dtype=p["dtype"], j=j):
+            # Each worker's block b was encoded under the step and b (a rotation's
+            # signs are drawn from them): decoded under the same.
+            words, b = args
+            ctx = CompressContext(rank=rank, num_workers=n, index=_INDEX_BASE + j,
+                                  step=step * _BLOCKS_PER_STEP + tf.cast(b, tf.int64))
             return compressor.decompress(unpack_payload_words(words, like), tf.TensorShape(
                 [r, d]), dtype, ctx)
 
-        values = tf.map_fn(_graph_only(decode), part[:, :width],
+        block_of = tf.range(tf.shape(part)[0]) % p["most"]  # n workers' ``most`` blocks
+        values = tf.map_fn(_graph_only(decode), (part[:, :width], block_of),
                            fn_output_signature=tf.TensorSpec([r, d], p["dtype"]))
         # Worker w's rows are the first counts[w] of its most * r.
         valid = tf.reshape(tf.range(p["most"] * r)[None, :] < counts[:, j][:, None], [-1])

@@ -1430,9 +1430,11 @@ def row_candidate(entries: Sequence[Entry], error_budget: float,
     low-rank or top-k (rows change from step to step: no residual or query of their
     own), or where it plans nothing beside the tables, the quantizer that sends the
     fewest bytes an element within ``error_budget``, or within ``CRITICAL_BOUND`` while
-    some gradient (or, with ``critical``, a table) is critical (ties: the least error);
-    None (the stock gather) when the plan sends everything as float32 or no quantizer
-    fits."""
+    some gradient (or, with ``critical``, a table planned alone) is critical (ties: the
+    least error); None (the stock gather) when the plan sends everything as float32,
+    no quantizer fits, or there is no other worker to send to."""
+    if num_workers < 2:
+        return None
     elements = {}
     for e in entries:
         if e.label != "fp32" and e.candidate.error_key is None:
@@ -1535,9 +1537,11 @@ def plan_tables(gradients: Sequence[Tuple[str, Sequence[int], str]],
         if rows is None:
             return None
         critical = frozenset(kwargs.get("critical") or ())
+        alone = not rows.entries
         candidates = [row_candidate(rows.entries, error_budget, figures.num_workers,
-                                    critical=any(gradients[k][0] in critical for k in order))]
-        if not rows.entries and counted and candidates[0] is not None:
+                                    critical=alone and any(gradients[k][0] in critical
+                                                           for k in order))]
+        if alone and counted and candidates[0] is not None:
             candidates.append(None)
     best = None
     for candidate, choice in itertools.product(candidates, choices):
