@@ -1416,14 +1416,11 @@ def test_a_step_of_more_sets_than_the_planner_keeps_keeps_them_all():
     assert sorted(layout.number for layout in layouts) == list(range(sets))
 
 
-def test_a_bag_of_embeddings_under_a_small_head_is_planned():
-    # The table is the only gradient large enough to plan (the head's kernel is below
-    # the policy's 1024 elements). Its rows went on the stock gather as float32, with
-    # no plan at all (compression_plans() empty): the planner ran only where some other
-    # gradient was planned.
+def fit_bag(strategy, steps, callbacks=()):
+    """A bag of embeddings (a 1000 x 32 table, 16 tokens, a head below the policy's
+    1024 elements) fitted ``steps`` steps of 8 rows under ``strategy``; its history."""
     import tf_keras as keras
 
-    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
     with strategy.scope():
         model = keras.Sequential([keras.Input((16,), dtype="int32"),
                                   keras.layers.Embedding(1000, 32, name="bag"),
@@ -1432,10 +1429,19 @@ def test_a_bag_of_embeddings_under_a_small_head_is_planned():
         model.compile(optimizer=keras.optimizers.SGD(0.05),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     rng = np.random.default_rng(0)
-    x = rng.integers(0, 1000, (96, 16)).astype(np.int32)
-    y = (x[:, 0] % 4).astype(np.int32)
+    x = rng.integers(0, 1000, (8 * steps, 16)).astype(np.int32)
+    return model.fit(x, (x[:, 0] % 4).astype(np.int32), batch_size=8, epochs=1, verbose=0,
+                     callbacks=list(callbacks))
+
+
+def test_a_bag_of_embeddings_under_a_small_head_is_planned():
+    # The table is the only gradient large enough to plan (the head's kernel is below
+    # the policy's 1024 elements). Its rows went on the stock gather as float32, with
+    # no plan at all (compression_plans() empty): the planner ran only where some other
+    # gradient was planned.
+    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
     callback = tfgc.keras.AutoPlanCallback(strategy, every_steps=3, link_margin=None)
-    history = model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[callback])
+    history = fit_bag(strategy, 12, [callback])
     (plan,) = strategy.compression_plans()
     assert plan.entries == () or [e.name for e in plan.entries] == ["bag/embeddings:0"]
     (table,) = plan.tables
@@ -1457,23 +1463,8 @@ def test_a_plan_of_tables_alone_comes_back_from_its_record_as_saved():
     # A plan with no entries (the table alone) has no labels to restore ({}): the
     # restore took that for no saved plan and planned afresh, dropping what the rows
     # went as (a plan kept because a change did not pay would come back changed).
-    import tf_keras as keras
-
-    def fit(strategy, steps):
-        with strategy.scope():
-            model = keras.Sequential([keras.Input((16,), dtype="int32"),
-                                      keras.layers.Embedding(1000, 32, name="bag"),
-                                      keras.layers.GlobalAveragePooling1D(),
-                                      keras.layers.Dense(4, name="head")])
-            model.compile(optimizer=keras.optimizers.SGD(0.05),
-                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        rng = np.random.default_rng(0)
-        x = rng.integers(0, 1000, (16, 16)).astype(np.int32)
-        model.fit(x, (x[:, 0] % 4).astype(np.int32), batch_size=8, steps_per_epoch=steps,
-                  verbose=0)
-
     first = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
-    fit(first, 2)
+    fit_bag(first, 2)
     record = first.cross_device_ops._auto.snapshot()  # pylint: disable=protected-access
     (part,) = record["layouts"]
     assert part["labels"] == {} and part["tables"][0][6] == "fp32", part  # one worker
@@ -1482,7 +1473,7 @@ def test_a_plan_of_tables_alone_comes_back_from_its_record_as_saved():
         part["key"] = f"auto:bag/embeddings:0=rows:{label}"
         again = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
         again.cross_device_ops._auto.restored(json.loads(json.dumps(record)))  # pylint: disable=protected-access
-        fit(again, 1)
+        fit_bag(again, 1)
         assert [p.key() for p in again.compression_plans()] == [part["key"]]
         assert again.cross_device_ops._auto.measurements == 0  # pylint: disable=protected-access
 
