@@ -33,7 +33,7 @@ kind of model a user brings, on 2 local workers (``--workers``):
   gradient worth compressing, and a batch of 32 per worker touches its rows as a
   Zipf(1.2) draw of words does (about a quarter of its 4096 tokens distinct).
 
-Data are synthetic (Gaussian images or uniform token ids and uniform labels, drawn
+Data are synthetic (Gaussian images, uniform or Zipf token ids and uniform labels, drawn
 from a fixed seed per worker, the same shapes every run): only the cost of a step
 matters here, not what the model learns. Keras under MultiWorkerMirroredStrategy
 takes the batch of a worker's dataset for the global batch and gives the worker 1/N

@@ -677,7 +677,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         if rows_pos and compressor.plans_per_tensor:
             row_compressor = self._auto.row_compressor(plan)
             if row_compressor is None:
-                # Everything planned as float32 (or nothing else to plan): the rows too.
+                # Everything planned as float32, or one worker: the rows too.
                 for i in rows_pos:
                     modes[i] = embeddings.STOCK
                 planned_stock, rows_pos = set(rows_pos), []

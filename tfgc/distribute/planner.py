@@ -1473,7 +1473,8 @@ def rows_table(table: Table, candidate: Optional[Candidate], figures: Figures,
     not pay the launch that the figures' per-call cost holds (16 blocks of 64 x 64
     rows in rotated 8 bits encoded in 0.79 ms a call of the loop in a ``tf.function``,
     one call on their 65536 elements in 0.50 ms, where this machine's figures priced
-    16 calls of 4096 at 1.1 ms). A table whose rows are not counted yet is priced at nothing."""
+    16 calls of 4096 at 1.1 ms). A table whose rows are not counted yet is priced at
+    nothing."""
     n, link = figures.num_workers, figures.link()
     label = "fp32" if candidate is None else candidate.label
     out = dataclasses.replace(table, dense=False, label=label, sent_bytes=0, cpu_s=0.0,

@@ -298,9 +298,9 @@ class CompressedMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStr
         (``tfgc.distribute.planner.Plan``; ``table()`` prints it), or None before the
         first step, under another compressor, or where the policy sends every gradient
         as it is (none large enough, and no embedding table; ``uncompressed_gradients``
-        says why). A strategy that reduces the gradients
-        of more than one model or optimizer (a GAN) plans each apart: this is the plan
-        of those reduced last, ``compression_plans()`` lists them all."""
+        says why). A strategy that reduces the gradients of more than one model or
+        optimizer (a GAN) plans each apart: this is the plan of those reduced last,
+        ``compression_plans()`` lists them all."""
         return self.cross_device_ops.plan()
 
     def compression_plans(self):
