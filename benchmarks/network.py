@@ -425,10 +425,8 @@ def _worker(args, prefix, phase):
         result["plan_sets"] = len(plans)
         result["plan_figures"] = plan.figures.describe()
         if plan.pace is not None:
-            # Its compute holds the other sets' predicted communication at its scale.
             result["plan_pace"] = [plan.pace.compute_s, plan.pace.scale,
-                                   plan.pace.low_rank_steps,
-                                   plan.pace.scale * plan.pace.shared_s]
+                                   plan.pace.low_rank_steps, plan.pace.shared_compute_s]
     with open(prefix + ".json", "w") as f:
         json.dump(result, f)
 

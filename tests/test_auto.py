@@ -1437,19 +1437,11 @@ def test_a_step_of_more_sets_than_the_planner_keeps_keeps_them_all():
 
 
 def fit_bag(strategy, steps, callbacks=()):
-    """A bag of embeddings (a 1000 x 32 table, 16 tokens, a head below the policy's
+    """The cluster's bag of embeddings (``worker.build_bag``: a head below the policy's
     1024 elements) fitted ``steps`` steps of 8 rows under ``strategy``; its history."""
-    import tf_keras as keras
-
-    with strategy.scope():
-        model = keras.Sequential([keras.Input((16,), dtype="int32"),
-                                  keras.layers.Embedding(1000, 32, name="bag"),
-                                  keras.layers.GlobalAveragePooling1D(),
-                                  keras.layers.Dense(4, name="head")])
-        model.compile(optimizer=keras.optimizers.SGD(0.05),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model = worker.build_bag(strategy)
     rng = np.random.default_rng(0)
-    x = rng.integers(0, 1000, (8 * steps, 16)).astype(np.int32)
+    x = rng.integers(0, worker.BAG_TABLE[0], (8 * steps, worker.BAG_TOKENS)).astype(np.int32)
     return model.fit(x, (x[:, 0] % 4).astype(np.int32), batch_size=8, epochs=1, verbose=0,
                      callbacks=list(callbacks))
 

@@ -730,6 +730,23 @@ def gan(strategy, rank, num_workers, out_dir):
 BAG_TABLE, BAG_TOKENS, BAG_STEPS, BAG_EVERY = (1000, 32), 16, 12, 3
 
 
+def build_bag(strategy):
+    """The bag of embeddings (``BAG_TABLE``, ``BAG_TOKENS`` tokens a row, a head of 4
+    below the policy's size), compiled under ``strategy``; tests/test_auto.py fits it
+    in one process too."""
+    import tf_keras as keras
+
+    with strategy.scope():
+        keras.utils.set_random_seed(5)
+        net = keras.Sequential([keras.Input((BAG_TOKENS,), dtype="int32"),
+                                keras.layers.Embedding(*BAG_TABLE, name="bag"),
+                                keras.layers.GlobalAveragePooling1D(),
+                                keras.layers.Dense(4, name="head")])
+        net.compile(optimizer=keras.optimizers.SGD(0.05),
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return net
+
+
 def bag(strategy, rank, out_dir):
     """Step 13 of the module docstring."""
     import tensorflow as tf
@@ -741,14 +758,7 @@ def bag(strategy, rank, out_dir):
     rng = np.random.RandomState(11 + rank)
     x = rng.randint(BAG_TABLE[0], size=(BAG_STEPS * 8, BAG_TOKENS)).astype(np.int32)
     y = (x[:, 0] % 4).astype(np.int32)
-    with strategy.scope():
-        keras.utils.set_random_seed(5)
-        net = keras.Sequential([keras.Input((BAG_TOKENS,), dtype="int32"),
-                                keras.layers.Embedding(*BAG_TABLE, name="bag"),
-                                keras.layers.GlobalAveragePooling1D(),
-                                keras.layers.Dense(4, name="head")])
-        net.compile(optimizer=keras.optimizers.SGD(0.05),
-                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    net = build_bag(strategy)
     callback = tfgc.keras.AutoPlanCallback(strategy, every_steps=BAG_EVERY, link_margin=None)
     first = {}
 

@@ -788,6 +788,11 @@ class Pace:
     # The other sets' predicted communication in ``compute_s`` (``beside``), seconds.
     shared_s: float = 0.0
 
+    @property
+    def shared_compute_s(self) -> float:
+        """The seconds of ``compute_s`` that are the other sets' communication."""
+        return self.scale * self.shared_s
+
     def seconds(self, comm_s: float, low_rank_share: float) -> float:
         return ((self.compute_s + self.scale * comm_s)
                 * (1.0 + self.low_rank_steps * low_rank_share))
@@ -1079,7 +1084,7 @@ class Plan:
                 f"all float32: wire {p['fp32_wire_s'] * 1e3:.1f} ms")
         if self.pace is not None:
             pace = self.pace
-            shared = (f" (of which {pace.scale * pace.shared_s * 1e3:.1f} ms the step's "
+            shared = (f" (of which {pace.shared_compute_s * 1e3:.1f} ms the step's "
                       f"other sets' communication)" if pace.shared_s else "")
             tail += (f"\nweighed by the steps that ran: compute {pace.compute_s * 1e3:.1f} ms"
                      f"{shared} + {pace.scale:.2f} x the predicted communication, "
@@ -1539,7 +1544,7 @@ def plan_tables(gradients: Sequence[Tuple[str, Sequence[int], str]],
     if rows_label is not None:
         candidates = [BY_LABEL[rows_label]]
     else:
-        plans[frozenset(), ""] = rows = planned(frozenset())
+        plans[frozenset(), None] = rows = planned(frozenset())
         if rows is None:
             return None
         critical = frozenset(kwargs.get("critical") or ())
@@ -1549,11 +1554,13 @@ def plan_tables(gradients: Sequence[Tuple[str, Sequence[int], str]],
                                                            for k in order))]
         if alone and counted and candidates[0] is not None:
             candidates.append(None)
+    # fp32: the stock gather.
+    candidates = [None if c is None or c.spec is None else c for c in candidates]
     best = None
     for candidate, choice in itertools.product(candidates, choices):
-        if candidate is not None and candidate.spec is None:
-            candidate = None  # fp32: the stock gather
-        key = (choice, "" if not choice else None if candidate is None else candidate.label)
+        # The rows' quantizer caps the dense tables' error: without one, the plan is
+        # the same whatever the rows go as.
+        key = (choice, candidate.label if choice and candidate is not None else None)
         if key not in plans:
             plans[key] = planned(choice, {
                 gradients[order[p]][0]: 0.0 if candidate is None else
