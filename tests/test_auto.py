@@ -1396,6 +1396,22 @@ def test_the_plan_callback_ends_an_interval_every_so_many_steps():
     assert callback.history[0][1] == sorted(names)
 
 
+def test_an_interval_whose_every_step_was_skipped_keeps_the_regimes_it_had():
+    # A non-finite gradient skips the step (nothing summed): an interval of such steps
+    # says nothing of the regimes, so the gradients stay as critical as they were, and
+    # adapt says so (it returned no critical name, while the plan still followed them).
+    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
+    cdo = strategy.cross_device_ops
+    cdo.track_regimes()
+    model = small_model(strategy)
+    x, y = small_data(16)
+    model.fit(x, y, batch_size=4, steps_per_epoch=2, verbose=0)
+    names = frozenset(e.name for e in strategy.compression_plan().entries)
+    assert names and cdo.adapt(0.5) == names  # no previous interval: all critical
+    model.fit(np.full_like(x, np.nan), y, batch_size=4, steps_per_epoch=2, verbose=0)
+    assert cdo.adapt(0.5) == names
+
+
 def test_a_step_of_more_sets_than_the_planner_keeps_keeps_them_all():
     # One train_step applying five optimizers: five sets of gradients a step, one more
     # than autoplan.MAX_LAYOUTS. Each retrace evicted the set it was about to need, so

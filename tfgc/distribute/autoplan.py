@@ -895,14 +895,12 @@ class AutoPlanner:
         min_gain_s, step_s, step_se_s = (float(v) for v in first[-3:])
         ran = [lay for lay in active if first[starts[lay] + len(lay.gradients)]]
         self._timed(ran, step_s, step_se_s)
-        critical = set()
         for lay in ran:
             start = starts[lay]
             now = {j: float(v) for j, v in enumerate(first[start:start + len(lay.gradients)])}
             lay.critical = frozenset(lay.gradients[j][0] for j in
                                      planner.critical_layers(lay.norms, now, threshold))
             lay.norms = now
-            critical |= lay.critical
         if self._ops.compressor.budget_rank and ran:
             self._measured(ran)
         # Planned again every time: the regimes, the low-rank errors or the steps timed
@@ -912,7 +910,12 @@ class AutoPlanner:
         # traced again, plans it again from its regimes; the planner may forget it).
         self._take({lay: self._plan_again(lay, lay.plan[1], min_gain_s) for lay in ran},
                    self._figures[1])
-        return frozenset(critical)
+        # What is critical now, in every layout: one that no step summed (every step of
+        # the interval skipped for a non-finite gradient, or a model not trained in it)
+        # keeps the regimes it had, and its plan still follows them.
+        return frozenset().union(*(
+            (frozenset(g[0] for g in lay.gradients) if lay.critical == "all" else lay.critical)
+            for lay in active))
 
     def measure_low_rank(self, step_s=None, step_se_s=None) -> bool:
         """See ``CompressedAllReduce.measure_low_rank``."""
