@@ -98,8 +98,9 @@ def network_speedups(report, model=None, workers=None):
     """{config: [(rate in bit/s, speed-up over stock, run), ...]} of the step-time sweep.
 
     The speed-ups are the JSON's own (stock's median step time / the configuration's at
-    the same model, rate and N). ``model`` and ``workers`` default to the first of the
-    run's configuration.
+    the same model, rate and N; over rounds, the median of each round's:
+    ``network_report.combine_rounds``). ``model`` and ``workers`` default to the first
+    of the run's configuration.
     """
     cfg = report.get("config", {})
     model = model or cfg.get("models", ["wide_mlp"])[0]
@@ -107,7 +108,7 @@ def network_speedups(report, model=None, workers=None):
     out = {}
     for c in _configs_in_order(report):
         pts = sorted((network_report.rate_bps(r["rate"]), r["speedup"], r)
-                     for r in _ok(report["runs"])
+                     for r in _ok(network_report.combine_rounds(report["runs"]))
                      if r["kind"] == "main" and r["config"] == c and r["model"] == model
                      and r["workers"] == workers and r.get("speedup") is not None)
         if pts:

@@ -107,6 +107,12 @@ def parse_args(argv=None):
                    help="tfgc configurations, compressor spec @ communication ('@auto' if "
                         "left out); the stock strategy always runs too")
     p.add_argument("--steps", type=int, default=20, help="timed steps per run (default 20)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds of the step-time sweep (default 1): at each rate every "
+                        "configuration runs once a round, round after round, so that the "
+                        "machine's drift falls on all of them; the tables give each "
+                        "setting's median over rounds, speed-ups and ratios the median of "
+                        "each round's own")
     p.add_argument("--warmup", type=int, default=5,
                    help="leading steps left out (tracing, connection set-up; default 5)")
     p.add_argument("--bytes_workers", type=int, nargs="*", default=[2, 4, 8],
@@ -160,6 +166,8 @@ def parse_args(argv=None):
             split_config(c)
         except ValueError as exc:
             p.error(str(exc))
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
     args.rates = list(dict.fromkeys(args.rates))
     args.models = list(dict.fromkeys(args.models))
     args.workers = list(dict.fromkeys(args.workers))
@@ -632,10 +640,14 @@ def plan_runs(args):
     for n in args.workers:
         for model in args.models:
             for rate in args.rates:
-                for c in configs:
-                    runs.append({"kind": "main", "model": model, "rate": rate, "workers": n,
-                                 "config": c, "steps": args.steps, "warmup": args.warmup})
-                    seen.add((model, rate, n, c))
+                for round_ in range(args.repeats):
+                    for c in configs:
+                        run = {"kind": "main", "model": model, "rate": rate, "workers": n,
+                               "config": c, "steps": args.steps, "warmup": args.warmup}
+                        if args.repeats > 1:
+                            run["round"] = round_
+                        runs.append(run)
+                        seen.add((model, rate, n, c))
     for n in args.bytes_workers or []:
         for model in args.models:
             for c in configs:
@@ -717,7 +729,8 @@ def _drive(args, argv, holder):
     command = _common.command_line("network.py", argv)
     say(f"network benchmark: {len(runs)} runs ({main_runs} step-time runs: "
         f"{len(args.models)} model(s) x {len(args.rates)} rate(s) x {len(args.workers)} "
-        f"cluster size(s) x {1 + len(args.configs)} configurations incl. stock; "
+        f"cluster size(s) x {1 + len(args.configs)} configurations incl. stock"
+        + (f" x {args.repeats} rounds" if args.repeats > 1 else "") + "; "
         f"{len(runs) - main_runs} more for bytes vs N at {args.bytes_rate})")
     say(f"each run: {args.warmup} warm-up + {args.steps} timed steps "
         f"({min(args.warmup, 2)} + {args.bytes_steps} in the bytes sweep), timeout "
@@ -728,7 +741,8 @@ def _drive(args, argv, holder):
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         "cpu_count": os.cpu_count(),
         "config": {k: getattr(args, k) for k in (
-            "models", "rates", "workers", "configs", "steps", "warmup", "bytes_workers",
+            "models", "rates", "workers", "configs", "steps", "repeats", "warmup",
+            "bytes_workers",
             "bytes_rate", "bytes_steps", "dataset", "batch_size", "learning_rate",
             "min_elements", "threads", "timeout", "auto_plan")},
         "auto_settle": {"steps": AUTO_SETTLE_STEPS, "every": AUTO_SETTLE_EVERY},
@@ -748,7 +762,8 @@ def _drive(args, argv, holder):
                 cluster = holder["cluster"] = Cluster(run["workers"])
                 cluster.up()
             label = (f"[{k + 1:{len(str(len(runs)))}d}/{len(runs)}] {run['model']} "
-                     f"N={run['workers']} {run['rate']:>7} {run['config']}")
+                     f"N={run['workers']} {run['rate']:>7} {run['config']}"
+                     + (f" (round {run['round'] + 1})" if "round" in run else ""))
             if run["config"] in broken:
                 run.update(status="failed", reason=broken[run["config"]] + " (not run again)")
                 say(f"{label}: failed: {run['reason']}")

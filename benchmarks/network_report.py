@@ -8,6 +8,7 @@ speed-ups, the Markdown tables and the SVG plot, from the sweep's runs.
 import math
 import os
 import re
+import statistics
 import sys
 from xml.sax.saxutils import escape
 
@@ -76,17 +77,20 @@ def split_options(comm):
     return comm, options
 
 
-def add_speedups(runs):
-    """Each run's speed-up against stock at the same (model, rate, N), and its overlap
-    figures against the same configuration at the sweep's fastest rate (its compute
-    floor): ``wire_ms``, the slowest worker's bytes per step at the link's rate;
-    ``floor_ms``; ``vs_max`` = step / max(floor, wire), 1 when communication hides
-    entirely behind computation or the reverse; ``vs_sum`` = step / (floor + wire),
-    1 when they do not overlap at all."""
-    stock = {(r["model"], r["rate"], r["workers"]): r for r in runs
-             if r["config"] == STOCK and r.get("status") == "ok"}
-    for r in runs:
-        base = stock.get((r["model"], r["rate"], r["workers"]))
+def add_speedups(runs, speedups=True):
+    """Each run's speed-up against stock at the same (model, rate, N, round of
+    ``--repeats``), and its overlap figures against the same configuration at the
+    sweep's fastest rate (its compute floor): ``wire_ms``, the slowest worker's bytes
+    per step at the link's rate; ``floor_ms``; ``vs_max`` = step / max(floor, wire), 1
+    when communication hides entirely behind computation or the reverse; ``vs_sum`` =
+    step / (floor + wire), 1 when they do not overlap at all. ``speedups=False``: the
+    overlap figures only (``combine_rounds``' runs, whose speed-ups are the rounds')."""
+    def key(r):
+        return r["model"], r["rate"], r["workers"], r.get("round")
+
+    stock = {key(r): r for r in runs if r["config"] == STOCK and r.get("status") == "ok"}
+    for r in runs if speedups else ():
+        base = stock.get(key(r))
         if r.get("status") == "ok" and base:
             r["speedup"] = base["median_ms"] / r["median_ms"]
     ok = [r for r in runs if r.get("status") == "ok" and r.get("kind", "main") == "main"]
@@ -103,6 +107,89 @@ def add_speedups(runs):
         r.update(wire_ms=wire, floor_ms=floor["median_ms"],
                  vs_max=r["median_ms"] / max(floor["median_ms"], wire),
                  vs_sum=r["median_ms"] / (floor["median_ms"] + wire))
+
+
+def combine_rounds(runs):
+    """The runs of a sweep of several rounds (``--repeats``) as one run per (model,
+    rate, N, configuration), in the order of their first rounds: the round whose median
+    step is the median of the rounds' (the lower of the middle two for an even count)
+    stands for them, with ``median_ms`` the rounds' median, ``speedup`` the median of
+    the rounds' own speed-ups, and ``rounds_ms`` each round's median step (None where it
+    failed); the overlap figures are computed again from the combined steps. A run
+    without rounds comes back as it is; a setting failed in every round, as its first
+    failure."""
+    groups, order = {}, []
+    for r in runs:
+        if "round" not in r:
+            order.append(r)
+            continue
+        key = (r["model"], r["rate"], r["workers"], r["config"])
+        if key not in groups:
+            groups[key] = []
+            order.append(key)
+        groups[key].append(r)
+    if not groups:
+        return list(runs)
+    combined = []
+    for item in order:
+        if isinstance(item, dict):
+            combined.append(item)
+            continue
+        rounds = groups[item]
+        ok = sorted((r for r in rounds if r.get("status") == "ok"),
+                    key=lambda r: r["median_ms"])
+        if not ok:
+            combined.append(next((r for r in rounds if r.get("status")), rounds[0]))
+            continue
+        run = dict(ok[(len(ok) - 1) // 2])
+        run["median_ms"] = statistics.median(r["median_ms"] for r in ok)
+        run["rounds_ms"] = [r["median_ms"] if r.get("status") == "ok" else None
+                            for r in rounds]
+        speedups = [r["speedup"] for r in ok if r.get("speedup")]
+        run.pop("speedup", None)
+        if speedups:
+            run["speedup"] = statistics.median(speedups)
+        for field in ("wire_ms", "floor_ms", "vs_max", "vs_sum"):
+            run.pop(field, None)
+        combined.append(run)
+    add_speedups(combined, speedups=False)
+    return combined
+
+
+def auto_against_fixed(runs):
+    """For each ``auto`` configuration at each (model, N, rate): the fastest other
+    tfgc configuration (by median step; stock is not one) and auto's step over it, the
+    median over rounds of each round's own ratio where the sweep has rounds.
+    [(model, N, rate, auto config, fastest config, ratio)]."""
+    def is_auto(config):
+        return config != STOCK and split_config(config)[0].split(":")[0] == "auto"
+
+    ok = [r for r in runs if r.get("status") == "ok" and r.get("kind", "main") == "main"]
+    combined = combine_rounds(ok)
+    out = []
+    for a in (r for r in combined if is_auto(r["config"])):
+        others = [r for r in combined
+                  if (r["model"], r["workers"], r["rate"]) == (a["model"], a["workers"],
+                                                               a["rate"])
+                  and r["config"] != STOCK and not is_auto(r["config"])]
+        if not others:
+            continue
+        fastest = min(others, key=lambda r: r["median_ms"])
+        ratios = []
+        for round_ in sorted({r["round"] for r in ok if "round" in r}) or [None]:
+            def step(config, round_=round_):
+                return next((r["median_ms"] for r in ok if r["config"] == config
+                             and r.get("round") == round_
+                             and (r["model"], r["workers"], r["rate"])
+                             == (a["model"], a["workers"], a["rate"])), None)
+            mine = step(a["config"])
+            theirs = [t for t in (step(r["config"]) for r in others) if t]
+            if mine and theirs:
+                ratios.append(mine / min(theirs))
+        if ratios:
+            out.append((a["model"], a["workers"], a["rate"], a["config"], fastest["config"],
+                        statistics.median(ratios)))
+    return out
 
 
 def fmt_ms(ms):
@@ -158,8 +245,10 @@ def _config_rows(configs, cells_for, ncols, fill):
 
 
 def render_markdown(report, args):
-    runs = report["runs"]
+    raw = report["runs"]
+    runs = combine_rounds(raw)
     ok = [r for r in runs if r.get("status") == "ok"]
+    repeats = getattr(args, "repeats", 1)
     configs = [STOCK] + args.configs
     rates = sorted(args.rates, key=rate_bps, reverse=True)  # fastest first
     fast, slow = rates[0], rates[-1]
@@ -183,8 +272,12 @@ def render_markdown(report, args):
                  "compressor that applies the momentum itself: dgc, momentum=m). "
                  + "; ".join(models_desc) + ".  ")
     lines.append(f"Step time: median of worker 0's {args.steps} timed batches after "
-                 f"{args.warmup} warm-up batches. Speed-up: stock median / this median at the "
-                 "same model, rate and N. Bytes: per worker and step, MB = 10^6 bytes. "
+                 f"{args.warmup} warm-up batches"
+                 + (f"; the median of {repeats} rounds' (at each rate every configuration "
+                    "once a round, round after round)" if repeats > 1 else "")
+                 + ". Speed-up: stock median / this median at the same model, rate and N"
+                 + (" (each round's, then their median)" if repeats > 1 else "")
+                 + ". Bytes: per worker and step, MB = 10^6 bytes. "
                  "`veth sent`: the worker's link counter (tx_bytes of its veth, mean over "
                  "workers), everything on the wire; `strategy`: "
                  "`compression_stats()` sent_bytes (for stock: the ring formula "
@@ -304,7 +397,29 @@ def render_markdown(report, args):
             lines += _table(header, ["l"] + ["r"] * len(ns), rows)
             lines.append("")
 
-    planned = [r for r in ok if r.get("plan")]
+    against = auto_against_fixed(raw)
+    if against:
+        lines += ["## `auto` against the fastest fixed setting", "",
+                  "auto's step over that of the fastest other tfgc configuration of the "
+                  "same model, N and rate"
+                  + (" (each round's fastest, then the median over rounds)" if repeats > 1
+                     else "") + ".", ""]
+        rows = [[f"`{cfg}`", model, str(n), rate_label(rate), f"`{fastest}`", f"{ratio:.2f}"]
+                for model, n, rate, cfg, fastest, ratio in against]
+        lines += _table(["configuration", "model", "N", "link", "fastest fixed", "ratio"],
+                        ["l", "l", "r", "l", "l", "r"], rows)
+        lines.append("")
+    rounds = [r for r in ok if len(r.get("rounds_ms") or ()) > 1]
+    if rounds:
+        lines += ["## Each round's median step", ""]
+        rows = [[f"`{r['config']}`", r["model"], str(r["workers"]), rate_label(r["rate"]),
+                 ", ".join("failed" if t is None else fmt_ms(t) for t in r["rounds_ms"])]
+                for r in rounds]
+        lines += _table(["configuration", "model", "N", "link", "ms, round by round"],
+                        ["l", "l", "r", "l", "l"], rows)
+        lines.append("")
+
+    planned = [r for r in raw if r.get("status") == "ok" and r.get("plan")]
     if planned:
         # What compressor="auto" sent each gradient as: labels counted, largest first.
         lines += ["## What `auto` planned", ""]
@@ -327,18 +442,21 @@ def render_markdown(report, args):
                        "steps for a whole low-rank budget.")
             apart = f" in {sets} sets (a plan each)" if sets > 1 else ""
             lines.append(f"- `{r['config']}`, {r['model']}, {r['workers']} workers, "
-                         f"{rate_label(r['rate'])}: {len(r['plan'])} gradients planned"
+                         f"{rate_label(r['rate'])}"
+                         + (f" (round {r['round'] + 1})" if "round" in r else "")
+                         + f": {len(r['plan'])} gradients planned"
                          f"{apart}: {kinds}.{weighed} Figures: {r['plan_figures']}")
         lines.append("")
 
-    failures = [r for r in runs if r.get("status") == "failed"]
+    failures = [r for r in raw if r.get("status") == "failed"]
     if failures:
         lines += ["## Failed runs", ""]
         for r in failures:
-            lines.append(f"- `{r['config']}`, {r['model']}, N={r['workers']}, {r['rate']}: "
-                         f"failed: {r['reason']}")
+            lines.append(f"- `{r['config']}`, {r['model']}, N={r['workers']}, {r['rate']}"
+                         + (f" (round {r['round'] + 1})" if "round" in r else "")
+                         + f": failed: {r['reason']}")
         lines.append("")
-    missing = [r for r in runs if not r.get("status")]
+    missing = [r for r in raw if not r.get("status")]
     if missing:
         lines.append(f"{len(missing)} planned run(s) did not happen (interrupted).")
         lines.append("")
@@ -364,7 +482,7 @@ def _nice_max(v):
 
 def render_svg(report, args):
     """Per model: speed-up vs link rate, and bytes per worker per step vs N."""
-    runs = [r for r in report["runs"] if r.get("status") == "ok"]
+    runs = [r for r in combine_rounds(report["runs"]) if r.get("status") == "ok"]
     configs = [STOCK] + args.configs
     color = {c: PALETTE[i % len(PALETTE)] for i, c in enumerate(configs)}
     pw, ph, left, gap, top = 420, 260, 80, 130, 50

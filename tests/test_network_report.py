@@ -1,0 +1,119 @@
+"""benchmarks/network.py's rounds (``--repeats``) and what its report makes of them (the
+sweep itself needs root and a shaped cluster: the benchmark, not the suite)."""
+
+import pytest
+
+from cluster_scripts import benchmark_module
+
+network = benchmark_module("network")
+report = benchmark_module("network_report")
+
+
+def _args(*argv):
+    return network.parse_args(["--models", "mlp", "--rates", "1gbit", "100mbit",
+                               "--workers", "2", "--bytes_workers", "--configs", "qsgd",
+                               "auto", *argv])
+
+
+def test_rounds_run_every_configuration_once_a_round_at_each_rate():
+    runs = network.plan_runs(_args("--repeats", "3"))
+    order = [(r["rate"], r["round"], r["config"]) for r in runs]
+    configs = ["stock", "qsgd", "auto"]
+    assert order == [(rate, k, c) for rate in ("1gbit", "100mbit") for k in range(3)
+                     for c in configs]
+    # One round: the runs carry no round, as before rounds existed.
+    assert all("round" not in r for r in network.plan_runs(_args()))
+
+
+def test_bad_repeats_stop_with_a_message(capsys):
+    with pytest.raises(SystemExit):
+        _args("--repeats", "0")
+    assert "--repeats must be at least 1" in capsys.readouterr().err
+
+
+def _run(config, rate, ms, round_=None, status="ok"):
+    run = {"kind": "main", "model": "m", "workers": 2, "config": config, "rate": rate,
+           "status": status, "median_ms": ms, "veth_tx_per_step_max": 1e6}
+    if round_ is not None:
+        run["round"] = round_
+    return run
+
+
+def _rounds(steps):
+    """Runs from {config: [ms per round]} at 100 Mbit/s, plus stock at 10 Gbit/s (the
+    floor) for each configuration."""
+    runs = []
+    for k in range(len(next(iter(steps.values())))):
+        for config, ms in steps.items():
+            runs.append(_run(config, "10gbit", 50.0, k))
+            runs.append(_run(config, "100mbit", ms[k], k, "failed" if ms[k] is None else "ok"))
+    return runs
+
+
+def test_speedups_are_taken_within_a_round_and_combined_as_their_median():
+    # The machine slowed down in the last round: stock and qsgd both took twice as long.
+    runs = _rounds({"stock": [400.0, 410.0, 800.0], "qsgd@auto": [100.0, 205.0, 200.0]})
+    report.add_speedups(runs)
+    assert [r["speedup"] for r in runs if r["config"] == "qsgd@auto"
+            and r["rate"] == "100mbit"] == pytest.approx([4.0, 2.0, 4.0])
+    combined = report.combine_rounds(runs)
+    qsgd = next(r for r in combined if r["config"] == "qsgd@auto" and r["rate"] == "100mbit")
+    assert qsgd["median_ms"] == 200.0 and qsgd["rounds_ms"] == [100.0, 205.0, 200.0]
+    # The median of the rounds' own speed-ups, not of the medians' quotient (410 / 200).
+    assert qsgd["speedup"] == pytest.approx(4.0)
+    assert qsgd["round"] == 2  # the round whose step is the median stands for them
+    # The overlap figures come from the combined steps: the floor is the 10 Gbit/s one.
+    assert qsgd["floor_ms"] == 50.0 and qsgd["vs_max"] == pytest.approx(200.0 / 80.0)
+    assert len(combined) == 4
+
+
+def test_a_failed_round_is_left_out_of_the_median_and_shown():
+    runs = _rounds({"stock": [400.0, 400.0, 400.0], "qsgd@auto": [100.0, None, 300.0]})
+    report.add_speedups(runs)
+    qsgd = next(r for r in report.combine_rounds(runs)
+                if r["config"] == "qsgd@auto" and r["rate"] == "100mbit")
+    assert qsgd["status"] == "ok" and qsgd["median_ms"] == 200.0
+    assert qsgd["rounds_ms"] == [100.0, None, 300.0]
+    # Failed in every round: the first failure stands for them.
+    runs = _rounds({"stock": [400.0, 400.0], "qsgd@auto": [None, None]})
+    failed = [r for r in report.combine_rounds(runs) if r["config"] == "qsgd@auto"
+              and r["rate"] == "100mbit"]
+    assert len(failed) == 1 and failed[0]["status"] == "failed" and failed[0]["round"] == 0
+
+
+def test_auto_is_set_against_each_rounds_fastest_fixed_setting():
+    # Round 1: qsgd fastest (auto 1.2x it); round 2: powersgd (auto 1.0x); round 3:
+    # qsgd (auto 1.1x). Against the median's fastest alone, round 2 would read 0.75.
+    runs = _rounds({"stock": [900.0] * 3, "qsgd@auto": [100.0, 200.0, 100.0],
+                    "powersgd@auto": [150.0, 150.0, 180.0],
+                    "auto@auto": [120.0, 150.0, 110.0]})
+    (row,) = [r for r in report.auto_against_fixed(runs) if r[2] == "100mbit"]
+    model, n, rate, config, fastest, ratio = row
+    assert (model, n, config, fastest) == ("m", 2, "auto@auto", "qsgd@auto")
+    assert ratio == pytest.approx(1.1)
+    # Without rounds: the one ratio.
+    single = [dict(r) for r in runs if r["round"] == 0]
+    for r in single:
+        del r["round"]
+    assert [r[5] for r in report.auto_against_fixed(single)
+            if r[2] == "100mbit"] == pytest.approx([1.2])
+
+
+def test_the_report_gives_the_rounds_median_each_round_and_autos_ratio():
+    args = _args("--repeats", "3", "--configs", "qsgd", "auto", "--rates", "100mbit")
+    runs = _rounds({"stock": [400.0, 410.0, 800.0], "qsgd": [100.0, 205.0, 200.0],
+                    "auto": [110.0, 190.0, 260.0]})
+    runs = [r for r in runs if r["rate"] == "100mbit"]
+    for r in runs:
+        r.update(veth_tx_per_step=1e6, strategy_sent_per_step=1e6, dense_sent_per_step=4e6,
+                 params=10, dense_bytes=40, dataset="synthetic", other_cpu_cores=0.0)
+    report.add_speedups(runs)
+    text = report.render_markdown({"runs": runs, "command": "c", "started": "s",
+                                   "cpu_count": 2, "complete": True, "wall_s": 60,
+                                   "link": "l", "auto_settle": {"steps": 1, "every": 1}},
+                                  args)
+    assert "the median of 3 rounds'" in text
+    assert "| `qsgd` | 200 |" in text  # the rounds' median step
+    # Rounds: auto 1.10, 0.93 and 1.30 times qsgd: the median 1.10.
+    assert "| `auto` | m | 2 | 100 Mbit/s | `qsgd` | 1.10 |" in text
+    assert "| `auto` | m | 2 | 100 Mbit/s | 110, 190, 260 |" in text
