@@ -77,30 +77,33 @@ def split_options(comm):
     return comm, options
 
 
-def add_speedups(runs, speedups=True):
+def add_speedups(runs, combined=False):
     """Each run's speed-up against stock at the same (model, rate, N, round of
     ``--repeats``), and its overlap figures against the same configuration at the
-    sweep's fastest rate (its compute floor): ``wire_ms``, the slowest worker's bytes
-    per step at the link's rate; ``floor_ms``; ``vs_max`` = step / max(floor, wire), 1
-    when communication hides entirely behind computation or the reverse; ``vs_sum`` =
-    step / (floor + wire), 1 when they do not overlap at all. ``speedups=False``: the
-    overlap figures only (``combine_rounds``' runs, whose speed-ups are the rounds')."""
-    def key(r):
-        return r["model"], r["rate"], r["workers"], r.get("round")
+    sweep's fastest rate in the same round (its compute floor): ``wire_ms``, the
+    slowest worker's bytes per step at the link's rate; ``floor_ms``; ``vs_max`` =
+    step / max(floor, wire), 1 when communication hides entirely behind computation or
+    the reverse; ``vs_sum`` = step / (floor + wire), 1 when they do not overlap at all.
+    ``combined``: runs of ``combine_rounds``, whose speed-ups are the rounds' (kept)
+    and whose floor is the combined run at the fastest rate, whatever round stands
+    for it."""
+    def round_of(r):
+        return None if combined else r.get("round")
 
-    stock = {key(r): r for r in runs if r["config"] == STOCK and r.get("status") == "ok"}
-    for r in runs if speedups else ():
-        base = stock.get(key(r))
+    stock = {(r["model"], r["rate"], r["workers"], round_of(r)): r for r in runs
+             if r["config"] == STOCK and r.get("status") == "ok"}
+    for r in runs if not combined else ():
+        base = stock.get((r["model"], r["rate"], r["workers"], round_of(r)))
         if r.get("status") == "ok" and base:
             r["speedup"] = base["median_ms"] / r["median_ms"]
     ok = [r for r in runs if r.get("status") == "ok" and r.get("kind", "main") == "main"]
     fastest = {}
     for r in ok:
-        key = (r["model"], r["workers"], r["config"])
+        key = (r["model"], r["workers"], r["config"], round_of(r))
         if key not in fastest or rate_bps(r["rate"]) > rate_bps(fastest[key]["rate"]):
             fastest[key] = r
     for r in ok:
-        floor = fastest[(r["model"], r["workers"], r["config"])]
+        floor = fastest[(r["model"], r["workers"], r["config"], round_of(r))]
         if floor is r or "veth_tx_per_step_max" not in r:
             continue
         wire = 1000.0 * 8 * r["veth_tx_per_step_max"] / rate_bps(r["rate"])
@@ -114,8 +117,9 @@ def combine_rounds(runs):
     rate, N, configuration), in the order of their first rounds: the round whose median
     step is the median of the rounds' (the lower of the middle two for an even count)
     stands for them, with ``median_ms`` the rounds' median, ``speedup`` the median of
-    the rounds' own speed-ups, and ``rounds_ms`` each round's median step (None where it
-    failed); the overlap figures are computed again from the combined steps. A run
+    the rounds' own speed-ups, and ``rounds_ms`` each round's median step ("failed";
+    None: not run, the sweep cut short); the overlap figures are computed again from
+    the combined steps. A run
     without rounds comes back as it is; a setting failed in every round, as its first
     failure."""
     groups, order = {}, []
@@ -143,8 +147,8 @@ def combine_rounds(runs):
             continue
         run = dict(ok[(len(ok) - 1) // 2])
         run["median_ms"] = statistics.median(r["median_ms"] for r in ok)
-        run["rounds_ms"] = [r["median_ms"] if r.get("status") == "ok" else None
-                            for r in rounds]
+        run["rounds_ms"] = [r["median_ms"] if r.get("status") == "ok"
+                            else "failed" if r.get("status") else None for r in rounds]
         speedups = [r["speedup"] for r in ok if r.get("speedup")]
         run.pop("speedup", None)
         if speedups:
@@ -152,14 +156,15 @@ def combine_rounds(runs):
         for field in ("wire_ms", "floor_ms", "vs_max", "vs_sum"):
             run.pop(field, None)
         combined.append(run)
-    add_speedups(combined, speedups=False)
+    add_speedups(combined, combined=True)
     return combined
 
 
 def auto_against_fixed(runs):
     """For each ``auto`` configuration at each (model, N, rate): the fastest other
-    tfgc configuration (by median step; stock is not one) and auto's step over it, the
-    median over rounds of each round's own ratio where the sweep has rounds.
+    tfgc configuration (by median step; stock is not one) and auto's step over the
+    fastest's, where the sweep has rounds the median over rounds of each round's own
+    ratio (against that round's fastest; only rounds in which every setting ran).
     [(model, N, rate, auto config, fastest config, ratio)]."""
     def is_auto(config):
         return config != STOCK and split_config(config)[0].split(":")[0] == "auto"
@@ -183,8 +188,8 @@ def auto_against_fixed(runs):
                              and (r["model"], r["workers"], r["rate"])
                              == (a["model"], a["workers"], a["rate"])), None)
             mine = step(a["config"])
-            theirs = [t for t in (step(r["config"]) for r in others) if t]
-            if mine and theirs:
+            theirs = [step(r["config"]) for r in others]
+            if mine and all(theirs):  # a round whose fastest failed says nothing
                 ratios.append(mine / min(theirs))
         if ratios:
             out.append((a["model"], a["workers"], a["rate"], a["config"], fastest["config"],
@@ -413,7 +418,8 @@ def render_markdown(report, args):
     if rounds:
         lines += ["## Each round's median step", ""]
         rows = [[f"`{r['config']}`", r["model"], str(r["workers"]), rate_label(r["rate"]),
-                 ", ".join("failed" if t is None else fmt_ms(t) for t in r["rounds_ms"])]
+                 ", ".join("not run" if t is None else t if isinstance(t, str) else fmt_ms(t)
+                           for t in r["rounds_ms"])]
                 for r in rounds]
         lines += _table(["configuration", "model", "N", "link", "ms, round by round"],
                         ["l", "l", "r", "l", "l"], rows)

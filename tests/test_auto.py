@@ -1400,6 +1400,9 @@ def test_an_interval_whose_every_step_was_skipped_keeps_the_regimes_it_had():
     # A non-finite gradient skips the step (nothing summed): an interval of such steps
     # says nothing of the regimes, so the gradients stay as critical as they were, and
     # adapt says so (it returned no critical name, while the plan still followed them).
+    # A model not trained in the interval is not reported (another fit's, before it).
+    import tf_keras as keras
+
     strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
     cdo = strategy.cross_device_ops
     cdo.track_regimes()
@@ -1410,6 +1413,13 @@ def test_an_interval_whose_every_step_was_skipped_keeps_the_regimes_it_had():
     assert names and cdo.adapt(0.5) == names  # no previous interval: all critical
     model.fit(np.full_like(x, np.nan), y, batch_size=4, steps_per_epoch=2, verbose=0)
     assert cdo.adapt(0.5) == names
+    with strategy.scope():
+        other = keras.Sequential([keras.layers.Dense(48, input_shape=(40,), name="other_a"),
+                                  keras.layers.Dense(4, name="other_b")])
+        other.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    cdo.track_regimes()  # the next fit
+    other.fit(x, y, batch_size=4, steps_per_epoch=2, verbose=0)
+    assert cdo.adapt(0.5) == {"other_a/kernel:0"}
 
 
 def test_a_step_of_more_sets_than_the_planner_keeps_keeps_them_all():

@@ -73,7 +73,12 @@ def test_a_failed_round_is_left_out_of_the_median_and_shown():
     qsgd = next(r for r in report.combine_rounds(runs)
                 if r["config"] == "qsgd@auto" and r["rate"] == "100mbit")
     assert qsgd["status"] == "ok" and qsgd["median_ms"] == 200.0
-    assert qsgd["rounds_ms"] == [100.0, None, 300.0]
+    assert qsgd["rounds_ms"] == [100.0, "failed", 300.0]
+    # A round cut short (no status): not run, not failed.
+    del runs[-1]["status"]
+    qsgd = next(r for r in report.combine_rounds(runs)
+                if r["config"] == "qsgd@auto" and r["rate"] == "100mbit")
+    assert qsgd["rounds_ms"] == [100.0, "failed", None] and qsgd["median_ms"] == 100.0
     # Failed in every round: the first failure stands for them.
     runs = _rounds({"stock": [400.0, 400.0], "qsgd@auto": [None, None]})
     failed = [r for r in report.combine_rounds(runs) if r["config"] == "qsgd@auto"
@@ -91,6 +96,14 @@ def test_auto_is_set_against_each_rounds_fastest_fixed_setting():
     model, n, rate, config, fastest, ratio = row
     assert (model, n, config, fastest) == ("m", 2, "auto@auto", "qsgd@auto")
     assert ratio == pytest.approx(1.1)
+    # A round in which a setting failed is left out rather than set against a slower
+    # one: round 2 (qsgd failed) would read 150 / 300 = 0.5. The median of rounds 1 and
+    # 3, 1.2 and 1.1.
+    runs = _rounds({"stock": [900.0] * 3, "qsgd@auto": [100.0, None, 100.0],
+                    "powersgd@auto": [300.0, 300.0, 300.0],
+                    "auto@auto": [120.0, 150.0, 110.0]})
+    (row,) = [r for r in report.auto_against_fixed(runs) if r[2] == "100mbit"]
+    assert row[4] == "qsgd@auto" and row[5] == pytest.approx(1.15)
     # Without rounds: the one ratio.
     single = [dict(r) for r in runs if r["round"] == 0]
     for r in single:

@@ -111,8 +111,10 @@ class _Layout:
         # The names of the gradients in a critical regime ("all": every one, until the
         # first interval ends), the last interval's norms and, by place, a sum of each
         # planned gradient's reduced values over the interval (None: regimes not
-        # tracked), and the steps the interval summed (worker 0's, with the sums).
+        # tracked), the steps the interval summed (worker 0's, with the sums), and the
+        # steps that reached it, those skipped for a non-finite gradient included.
         self.critical, self.norms, self.sums, self.summed = frozenset(), {}, None, None
+        self.reached = None
         if tracked:
             self.start_regimes()
         # With regimes tracked and low-rank candidates on: by place, each matrix's last
@@ -144,6 +146,17 @@ class _Layout:
     def summed_steps(self) -> float:
         """The steps its interval sums hold (worker 0's; 0 elsewhere). Eager."""
         return 0.0 if self.summed is None else float(self.summed.numpy())
+
+    def reached_steps(self) -> float:
+        """The interval's steps that reduced it, skipped ones included (worker 0's; 0
+        elsewhere). Eager."""
+        return 0.0 if self.reached is None else float(self.reached.numpy())
+
+    def restart_counts(self):
+        """The interval's step counts back to 0. Eager."""
+        for count in (self.summed, self.reached):
+            if count is not None:
+                count.assign(0)
 
 
 class AutoPlanner:
@@ -670,6 +683,7 @@ class AutoPlanner:
             return tf.constant(True)
 
         tf.cond(ok, add, lambda: tf.constant(False))
+        lay.reached.assign_add(1)
         for j in lay.matrices:
             lay.last_vars[j] = planned[j][1]
         if lay.matrices:
@@ -690,6 +704,7 @@ class AutoPlanner:
                                                        "tfgc_interval_sum")
         if lay.summed is None:
             lay.summed = state_lib.local_variable(tf.constant(0), "tfgc_interval_steps")
+            lay.reached = state_lib.local_variable(tf.constant(0), "tfgc_interval_reached")
 
     def track_tables(self, plan, slices, variables, reduced, ok, replica_id):
         """Each embedding table's rows this step (``slices``, IndexedSlices, by place
@@ -850,8 +865,7 @@ class AutoPlanner:
             # make it one that trains now.
             with tf.init_scope():
                 for lay in self._layouts.values():
-                    if lay.summed is not None:
-                        lay.summed.assign(0)
+                    lay.restart_counts()
             return
         self._tracked = True
         for lay in self._layouts.values():
@@ -886,11 +900,10 @@ class AutoPlanner:
                 starts[lay] = len(values)
                 values += [float(tf.norm(lay.sums[j])) if j in lay.sums else float("nan")
                            for j in range(len(lay.gradients))]
-                values.append(lay.summed_steps())
+                values += [lay.summed_steps(), lay.reached_steps()]
                 for total in lay.sums.values():
                     total.assign(tf.zeros_like(total))
-                if lay.summed is not None:
-                    lay.summed.assign(0)
+                lay.restart_counts()
         first = self._first_floats(values + [min_gain_s, _or_nan(step_s), _or_nan(step_se_s)])
         min_gain_s, step_s, step_se_s = (float(v) for v in first[-3:])
         ran = [lay for lay in active if first[starts[lay] + len(lay.gradients)]]
@@ -910,12 +923,14 @@ class AutoPlanner:
         # traced again, plans it again from its regimes; the planner may forget it).
         self._take({lay: self._plan_again(lay, lay.plan[1], min_gain_s) for lay in ran},
                    self._figures[1])
-        # What is critical now, in every layout: one that no step summed (every step of
-        # the interval skipped for a non-finite gradient, or a model not trained in it)
-        # keeps the regimes it had, and its plan still follows them.
+        # What is critical now in the models trained in the interval: one whose every
+        # step was skipped for a non-finite gradient (nothing summed) keeps the regimes
+        # it had, and its plan still follows them; a model not trained in it is left
+        # out (another fit's, or one frozen since).
+        trained = [lay for lay in active if first[starts[lay] + len(lay.gradients) + 1]]
         return frozenset().union(*(
             (frozenset(g[0] for g in lay.gradients) if lay.critical == "all" else lay.critical)
-            for lay in active))
+            for lay in trained))
 
     def measure_low_rank(self, step_s=None, step_se_s=None) -> bool:
         """See ``CompressedAllReduce.measure_low_rank``."""

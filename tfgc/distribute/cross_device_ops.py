@@ -795,9 +795,9 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         taken as ``planner.PACE_PRIOR`` of the step), which weighs the plan's step in
         the pace and bounds its slope. The norms, ``min_gain_s`` and the step are
         worker 0's (all-gathered), so every worker decides the same; every worker must
-        call it at the same point. Returns the names in a critical regime now: a model
-        that no step of the interval summed (every step skipped for a non-finite
-        gradient, or not trained in it) keeps the regimes it had."""
+        call it at the same point. Returns the names in a critical regime now, of the
+        models the interval trained: one whose every step was skipped for a non-finite
+        gradient keeps the regimes it had."""
         return self._auto_planner("adapt").adapt(threshold, min_gain_s, step_s, step_se_s)
 
     def measure_low_rank(self, step_s=None, step_se_s=None) -> bool:
