@@ -360,7 +360,9 @@ def drive(args, argv):
                   "eval_every": args.eval_every, "workers": args.workers, "runs": [],
                   "wall_s": 0.0}
     else:
-        report["resumed"] = report.get("resumed", []) + [command_line]
+        if any((s, seed) not in {(r["setting"], r["seed"]) for r in report["runs"]}
+               for s in args.settings for seed in args.seeds):
+            report["resumed"] = report.get("resumed", []) + [command_line]
         if report.get("feature_accuracy") != feature_accuracy:
             print("[gan_quality] the feature network came out otherwise than the earlier "
                   f"sweep's ({feature_accuracy} against {report.get('feature_accuracy')}): "

@@ -72,7 +72,8 @@ class Auto(Compressor):
         rank 2 needed 1.36-1.40x the steps of float32 or bf16 to the target on the
         CNN, and 1.55x on the wide MLP, on a schedule twice as long (which is itself
         slower to a target); ``auto``'s own rank-4 plans on the dense schedule,
-        1.0-1.13x. 0: the time per step alone decides.
+        1.0-1.13x; on a GAN with Adam (``benchmarks/gan_quality.py``, to the same
+        sample quality), 1.15-1.23x. 0: the time per step alone decides.
     """
 
     name = "auto"
