@@ -41,6 +41,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -345,10 +346,10 @@ def drive(args, argv):
     scratch = _common.scratch_dir("tfgc-gan-quality-")
     command_line = _common.command_line("gan_quality.py", argv)
     report = _earlier(args) if args.resume else None
+    resumed = report is not None
     features = (report or {}).get("features")
     if not (features and os.path.exists(features)):
         features = os.path.join(scratch, "features.npz")
-        import subprocess
         subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", "--features",
                         features], check=True, env={**os.environ, **_common.worker_env()})
     with open(features + ".json") as f:
@@ -359,9 +360,11 @@ def drive(args, argv):
                   "cpu_count": os.cpu_count(), "steps": args.steps,
                   "eval_every": args.eval_every, "workers": args.workers, "runs": [],
                   "wall_s": 0.0}
-    else:
-        if any((s, seed) not in {(r["setting"], r["seed"]) for r in report["runs"]}
-               for s in args.settings for seed in args.seeds):
+    done = {(r["setting"], r["seed"]) for r in report["runs"]}
+    missing = [(setting, seed) for seed in args.seeds for setting in args.settings
+               if (setting, seed) not in done]
+    if resumed:
+        if missing:
             report["resumed"] = report.get("resumed", []) + [command_line]
         if report.get("feature_accuracy") != feature_accuracy:
             print("[gan_quality] the feature network came out otherwise than the earlier "
@@ -371,30 +374,26 @@ def drive(args, argv):
                   seeds=list(dict.fromkeys(report.get("seeds", []) + args.seeds)),
                   reference=args.reference, features=features,
                   feature_accuracy=feature_accuracy, complete=False)
-    done = {(r["setting"], r["seed"]) for r in report["runs"]}
     elapsed = report.get("wall_s", 0.0)
     log = open(os.path.join(scratch, "workers.log"), "w")
-    for seed in args.seeds:
-        for setting in args.settings:
-            if (setting, seed) in done:
-                continue
-            out = os.path.join(scratch, f"run{len(report['runs'])}.json")
-            command = [sys.executable, os.path.abspath(__file__), "--worker", "--setting",
-                       setting, "--seed", str(seed), "--features", features, "--json", out,
-                       "--steps", str(args.steps), "--eval_every", str(args.eval_every)]
-            began = time.time()
-            try:
-                run = _common.run_cluster(command, args.workers, out, args.timeout, log)
-            except (RuntimeError, OSError, ValueError) as exc:  # recorded; the sweep goes on
-                run = {"setting": setting, "seed": seed, "curve": [],
-                       "failed": str(exc).strip().splitlines()[0][:300]}
-            run["wall_s"] = time.time() - began
-            report["runs"].append(run)
-            print(f"[gan_quality] {setting} seed {seed}: "
-                  + (f"failed: {run['failed']}" if run.get("failed") else
-                     f"final FD {final_quality(run['curve']):.2f}")
-                  + f" ({run['wall_s']:.0f} s)", flush=True)
-            _common.write_json(args.out + ".json", report)  # partial results survive
+    for setting, seed in missing:
+        out = os.path.join(scratch, f"run{len(report['runs'])}.json")
+        command = [sys.executable, os.path.abspath(__file__), "--worker", "--setting",
+                   setting, "--seed", str(seed), "--features", features, "--json", out,
+                   "--steps", str(args.steps), "--eval_every", str(args.eval_every)]
+        began = time.time()
+        try:
+            run = _common.run_cluster(command, args.workers, out, args.timeout, log)
+        except (RuntimeError, OSError, ValueError) as exc:  # recorded; the sweep goes on
+            run = {"setting": setting, "seed": seed, "curve": [],
+                   "failed": str(exc).strip().splitlines()[0][:300]}
+        run["wall_s"] = time.time() - began
+        report["runs"].append(run)
+        print(f"[gan_quality] {setting} seed {seed}: "
+              + (f"failed: {run['failed']}" if run.get("failed") else
+                 f"final FD {final_quality(run['curve']):.2f}")
+              + f" ({run['wall_s']:.0f} s)", flush=True)
+        _common.write_json(args.out + ".json", report)  # partial results survive
     report["complete"] = True
     report["wall_s"] = elapsed + time.time() - started
     _common.write_json(args.out + ".json", report)

@@ -119,9 +119,8 @@ def combine_rounds(runs):
     stands for them, with ``median_ms`` the rounds' median, ``speedup`` the median of
     the rounds' own speed-ups, and ``rounds_ms`` each round's median step ("failed";
     None: not run, the sweep cut short); the overlap figures are computed again from
-    the combined steps. A run
-    without rounds comes back as it is; a setting failed in every round, as its first
-    failure."""
+    the combined steps. A run without rounds comes back as it is; a setting failed in
+    every round, as its first failure."""
     groups, order = {}, []
     for r in runs:
         if "round" not in r:
