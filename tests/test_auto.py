@@ -1365,13 +1365,15 @@ def test_the_plan_callback_refuses_what_it_cannot_use():
     assert strategy.cross_device_ops.measure_low_rank() is False
 
 
-def small_model(strategy, width=64, outputs=4):
+def small_model(strategy, width=64, outputs=4, prefix=""):
     """A compiled 40-``width``-``outputs`` model under ``strategy``: one kernel large enough
-    for the policy to plan (``width`` >= 26), the rest sent dense."""
+    for the policy to plan (``width`` >= 26), the rest sent dense; its layers are
+    ``prefix`` + "a" and "b"."""
     import tf_keras as keras
     with strategy.scope():
-        model = keras.Sequential([keras.layers.Dense(width, input_shape=(40,), name="a"),
-                                  keras.layers.Dense(outputs, name="b")])
+        model = keras.Sequential([keras.layers.Dense(width, input_shape=(40,),
+                                                     name=prefix + "a"),
+                                  keras.layers.Dense(outputs, name=prefix + "b")])
         model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
     return model
 
@@ -1401,8 +1403,6 @@ def test_an_interval_whose_every_step_was_skipped_keeps_the_regimes_it_had():
     # says nothing of the regimes, so the gradients stay as critical as they were, and
     # adapt says so (it returned no critical name, while the plan still followed them).
     # A model not trained in the interval is not reported (another fit's, before it).
-    import tf_keras as keras
-
     strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
     cdo = strategy.cross_device_ops
     cdo.track_regimes()
@@ -1413,10 +1413,7 @@ def test_an_interval_whose_every_step_was_skipped_keeps_the_regimes_it_had():
     assert names and cdo.adapt(0.5) == names  # no previous interval: all critical
     model.fit(np.full_like(x, np.nan), y, batch_size=4, steps_per_epoch=2, verbose=0)
     assert cdo.adapt(0.5) == names
-    with strategy.scope():
-        other = keras.Sequential([keras.layers.Dense(48, input_shape=(40,), name="other_a"),
-                                  keras.layers.Dense(4, name="other_b")])
-        other.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    other = small_model(strategy, 48, prefix="other_")
     cdo.track_regimes()  # the next fit
     other.fit(x, y, batch_size=4, steps_per_epoch=2, verbose=0)
     assert cdo.adapt(0.5) == {"other_a/kernel:0"}
