@@ -325,11 +325,11 @@ def test_figures_round_trip_through_the_words_the_workers_gather():
 
 # -- low rank ---------------------------------------------------------------------------
 
-def all_figures(link_gbps, ns_per_element=2.0, num_workers=4):
+def all_figures(link_gbps, ns_per_element=2.0, num_workers=4, rotation=1.0):
     """``figures`` with the low-rank candidates timed too: ``ns_per_element`` times the
     rank over 2 (their matrix products grow with it)."""
     fig = figures(num_workers=num_workers, link_gbps=link_gbps, latency_ms=1e-3,
-                  ns_per_element=ns_per_element)
+                  ns_per_element=ns_per_element, rotation=rotation)
     encode, decode = dict(fig.encode_us), dict(fig.decode_us)
     for c in planner.LOW_RANK:
         encode[c.label] = decode[c.label] = tuple(
@@ -838,12 +838,12 @@ def test_a_table_not_counted_yet_goes_as_rows_priced_at_nothing():
     assert table.sent_bytes == 400 * (256 * 4 + 4) * (fast.num_workers - 1)
 
 
-def test_a_table_planned_alone_goes_as_the_faster_of_quantized_and_float32_rows():
+def test_a_table_planned_alone_goes_as_the_fastest_of_quantized_and_float32_rows():
     # A bag of embeddings under a head too small to plan: nothing beside the table gives
     # its rows the plan's view of the link. Before its rows are counted they take the
     # quantizer of the fewest bytes within the budget (within bf16's bound while the
-    # table is critical); counted, that quantizer or float32 on the stock gather,
-    # whichever the plan prices faster.
+    # table is critical); counted, whichever of the quantizers within the budget and
+    # float32 on the stock gather the plan prices fastest.
     gradients = [("table", (50000, 64), "float32")]
     budget = 0.05
     fewest = min((c for c in planner.CANDIDATES[1:]
@@ -866,6 +866,29 @@ def test_a_table_planned_alone_goes_as_the_faster_of_quantized_and_float32_rows(
         other = planner.plan_tables(gradients, {0: (800, 3200)}, fig, budget, dense=frozenset(),
                                     rows_label="fp32" if expected != "fp32" else fewest.label)
         assert plan.paced_seconds() < other.paced_seconds()
+    # Rotated and plain 8 bits send the same bytes: at the same cost the rotated (less
+    # error) is kept; where its transform costs more, the plain one goes, priced faster.
+    assert planner.sent_bytes(planner.BY_LABEL["rqsgd8"], "allgather",
+                              (embeddings.BLOCK_ENTRIES,), "float32", 4) == \
+        planner.sent_bytes(planner.BY_LABEL["qsgd8"], "allgather",
+                           (embeddings.BLOCK_ENTRIES,), "float32", 4)
+    for rotation, expected in ((1.0, "rqsgd8"), (3.0, "qsgd8")):
+        fig = all_figures(0.1, rotation=rotation)
+        plan = planner.plan_tables(gradients, {0: (800, 3200)}, fig, budget)
+        assert plan.tables[0].label == expected, rotation
+        if rotation != 1.0:
+            rotated = planner.plan_tables(gradients, {0: (800, 3200)}, fig, budget,
+                                          dense=frozenset(), rows_label="rqsgd8")
+            assert plan.paced_seconds() < rotated.paced_seconds()
+    # The budget bounds them: 4 bits only where it allows them, and the critical
+    # bound while the table is critical.
+    loose = planner.plan_tables(gradients, {0: (800, 3200)}, all_figures(0.1), 0.1)
+    assert loose.tables[0].label == "rqsgd4"
+    assert planner.BY_LABEL["rqsgd4"].variance_bound(embeddings.BLOCK_ENTRIES) > budget
+    critical = planner.plan_tables(gradients, {0: (800, 3200)}, all_figures(0.1, rotation=3.0),
+                                   budget, critical={"table"})
+    assert planner.BY_LABEL[critical.tables[0].label].variance_bound(
+        embeddings.BLOCK_ENTRIES) <= planner.CRITICAL_BOUND
 
 
 def test_rows_are_priced_as_one_encoding_and_one_decoding_of_all_their_blocks():

@@ -1449,16 +1449,20 @@ def row_candidate(entries: Sequence[Entry], error_budget: float,
         return max(CANDIDATES, key=lambda c: elements.get(c.label, 0))
     if entries and not any(e.candidate.error_key is not None for e in entries):
         return None
-    budget = error_budget
-    if critical or any(e.critical for e in entries):
-        budget = min(budget, CRITICAL_BOUND)  # as critical gradients take
-    block = (embeddings.BLOCK_ENTRIES,)
-    within = [c for c in CANDIDATES[1:]
-              if c.variance_bound(embeddings.BLOCK_ENTRIES) <= budget]
+    within = row_quantizers(error_budget, critical or any(e.critical for e in entries))
     if not within:
         return None
+    block = (embeddings.BLOCK_ENTRIES,)
     return min(within, key=lambda c: sent_bytes(c, "allgather", block, "float32",
                                                 max(num_workers, 2)))
+
+
+def row_quantizers(error_budget: float, critical: bool = False) -> List[Candidate]:
+    """The quantizers embedding rows may go as within ``error_budget`` (within
+    ``CRITICAL_BOUND`` with ``critical``, as critical gradients take), from the least
+    error to the most."""
+    budget = min(error_budget, CRITICAL_BOUND) if critical else error_budget
+    return [c for c in CANDIDATES[1:] if c.variance_bound(embeddings.BLOCK_ENTRIES) <= budget]
 
 
 @functools.lru_cache(maxsize=256)
@@ -1519,8 +1523,9 @@ def plan_tables(gradients: Sequence[Tuple[str, Sequence[int], str]],
     dense beyond ``TABLE_CHOICES`` of them; ties keep rows), uncounted ones as rows.
     Where nothing but the tables is planned (a bag of embeddings under a head too
     small to plan), the plan gives the rows no view of the link: they go as
-    ``row_candidate``'s quantizer until their rows are counted, then as that or as
-    float32 on the stock gather, whichever the plan prices faster.
+    ``row_candidate``'s quantizer until their rows are counted, then as whichever of
+    the quantizers within the budget (``row_quantizers``) and float32 on the stock
+    gather the plan prices fastest.
     ``rows_label``: the candidate the rows go as instead (a running plan priced anew
     keeps what its traced step sends). ``kwargs``: ``make_plan``'s. None where
     ``make_plan`` returns None (``only``)."""
@@ -1549,11 +1554,14 @@ def plan_tables(gradients: Sequence[Tuple[str, Sequence[int], str]],
             return None
         critical = frozenset(kwargs.get("critical") or ())
         alone = not rows.entries
+        critical = alone and any(gradients[k][0] in critical for k in order)
         candidates = [row_candidate(rows.entries, error_budget, figures.num_workers,
-                                    critical=alone and any(gradients[k][0] in critical
-                                                           for k in order))]
+                                    critical=critical)]
         if alone and counted and candidates[0] is not None:
-            candidates.append(None)
+            # Priced, every quantizer within the budget (from the least error: ties
+            # keep it) and float32: the fewest bytes need not be the fastest (rotated
+            # 8 bits send as many as plain 8 bits and cost a transform each way).
+            candidates = row_quantizers(error_budget, critical) + [None]
     # fp32: the stock gather.
     candidates = [None if c is None or c.spec is None else c for c in candidates]
     best = None
