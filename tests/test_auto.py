@@ -875,7 +875,7 @@ def test_a_table_planned_alone_goes_as_the_fastest_of_quantized_and_float32_rows
     for rotation, expected in ((1.0, "rqsgd8"), (3.0, "qsgd8")):
         fig = all_figures(0.1, rotation=rotation)
         plan = planner.plan_tables(gradients, {0: (800, 3200)}, fig, budget)
-        assert plan.tables[0].label == expected, rotation
+        assert plan.tables[0].label == expected and not plan.tables[0].dense, rotation
         if rotation != 1.0:
             rotated = planner.plan_tables(gradients, {0: (800, 3200)}, fig, budget,
                                           dense=frozenset(), rows_label="rqsgd8")
@@ -887,8 +887,19 @@ def test_a_table_planned_alone_goes_as_the_fastest_of_quantized_and_float32_rows
     assert planner.BY_LABEL["rqsgd4"].variance_bound(embeddings.BLOCK_ENTRIES) > budget
     critical = planner.plan_tables(gradients, {0: (800, 3200)}, all_figures(0.1, rotation=3.0),
                                    budget, critical={"table"})
-    assert planner.BY_LABEL[critical.tables[0].label].variance_bound(
-        embeddings.BLOCK_ENTRIES) <= planner.CRITICAL_BOUND
+    assert critical.tables[0].label == "bf16"
+    assert planner.BY_LABEL["bf16"].variance_bound(embeddings.BLOCK_ENTRIES) <= \
+        planner.CRITICAL_BOUND < planner.BY_LABEL["rqsgd8"].variance_bound(
+            embeddings.BLOCK_ENTRIES)
+    # Rows a restored or running plan sent in a quantizer the budget or the critical
+    # bound now rules out: no plan of that choice (the caller plans afresh).
+    fig = all_figures(0.1)
+    for label, kwargs in (("rqsgd4", {}), ("qsgd8", {"critical": {"table"}})):
+        assert planner.plan_tables(gradients, {0: (800, 3200)}, fig, budget, dense=frozenset(),
+                                   rows_label=label, **kwargs) is None, label
+    for label, kwargs in (("qsgd8", {}), ("bf16", {"critical": {"table"}}), ("fp32", {})):
+        assert planner.plan_tables(gradients, {0: (800, 3200)}, fig, budget, dense=frozenset(),
+                                   rows_label=label, **kwargs).tables[0].label == label
 
 
 def test_rows_are_priced_as_one_encoding_and_one_decoding_of_all_their_blocks():

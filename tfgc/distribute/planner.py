@@ -1528,7 +1528,8 @@ def plan_tables(gradients: Sequence[Tuple[str, Sequence[int], str]],
     gather the plan prices fastest.
     ``rows_label``: the candidate the rows go as instead (a running plan priced anew
     keeps what its traced step sends). ``kwargs``: ``make_plan``'s. None where
-    ``make_plan`` returns None (``only``)."""
+    ``make_plan`` returns None (``only``), or where the tables are planned alone and
+    the budget or a critical table rules out ``rows_label``."""
     order = sorted(tables)
     places = {k: p for p, k in enumerate(order)}
     counted = [p for p, k in enumerate(order) if tables[k][0] > 0]
@@ -1546,22 +1547,23 @@ def plan_tables(gradients: Sequence[Tuple[str, Sequence[int], str]],
                          capped=capped, **kwargs)
 
     plans = {}
+    critical_table = any(gradients[k][0] in frozenset(kwargs.get("critical") or ())
+                         for k in order)
     if rows_label is not None:
         candidates = [BY_LABEL[rows_label]]
     else:
         plans[frozenset(), None] = rows = planned(frozenset())
         if rows is None:
             return None
-        critical = frozenset(kwargs.get("critical") or ())
         alone = not rows.entries
-        critical = alone and any(gradients[k][0] in critical for k in order)
         candidates = [row_candidate(rows.entries, error_budget, figures.num_workers,
-                                    critical=critical)]
+                                    critical=alone and critical_table)]
         if alone and counted and candidates[0] is not None:
             # Priced, every quantizer within the budget (from the least error: ties
-            # keep it) and float32: the fewest bytes need not be the fastest (rotated
-            # 8 bits send as many as plain 8 bits and cost a transform each way).
-            candidates = row_quantizers(error_budget, critical) + [None]
+            # among them keep it) and float32: the fewest bytes need not be the
+            # fastest (rotated 8 bits send as many as plain 8 bits and cost a
+            # transform each way).
+            candidates = row_quantizers(error_budget, critical_table) + [None]
     # fp32: the stock gather.
     candidates = [None if c is None or c.spec is None else c for c in candidates]
     best = None
@@ -1592,4 +1594,13 @@ def plan_tables(gradients: Sequence[Tuple[str, Sequence[int], str]],
         plan = dataclasses.replace(plan, tables=tuple(lines))
         if best is None or plan.paced_seconds() < best.paced_seconds():
             best = plan
+    if rows_label is not None and best is not None and candidates[0] is not None:
+        # Tables planned alone take their rows' quantizer within the budget (and the
+        # critical bound) themselves: one the current regimes or budget no longer allow
+        # (a restored plan's, or a running one's once a table turned critical) rules
+        # the plan out, as a gradient's label beyond its bound does.
+        names = {gradients[k][0] for k in order}
+        if all(e.name in names for e in best.entries) and \
+                candidates[0] not in row_quantizers(error_budget, critical_table):
+            return None
     return best
