@@ -30,6 +30,17 @@ def test_plan_floor_runs_first_then_rates_fastest_first():
     assert all(r["budget"] == args.budget for r in runs if r["role"] == "run")
 
 
+def test_no_rates_plans_the_floor_runs_alone():
+    # Each setting's steps to the target on the floor link, nothing budgeted.
+    args = tta.parse_args(["--models", "mobilenetv2", "--rates", "--settings", "stock", "auto",
+                           "ef"])
+    runs = tta.plan(args, {})
+    assert [(r["rate"], r["setting"], r["role"]) for r in runs] == [
+        ("10gbit", "stock", "floor"), ("10gbit", "auto", "floor_run"),
+        ("10gbit", "ef", "floor_run")]
+    assert all(r["budget"] > 1e8 for r in runs)
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--floor", "dgc"], "--floor names settings not in --settings"),
     (["--budget", "0"], "--budget must be > 0"),

@@ -118,10 +118,10 @@ class _Layout:
         if tracked:
             self.start_regimes()
         # With regimes tracked and low-rank candidates on: by place, each matrix's last
-        # kept local gradient (worker 0's only; a table sent as rows, densified) and its
-        # variable (whose residual the measurement adds); the places of the planned
-        # gradients and of the tables sent as rows that are matrices (every worker).
-        self.last, self.last_vars = {}, {}
+        # kept local gradient (worker 0's only; a table sent as rows, densified); the
+        # places of the planned gradients and of the tables sent as rows that are
+        # matrices (every worker).
+        self.last = {}
         self.matrices, self.row_matrices = [], []
         # The plans that ran, by key: (the predicted communication of the step, its
         # own and that of the other layouts that ran beside it, worker 0's measured
@@ -684,8 +684,6 @@ class AutoPlanner:
 
         tf.cond(ok, add, lambda: tf.constant(False))
         lay.reached.assign_add(1)
-        for j in lay.matrices:
-            lay.last_vars[j] = planned[j][1]
         if lay.matrices:
             def keep():
                 for j in lay.matrices:
@@ -774,8 +772,17 @@ class AutoPlanner:
     def _measure_low_rank(self, lay):
         """Worker 0's measured errors of every matrix ``lay`` kept
         (``planner.low_rank_errors`` and ``planner.top_k_errors`` of its last local
-        gradient plus its residual, where it has one), agreed: every worker gets the
-        same numbers. Eager; every worker calls it at the same point."""
+        gradient), agreed: every worker gets the same numbers. Eager; every worker
+        calls it at the same point.
+
+        The gradient alone, not with the error-feedback residual of the candidate it
+        goes as now: what a candidate loses on its input depends on that residual
+        (top-k's spreads a step's energy over many entries, PowerSGD's over many
+        directions), so errors measured with it made the candidate that ran look worse
+        than those that did not, and the plan swapped them at every interval
+        (MobileNetV2 on Fashion-MNIST: top-k on 10-14 gradients and PowerSGD on 5 in
+        turn, 10 retraces in 11 intervals). On the gradient alone every candidate is
+        measured on the same input whatever ran, as the budget's reference is."""
         places = list(lay.matrices) + [k for k in lay.row_matrices if k not in lay.matrices]
         if not places:
             return {}
@@ -783,12 +790,8 @@ class AutoPlanner:
         width = 1 + len(planner.RANKS) + len(sparse)
         values = np.zeros([len(places), width], np.float32)
         if self._ops.worker_rank == 0:
-            residuals = self._residuals(lay)
             for row, j in enumerate(places):
                 x = lay.last[j].numpy()
-                residual = residuals.get(j) if j in lay.matrices else None
-                if residual is not None and residual.shape == x.shape:
-                    x = x + residual
                 shape = planner.LOW_RANK[0].described.matrix_shape(tf.TensorShape(x.shape))
                 sq, rel = planner.low_rank_errors(x.reshape(shape), planner.RANKS, seed=j)
                 _, kept = planner.top_k_errors(x, [ratio for _, ratio in sparse])
@@ -804,19 +807,6 @@ class AutoPlanner:
                                       {key: float(agreed[row, 1 + k])
                                        for k, key in enumerate(keys)})
                 for row, j in enumerate(places) if agreed[row, 0] > 0}
-
-    def _residuals(self, lay):
-        """By place, the error-feedback residual the live state holds for ``lay``'s kept
-        matrices' variables (replica 0), as arrays."""
-        out = {}
-        for state in self._ops.states():
-            for j, var in lay.last_vars.items():
-                if j in out or not state.has_slot(var):
-                    continue
-                slot = state.slot(var, 0)
-                if isinstance(slot, dict) and "residual" in slot:
-                    out[j] = slot["residual"].numpy()
-        return out
 
     # -- between steps -----------------------------------------------------------------
 

@@ -51,7 +51,7 @@ two intervals can be compared) take no candidate with more error than bf16
 
 Low rank (PowerSGD at ranks 1 to 8, with error feedback): no bound holds for every
 gradient, so the end of an interval measures each matrix's error at every rank
-(``low_rank_errors``, on the last step's gradient plus its residual) and the plan may
+(``low_rank_errors``, on the last step's local gradient) and the plan may
 send a measured gradient low-rank within a second budget, L-GreCo's: the total error
 of PowerSGD at ``Auto.low_rank`` on every measured gradient (``LowRank``). Until a
 first measurement (once the first plan's steps are timed, ``AutoPlanCallback``) no
@@ -63,7 +63,7 @@ lost.
 
 Top-k at 1 % with error feedback (``SPARSE``, on the all-gather) is measured alike: the
 share of a gradient's energy that its largest 1 % of entries leave (``top_k_errors``,
-on the same gradient plus residual) counts in the same budget, and the first
+on the same gradient) counts in the same budget, and the first
 measurement times its codecs with the low-rank ones. It is not offered in a critical
 regime.
 
