@@ -234,3 +234,13 @@ def test_killed_worker_resumes_with_its_own_residuals(killed):
     with np.load(out / "final.w0.npz") as a, np.load(out / "final.w1.npz") as b:
         for key in a.files:
             np.testing.assert_array_equal(a[key], b[key])
+
+
+def test_a_long_compressor_key_is_cut_in_the_log_with_its_length():
+    # auto's keys name every gradient: thousands of characters in one log line.
+    from tfgc.distribute.state import _short_key
+    assert _short_key("qsgd:levels=7") == "qsgd:levels=7"
+    key = "auto:" + ";".join(f"block_{i}/kernel:0=rqsgd4@allgather" for i in range(50))
+    short = _short_key(key)
+    assert short.startswith(key[:160]) and short.endswith(f"... ({len(key)} characters)")
+    assert len(short) < 200 < len(key)

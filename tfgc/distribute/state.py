@@ -54,6 +54,18 @@ _FORMAT = 1
 _STEP_FIELD = "__step__"
 
 
+# State fields that only start an iteration warm (PowerSGD's query): dropping them loses
+# nothing of the gradients.
+WARM_START_FIELDS = frozenset({"query"})
+
+
+def _short_key(key, limit: int = 160) -> str:
+    """A compressor key for the log: ``auto``'s name every gradient and run to
+    thousands of characters, so a long one is cut, with its length."""
+    key = str(key)
+    return key if len(key) <= limit else f"{key[:limit]}... ({len(key)} characters)"
+
+
 def flatten_fields(structure, prefix="") -> List[Tuple[str, object]]:
     """(path, leaf) pairs of a nest of dicts, in sorted key order ("residual", "inner/m")."""
     if isinstance(structure, dict):
@@ -201,7 +213,7 @@ class CompressionState(trackable.Trackable):
         already kept apart joins a new residual field of its shape, or, sent already
         (zeros), is let go."""
         logging.info("tfgc: compressor changed from %s to %s; carrying residuals over",
-                     self._compressor_key, compressor_key)
+                     _short_key(self._compressor_key), _short_key(compressor_key))
         old, old_dense = self._slots, self._dense
         self._slots, self._dense = {}, set()
         dropped = set()
@@ -230,10 +242,13 @@ class CompressionState(trackable.Trackable):
                 del self._carried[key]  # sent already: its memory goes
                 self._carried_rows.pop(key, None)
         if dropped:
-            # The new compressor keeps no such field: what it held is not sent.
-            logging.warning("tfgc: %s keeps no state field %s; the values held there under %s "
-                            "are dropped", compressor_key, ", ".join(sorted(dropped)),
-                            self._compressor_key)
+            # The new compressor keeps no such field: what it held is not sent. PowerSGD's
+            # query is only a warm start (a new rank draws a new one; nothing of the
+            # gradients is lost), which ``auto``'s plans change at will: a line of info.
+            say = logging.info if dropped <= WARM_START_FIELDS else logging.warning
+            say("tfgc: %s keeps no state field %s; the values held there under %s are "
+                "dropped", _short_key(compressor_key), ", ".join(sorted(dropped)),
+                _short_key(self._compressor_key))
         # Counters restart with the compressor: its shared random streams begin anew.
         for step in self._steps:
             step.assign(0)
