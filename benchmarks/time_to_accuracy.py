@@ -576,7 +576,9 @@ def render(report, args):
              + f"), {args.batch_size} "
              "rows per worker and step, until worker 0's test accuracy (the whole test set, "
              f"every {args.eval_every:g} s of training) reaches the target or "
-             f"{args.budget:g} s of training are spent. Times: training only, from the end "
+             + (f"{args.budget:g} s of training are spent (the floor runs: their schedule "
+                "ends)" if args.rates else "the schedule ends (floor runs alone)")
+             + ". Times: training only, from the end "
              "of the first (traced) step, evaluations left out (`first step`: its seconds, "
              "`auto`'s first measurement of the link and the CPU included). Target: the "
              f"stock strategy's final accuracy on a {rate_label(args.floor_rate)} link minus "

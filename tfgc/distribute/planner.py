@@ -711,7 +711,7 @@ class LowRank:
 
     ``errors[name] = (squared norm, {key: relative error})`` for the gradients
     measured, by ``Candidate.error_key``: each rank's (``low_rank_errors`` of a recent
-    error-feedback-corrected gradient) and top-k's (``top_k_errors`` of the same). A
+    local gradient, without any residual) and top-k's (``top_k_errors`` of the same). A
     plan's gradients sent as measured candidates may together lose at most what
     PowerSGD at ``rank`` on every measured gradient it can compress would: the sum of
     squared norm times relative error at that rank. The error feedback keeps what each
