@@ -1932,6 +1932,19 @@ def test_measured_matrices_go_low_rank_after_the_critical_intervals(cluster):
         budget = planner.LowRank(2, errors).budget(shapes)
         assert interval["low_rank_budget"] == pytest.approx(budget, rel=1e-6)
         assert interval["low_rank_error"] <= budget * (1 + 1e-6)
+    # The errors are those of each gradient alone: recomputed from the gradients worker 0
+    # kept, they match at every interval's end, though the plan before it sent some
+    # low-rank (asserted above), whose residual error feedback holds.
+    with open(cluster / "low_rank_recomputed.w0.json") as f:
+        recomputed = json.load(f)
+    assert len(recomputed) == len(intervals)
+    for interval, again in zip(intervals, recomputed):
+        assert set(again) == set(interval["errors"])
+        for name, (sq, rel) in interval["errors"].items():
+            assert again[name][0] == pytest.approx(sq, rel=1e-5), name
+            for key, value in rel.items():
+                assert again[name][1][key] == pytest.approx(value, rel=1e-4, abs=1e-6), \
+                    (name, key)
     first, other = (np.load(cluster / f"low_rank.w{r}.npz") for r in range(2))
     for key in first.files:
         np.testing.assert_array_equal(first[key], other[key])

@@ -217,7 +217,7 @@ def low_rank(strategy, rank, num_workers, out_dir):
 
     strategy.compressor = "auto:link_gbps=0.01,low_rank=2"
     auto = strategy.cross_device_ops._auto  # pylint: disable=protected-access
-    intervals, first = [], []
+    intervals, first, recomputed = [], [], []
 
     class Record(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
@@ -227,6 +227,10 @@ def low_rank(strategy, rank, num_workers, out_dir):
                 first.append((strategy.compression_plan().as_dicts(), batch))
             if len(callback.history) > len(intervals):
                 plan = strategy.compression_plan()
+                if rank == 0:
+                    # The errors again from the gradients worker 0 kept (the measured
+                    # ones): of the gradient alone, whatever residual its plan holds.
+                    recomputed.append(_errors_of_kept(auto))
                 intervals.append({
                     "plan": plan.as_dicts(), "low_rank_error": plan.low_rank_error,
                     "low_rank_budget": plan.low_rank_budget,
@@ -242,6 +246,28 @@ def low_rank(strategy, rank, num_workers, out_dir):
                    "losses": losses,
                    "steps": {key: list(v) for key, v in auto._shown().steps.items()}},  # pylint: disable=protected-access
                   f)
+    if rank == 0:
+        with open(os.path.join(out_dir, "low_rank_recomputed.w0.json"), "w") as f:
+            json.dump(recomputed, f)
+
+
+def _errors_of_kept(auto):
+    """By gradient name, ``planner``'s rank and top-k errors of the local gradient that
+    worker 0 kept for the last measurement."""
+    import tensorflow as tf
+
+    from tfgc.distribute import planner
+
+    lay = auto._shown()  # pylint: disable=protected-access
+    out = {}
+    for j in lay.matrices:
+        x = lay.last[j].numpy()
+        shape = planner.LOW_RANK[0].described.matrix_shape(tf.TensorShape(x.shape))
+        sq, rel = planner.low_rank_errors(x.reshape(shape), planner.RANKS, seed=j)
+        _, kept = planner.top_k_errors(x, [planner.TOPK_RATIO])
+        out[lay.gradients[j][0]] = [sq, {**{str(r): rel[r] for r in planner.RANKS},
+                                         "topk1": kept[planner.TOPK_RATIO]}]
+    return out
 
 
 def restart(strategy, rank, num_workers, out_dir):

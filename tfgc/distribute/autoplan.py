@@ -780,10 +780,10 @@ class AutoPlanner:
         (top-k's spreads a step's energy over many entries, PowerSGD's over many
         directions), so errors measured with it made the candidate that ran look worse
         than those that did not, and the plan swapped them (MobileNetV2 on
-        Fashion-MNIST: top-k on 10-14 gradients and PowerSGD on 5 in turn, six times
-        in 11 intervals). On the gradient alone every candidate is measured on the same input
-        whatever ran, as the budget's reference is. (The gradient kept is the one the
-        step sends: on the first step after a plan moved a gradient off error
+        Fashion-MNIST: top-k on 10-14 gradients and PowerSGD on 5 in turn, six times in
+        11 intervals). On the gradient alone every candidate is measured on the same
+        input whatever ran, as the budget's reference is. (The gradient kept is the one
+        the step sends: on the first step after a plan moved a gradient off error
         feedback, it holds the residual carried over.)"""
         places = list(lay.matrices) + [k for k in lay.row_matrices if k not in lay.matrices]
         if not places:
