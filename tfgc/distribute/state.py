@@ -60,7 +60,7 @@ WARM_START_FIELDS = frozenset({"query"})
 
 
 def _short_key(key, limit: int = 160) -> str:
-    """A compressor key for the log: ``auto``'s name every gradient and run to
+    """A compressor key for the log: ``auto``'s keys name every gradient and run to
     thousands of characters, so a long one is cut, with its length."""
     key = str(key)
     return key if len(key) <= limit else f"{key[:limit]}... ({len(key)} characters)"
