@@ -252,21 +252,15 @@ def low_rank(strategy, rank, num_workers, out_dir):
 
 
 def _errors_of_kept(auto):
-    """By gradient name, ``planner``'s rank and top-k errors of the local gradient that
-    worker 0 kept for the last measurement."""
-    import tensorflow as tf
-
+    """By gradient name, ``planner.measured_errors`` of the local gradient that worker 0
+    kept for the last measurement (keys as strings, as the JSON holds them)."""
     from tfgc.distribute import planner
 
     lay = auto._shown()  # pylint: disable=protected-access
     out = {}
     for j in lay.matrices:
-        x = lay.last[j].numpy()
-        shape = planner.LOW_RANK[0].described.matrix_shape(tf.TensorShape(x.shape))
-        sq, rel = planner.low_rank_errors(x.reshape(shape), planner.RANKS, seed=j)
-        _, kept = planner.top_k_errors(x, [planner.TOPK_RATIO])
-        out[lay.gradients[j][0]] = [sq, {**{str(r): rel[r] for r in planner.RANKS},
-                                         "topk1": kept[planner.TOPK_RATIO]}]
+        sq, rel = planner.measured_errors(lay.last[j].numpy(), seed=j)
+        out[lay.gradients[j][0]] = [sq, {str(key): e for key, e in rel.items()}]
     return out
 
 

@@ -788,23 +788,18 @@ class AutoPlanner:
         places = list(lay.matrices) + [k for k in lay.row_matrices if k not in lay.matrices]
         if not places:
             return {}
-        sparse = [(c.label, c.described.inner.ratio) for c in planner.SPARSE]
-        width = 1 + len(planner.RANKS) + len(sparse)
+        keys = list(planner.RANKS) + [c.label for c in planner.SPARSE]
+        width = 1 + len(keys)
         values = np.zeros([len(places), width], np.float32)
         if self._ops.worker_rank == 0:
             for row, j in enumerate(places):
-                x = lay.last[j].numpy()
-                shape = planner.LOW_RANK[0].described.matrix_shape(tf.TensorShape(x.shape))
-                sq, rel = planner.low_rank_errors(x.reshape(shape), planner.RANKS, seed=j)
-                _, kept = planner.top_k_errors(x, [ratio for _, ratio in sparse])
-                if rel:  # else (a step that was not finite) left out, as zeros are
-                    values[row] = ([sq] + [rel[r] for r in planner.RANKS]
-                                   + [kept[ratio] for _, ratio in sparse])
+                measured = planner.measured_errors(lay.last[j].numpy(), seed=j)
+                if measured:  # else (a step that was not finite) left out, as zeros are
+                    values[row] = [measured[0]] + [measured[1][key] for key in keys]
         bits = values.reshape(-1).view(np.int32)
         agreed = self._ops.gather_words(bits)[0].astype(np.int32).view(np.float32)
         agreed = agreed.reshape(len(places), width)
         # A matrix without a squared norm was not measured (not finite): no low rank.
-        keys = list(planner.RANKS) + [label for label, _ in sparse]
         return {lay.gradients[j][0]: (float(agreed[row, 0]),
                                       {key: float(agreed[row, 1 + k])
                                        for k, key in enumerate(keys)})

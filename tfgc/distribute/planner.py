@@ -704,6 +704,21 @@ def top_k_errors(gradient: np.ndarray, ratios: Sequence[float] = (TOPK_RATIO,)
     return total, out
 
 
+def measured_errors(gradient: np.ndarray, seed: int = 0
+                    ) -> Optional[Tuple[float, Dict[object, float]]]:
+    """What a measurement records of one gradient (alone): its squared norm and the
+    relative error of every measured candidate, by ``Candidate.error_key`` (each rank
+    of ``RANKS``, ``low_rank_errors`` of the gradient as PowerSGD's matrix; top-k's
+    label, ``top_k_errors``); None where it is not finite."""
+    x = np.asarray(gradient)
+    shape = LOW_RANK[0].described.matrix_shape(tf.TensorShape(x.shape))
+    sq, rel = low_rank_errors(x.reshape(shape), RANKS, seed=seed)
+    if not rel:
+        return None
+    _, kept = top_k_errors(x, [c.described.inner.ratio for c in SPARSE])
+    return sq, {**rel, **{c.label: kept[c.described.inner.ratio] for c in SPARSE}}
+
+
 @dataclasses.dataclass(frozen=True)
 class LowRank:
     """The low-rank candidates' measured errors and their budget (L-GreCo: Markov et al.,
@@ -1547,8 +1562,8 @@ def plan_tables(gradients: Sequence[Tuple[str, Sequence[int], str]],
                          capped=capped, **kwargs)
 
     plans = {}
-    critical_table = any(gradients[k][0] in frozenset(kwargs.get("critical") or ())
-                         for k in order)
+    critical = frozenset(kwargs.get("critical") or ())
+    critical_table = any(gradients[k][0] in critical for k in order)
     if rows_label is not None:
         candidates = [BY_LABEL[rows_label]]
     else:
