@@ -90,9 +90,10 @@ def parse_args(argv=None):
                         "which is gRPC's software on one machine)")
     p.add_argument("--call_us", type=float, default=25.0,
                    help="a codec call's fixed cost in the prediction, microseconds (default 25: "
-                        "64 chunk encodes in one tf.function took 19-31 us each here; the "
-                        "2-worker run's fitted intercepts, which a negative value keeps, are "
-                        "single calls' and up to 0.3 ms)")
+                        "64 chunk encodes in one tf.function took 19-31 us each here); a "
+                        "negative value keeps the 2-worker run's fitted intercepts (the "
+                        "planner's timings: each codec's own, the timed call's cost taken "
+                        "out; before 2026-11-30 they held it, up to 0.3 ms)")
     p.add_argument("--scale_models", nargs="+", choices=SCALE_MODELS, default=list(SCALE_MODELS))
     p.add_argument("--floor_ms", type=float, default=100.0,
                    help="the compute of a step, for the prediction's speed-up of the step "

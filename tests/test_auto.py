@@ -1175,6 +1175,51 @@ def test_figures_with_the_measured_candidates_timings_round_trip():
     assert older.words() == words[:-6]
 
 
+def test_cpu_timings_leave_out_the_timed_call_s_own_overhead(monkeypatch):
+    # A timed call costs a fixed overhead plus its copies' graphs: what a gradient costs
+    # inside a step is one copy's graph, with no call of its own.
+    def graph_s(n, k):  # one vector's encoding (k 0) or decoding (k 1)
+        return (2e-5 + 1e-9 * n, 3e-5 + 2e-9 * n)[k]
+
+    overhead = (4e-4, 3e-4)
+    calls = []
+
+    def call_seconds(candidate, n, num_workers, copies, shape=None, repeats=planner.REPEATS):
+        calls.append((candidate.label, n, copies))
+        return tuple(overhead[k] + copies * graph_s(n, k) for k in (0, 1))
+
+    def timed(call_seconds):
+        monkeypatch.setattr(planner, "_call_seconds", call_seconds)
+        planner._least_calls.cache_clear()
+
+    timed(call_seconds)
+    try:
+        for candidate, copies in ((planner.BY_LABEL["qsgd8"], planner.COPIES),
+                                  (planner.BY_LABEL["psgd4"], planner.LOW_RANK_COPIES)):
+            for n in planner.CPU_SIZES:
+                np.testing.assert_allclose(planner._cpu_seconds(candidate, n, 2),
+                                           (graph_s(n, 0), graph_s(n, 1)), rtol=1e-9)
+            # The overhead: timed once per candidate, on the least size, at the copies
+            # and at twice as many; the first of them is the least size's timing too.
+            least = [c[2] for c in calls if c[0] == candidate.label
+                     and c[1] == planner.CPU_SIZES[0]]
+            assert least == [copies, 2 * copies]
+        # Noise: twice the copies timed at three times the call is no negative overhead
+        # (none taken out); at half the call, the overhead is at most the whole call.
+        for factor, want in ((3.0, 0.0), (0.5, 1.0)):
+            timed(lambda c, n, w, copies, shape=None, repeats=1, f=factor:
+                  (1e-3 * (f if copies == 2 * planner.COPIES else 1.0),) * 2)
+            assert planner._call_overhead(planner.BY_LABEL["bf16"], 2) == (want * 1e-3,) * 2
+        # A size timed below the overhead costs nothing, not less.
+        timed(lambda c, n, w, copies, shape=None, repeats=1:
+              (1e-3 if n == planner.CPU_SIZES[0] else 5e-4,) * 2)
+        assert planner._call_overhead(planner.BY_LABEL["bf16"], 2) == (1e-3, 1e-3)
+        assert planner._cpu_seconds(planner.BY_LABEL["bf16"], planner.CPU_SIZES[1], 2) \
+            == (0.0, 0.0)
+    finally:
+        planner._least_calls.cache_clear()
+
+
 def test_low_rank_timings_of_two_ranks_and_sizes_give_every_rank_and_size(monkeypatch):
     # Codecs whose seconds are bilinear in elements and rank (fixed cost, per element,
     # per rank, per element and rank): the four timed ones give every other exactly.

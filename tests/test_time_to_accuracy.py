@@ -1,5 +1,6 @@
 """benchmarks/time_to_accuracy.py's driver: its plan, its target, its projections and
-report (the runs themselves need root and a shaped cluster: the benchmark, not the suite)."""
+report (the runs themselves need root and a shaped cluster: the benchmark, not the
+suite); and the MobileNetV2 it trains, as it builds it."""
 
 import pytest
 
@@ -112,3 +113,43 @@ def test_resume_keeps_finished_runs_with_the_same_schedule():
     assert again[0]["status"] == "ok" and again[0]["final_accuracy"] == 0.9
     changed = tta.plan(_args("--floor", "stock", "--epochs", "5"), done)
     assert "status" not in changed[0]
+
+
+@pytest.fixture
+def global_seeds():
+    """Puts back the global random states that Keras's ``set_random_seed`` sets."""
+    import random
+
+    import numpy as np
+    import tensorflow as tf
+
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    yield
+    random.setstate(python_state)
+    np.random.set_state(numpy_state)
+    tf.random.set_seed(None)
+
+
+def test_mobilenetv2_is_keras_s_own_padded_to_32_with_faster_batch_norms_and_logits(
+        global_seeds):
+    import numpy as np
+    import tf_keras as keras
+
+    net = tta.build_mobilenetv2(keras, (28, 28, 1), 10, seed=0)
+    assert net.input_shape == (None, 28, 28, 1)
+    assert net.get_layer("pad_to_32").output_shape == (None, 32, 32, 1)
+    norms = [layer for layer in net.layers
+             if isinstance(layer, keras.layers.BatchNormalization)]
+    assert len(norms) == 52 and {layer.momentum for layer in norms} == {0.99}
+    # Logits, not a softmax: the loss takes from_logits.
+    assert net.layers[-1].activation is keras.activations.linear
+    x = np.random.RandomState(0).rand(4, 28, 28, 1).astype(np.float32)
+    out = net(x, training=False).numpy()
+    assert out.shape == (4, 10) and not np.allclose(out.sum(axis=1), 1.0, atol=1e-3)
+    # Keras's own layers, seeded through its global seed.
+    assert sum(int(np.prod(w.shape)) for w in net.trainable_weights) > 2_000_000
+    again = tta.build_mobilenetv2(keras, (28, 28, 1), 10, seed=0)
+    other = tta.build_mobilenetv2(keras, (28, 28, 1), 10, seed=1)
+    w, w_again, w_other = (m.trainable_weights[0].numpy() for m in (net, again, other))
+    np.testing.assert_array_equal(w, w_again)
+    assert not np.array_equal(w, w_other)

@@ -126,14 +126,18 @@ LATENCY_REPEATS = 9
 REPROBE_S = 0.05
 # ... unless the largest size probed moved by more than this (relative): then all of them.
 REPROBE_MARGIN = 0.2
-# Vectors encoded (decoded) per timed call (``_cpu_seconds``): enough to spread the
-# call's own overhead. A low-rank codec's graph is about ten times a quantizer's (a rank-8
-# PowerSGD encoding: 258 operations), and tracing and optimising it cost 0.1 s a copy
-# against 1-3 ms of running it, so the low-rank candidates are timed on fewer copies:
-# their timings cost a quarter, and a gradient they pay off on is large enough (a
-# millisecond of encoding) that the overhead left in each copy does not matter.
+# Vectors encoded (decoded) per timed call (``_cpu_seconds``), whose own overhead is
+# then taken out (``_call_overhead``). A low-rank codec's graph is about ten times a
+# quantizer's (a rank-8 PowerSGD encoding: 258 operations), and tracing and optimising
+# it cost 0.1 s a copy against 1-3 ms of running it, so the low-rank candidates are
+# timed on fewer copies: their timings cost a quarter.
 COPIES = 8
 LOW_RANK_COPIES = 2
+# How a timing leaves the call's own overhead out (``_cpu_seconds``): timings kept on
+# disk under another way are measured again. The overhead's two calls, on the least
+# size, are timed this many times each: it is the difference of two timings.
+TIMING = "per copy, less the call overhead"
+OVERHEAD_REPEATS = 9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,18 +261,13 @@ def median_seconds(fn, repeats: int = REPEATS) -> float:
     return float(np.median(times))
 
 
-def _cpu_seconds(candidate: Candidate, n: int, num_workers: int,
-                 shape: Optional[Sequence[int]] = None) -> Tuple[float, float]:
-    """Median seconds of one encoding and one decoding of a float32 vector of ``n``
-    elements (or of ``shape``, for codecs whose cost depends on it: low-rank ones).
-
-    Each call of the timed function encodes (decodes) ``COPIES`` vectors
-    (``LOW_RANK_COPIES`` for low-rank codecs), and the time is divided by them: what is
-    left of the call's own overhead is what a gradient's encoding costs inside a
-    training step's graph, where there is no call per gradient.
-    """
+def _call_seconds(candidate: Candidate, n: int, num_workers: int, copies: int,
+                  shape: Optional[Sequence[int]] = None,
+                  repeats: int = REPEATS) -> Tuple[float, float]:
+    """Median seconds of one call that encodes (one that decodes) ``copies`` float32
+    vectors of ``n`` elements (or of ``shape``: a square matrix for low-rank codecs,
+    whose cost depends on it, where none is given)."""
     compressor = candidate.compressor
-    copies = COPIES if candidate.rank is None else LOW_RANK_COPIES
     if shape is None and candidate.rank is not None:
         side = int(round(math.sqrt(n)))  # a square matrix: the low-rank codec's work is n r
         shape = [side, max(n // side, 1)]
@@ -284,8 +283,45 @@ def _cpu_seconds(candidate: Candidate, n: int, num_workers: int,
     decode = tf.function(
         lambda ps: [compressor.decompress(p, shape, tf.float32, c)
                     for p, c in zip(ps, contexts)], autograph=False)
-    return (median_seconds(lambda: [p[0].numpy() for p in encode(xs)]) / copies,
-            median_seconds(lambda: [d.numpy() for d in decode(payloads)]) / copies)
+    # A call on the CPU returns once its graph ran (eager execution is synchronous), so
+    # nothing is read back: a step never copies its payloads out of the graph.
+    return (median_seconds(lambda: encode(xs), repeats),
+            median_seconds(lambda: decode(payloads), repeats))
+
+
+@functools.lru_cache(maxsize=None)
+def _least_calls(candidate: Candidate, num_workers: int):
+    """``_call_seconds`` of the copies and of twice as many, on ``CPU_SIZES[0]``
+    elements, each the median of ``OVERHEAD_REPEATS`` calls (they cost little)."""
+    copies = COPIES if candidate.rank is None else LOW_RANK_COPIES
+    return tuple(_call_seconds(candidate, CPU_SIZES[0], num_workers, k,
+                               repeats=OVERHEAD_REPEATS) for k in (copies, 2 * copies))
+
+
+def _call_overhead(candidate: Candidate, num_workers: int) -> Tuple[float, float]:
+    """The seconds a timed call spends beyond its vectors' graphs, encoding and
+    decoding: twice a call of the copies less a call of twice as many (``_least_calls``),
+    at least 0 and at most the first call."""
+    once, twice = _least_calls(candidate, num_workers)
+    return tuple(min(max(2.0 * a - b, 0.0), a) for a, b in zip(once, twice))
+
+
+def _cpu_seconds(candidate: Candidate, n: int, num_workers: int,
+                 shape: Optional[Sequence[int]] = None) -> Tuple[float, float]:
+    """Seconds of one encoding and one decoding of a float32 vector of ``n`` elements
+    (or of ``shape``, for codecs whose cost depends on it: low-rank ones), as a
+    gradient costs inside a training step's graph, where it has no call of its own: a
+    timed call of ``COPIES`` vectors (``LOW_RANK_COPIES`` for low-rank codecs) less
+    the call's own cost (``_call_overhead``), divided by them. On 2 cores a call cost
+    0.2-0.5 ms, against 10-50 us of a small vector's cast or quantization (see
+    docs/results.md, "What a gradient's codec costs in the step")."""
+    copies = COPIES if candidate.rank is None else LOW_RANK_COPIES
+    if n == CPU_SIZES[0] and shape is None:
+        calls = _least_calls(candidate, num_workers)[0]
+    else:
+        calls = _call_seconds(candidate, n, num_workers, copies, shape)
+    return tuple(max(t - o, 0.0) / copies
+                 for t, o in zip(calls, _call_overhead(candidate, num_workers)))
 
 
 # This process's own CPU timings by cluster size and candidates: the CPU does not change
@@ -318,7 +354,8 @@ def _disk_key(key) -> str:
                        ops_build.cpu_model(), os.cpu_count(),
                        threading_.get_intra_op_parallelism_threads(),
                        threading_.get_inter_op_parallelism_threads(), COPIES,
-                       LOW_RANK_COPIES, CPU_SIZES, REPEATS, LOW_RANK_TIMED,
+                       LOW_RANK_COPIES, CPU_SIZES, REPEATS, LOW_RANK_TIMED, TIMING,
+                       OVERHEAD_REPEATS,
                        [c.spec for c in ALL], key[0], list(key[1])])
 
 
