@@ -1186,6 +1186,10 @@ def test_cpu_timings_leave_out_the_timed_call_s_own_overhead(monkeypatch):
 
     def call_seconds(candidate, n, num_workers, copies, shape=None, repeats=planner.REPEATS):
         calls.append((candidate.label, n, copies))
+        # The overhead's calls on the least size, by the vector (or square matrix) of
+        # the timings they stand for, more times than the others.
+        least = n == planner.CPU_SIZES[0] and shape is None
+        assert repeats == (planner.OVERHEAD_REPEATS if least else planner.REPEATS)
         return tuple(overhead[k] + copies * graph_s(n, k) for k in (0, 1))
 
     def timed(call_seconds):
@@ -1204,6 +1208,14 @@ def test_cpu_timings_leave_out_the_timed_call_s_own_overhead(monkeypatch):
             least = [c[2] for c in calls if c[0] == candidate.label
                      and c[1] == planner.CPU_SIZES[0]]
             assert least == [copies, 2 * copies]
+            # A shape of its own (a benchmark's matrices) is timed, not the least size's
+            # vector taken for it.
+            calls.clear()
+            np.testing.assert_allclose(
+                planner._cpu_seconds(candidate, planner.CPU_SIZES[0], 2, shape=(64, 64)),
+                (graph_s(planner.CPU_SIZES[0], 0), graph_s(planner.CPU_SIZES[0], 1)),
+                rtol=1e-9)
+            assert calls == [(candidate.label, planner.CPU_SIZES[0], copies)]
         # Noise: twice the copies timed at three times the call is no negative overhead
         # (none taken out); at half the call, the overhead is at most the whole call.
         for factor, want in ((3.0, 0.0), (0.5, 1.0)):

@@ -123,11 +123,15 @@ def global_seeds():
     import numpy as np
     import tensorflow as tf
 
+    from tf_keras.src import backend
+
     python_state, numpy_state = random.getstate(), np.random.get_state()
+    keras_seeds = getattr(backend._SEED_GENERATOR, "generator", None)
     yield
     random.setstate(python_state)
     np.random.set_state(numpy_state)
     tf.random.set_seed(None)
+    backend._SEED_GENERATOR.generator = keras_seeds
 
 
 def test_mobilenetv2_is_keras_s_own_padded_to_32_with_faster_batch_norms_and_logits(

@@ -5,9 +5,10 @@ ask this module for a ``Plan``:
 
 1. **Measure** (``measure``). Every worker times, on its own CPU (once per process),
    each compressing candidate's encoding and decoding of float32 vectors of ``CPU_SIZES`` elements,
-   and, together, an all-reduce of ``LINK_SIZES`` bytes (the link; skipped when the
-   user gives ``link_gbps``). The figures are medians of ``REPEATS`` runs after one
-   warm-up, in microseconds; the workers all-gather them and every worker keeps the
+   as a gradient costs inside a step (each timed call's own cost taken out,
+   ``_cpu_seconds``), and, together, an all-reduce of ``LINK_SIZES`` bytes (the link;
+   skipped when the user gives ``link_gbps``). The figures are medians of ``REPEATS``
+   runs after one warm-up, in microseconds; the workers all-gather them and every worker keeps the
    largest of each (the slowest worker's), so every worker holds the same numbers.
 2. **Model** (``Figures``, ``cpu_seconds``, ``sent_bytes``; the alpha-beta model of
    ``costmodel``). A straight line through the all-reduce times against the bytes each
@@ -284,9 +285,12 @@ def _call_seconds(candidate: Candidate, n: int, num_workers: int, copies: int,
         lambda ps: [compressor.decompress(p, shape, tf.float32, c)
                     for p, c in zip(ps, contexts)], autograph=False)
     # A call on the CPU returns once its graph ran (eager execution is synchronous), so
-    # nothing is read back: a step never copies its payloads out of the graph.
-    return (median_seconds(lambda: encode(xs), repeats),
-            median_seconds(lambda: decode(payloads), repeats))
+    # nothing is read back: a step never copies its payloads out of the graph. Where an
+    # accelerator may run the codec, its queue is waited for instead.
+    wait = tf.test.experimental.sync_devices if tf.config.list_logical_devices("GPU") \
+        else (lambda: None)
+    return (median_seconds(lambda: (encode(xs), wait()), repeats),
+            median_seconds(lambda: (decode(payloads), wait()), repeats))
 
 
 @functools.lru_cache(maxsize=None)
@@ -330,7 +334,8 @@ def _cpu_seconds(candidate: Candidate, n: int, num_workers: int,
 _CPU_WORDS: Dict[Tuple[int, Tuple[str, ...]], List[int]] = {}
 # They are kept on disk as well (``cpu_cache_path``), by machine, TensorFlow, tfgc and
 # timing setup, so a later job on the same machine skips them: with 4 workers on 2 cores
-# they were 3-9 s of the first step. "0" in this variable neither reads nor writes it; a
+# they were 3-9 s of the first step (before the call's own cost was timed as well, which
+# added about a quarter on one process). "0" in this variable neither reads nor writes it; a
 # path (a value with a "/") names the file to keep them in instead of the default.
 CPU_CACHE_ENV = "TFGC_AUTO_CPU_CACHE"
 
