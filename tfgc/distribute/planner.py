@@ -293,11 +293,16 @@ def _call_seconds(candidate: Candidate, n: int, num_workers: int, copies: int,
             median_seconds(lambda: (decode(payloads), wait()), repeats))
 
 
+def _copies(candidate: Candidate) -> int:
+    """Vectors per timed call: ``COPIES``, ``LOW_RANK_COPIES`` for low-rank codecs."""
+    return COPIES if candidate.rank is None else LOW_RANK_COPIES
+
+
 @functools.lru_cache(maxsize=None)
 def _least_calls(candidate: Candidate, num_workers: int):
     """``_call_seconds`` of the copies and of twice as many, on ``CPU_SIZES[0]``
     elements, each the median of ``OVERHEAD_REPEATS`` calls (they cost little)."""
-    copies = COPIES if candidate.rank is None else LOW_RANK_COPIES
+    copies = _copies(candidate)
     return tuple(_call_seconds(candidate, CPU_SIZES[0], num_workers, k,
                                repeats=OVERHEAD_REPEATS) for k in (copies, 2 * copies))
 
@@ -319,7 +324,7 @@ def _cpu_seconds(candidate: Candidate, n: int, num_workers: int,
     the call's own cost (``_call_overhead``), divided by them. On 2 cores a call cost
     0.2-0.5 ms, against 10-50 us of a small vector's cast or quantization (see
     docs/results.md, "What a gradient's codec costs in the step")."""
-    copies = COPIES if candidate.rank is None else LOW_RANK_COPIES
+    copies = _copies(candidate)
     if n == CPU_SIZES[0] and shape is None:
         calls = _least_calls(candidate, num_workers)[0]
     else:
