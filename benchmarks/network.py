@@ -4,6 +4,8 @@
     sudo python benchmarks/network.py --workers 2 --rates 100mbit --configs none@auto --steps 10
     sudo python benchmarks/network.py --models wide_mlp cnn --rates 100mbit 10gbit \\
         --configs "qsgd:levels=7,bucket_size=128@allgather" "ef+topk:ratio=0.01@auto"
+    sudo python benchmarks/network.py --models gan --workers 2 --rates 1gbit --configs auto \
+        --auto_plan settled --auto_pins own bf16 rqsgd4 psgd2 topk1 --bytes_workers
 
 The benchmark builds a small shaped cluster on this one machine, as root: one network
 namespace per worker (``tfgcb<pid>-w<i>``), each joined by a veth pair to a bridge that
@@ -138,6 +140,15 @@ def parse_args(argv=None):
                         f"({AUTO_SETTLE_STEPS} steps with AutoPlanCallback before the "
                         f"warm-up: intervals of {AUTO_SETTLE_EVERY} steps, every regime "
                         "ended at the second interval's end)")
+    p.add_argument("--auto_pins", nargs="*", default=[], metavar="LABEL",
+                   help="compressor='auto': after its own plan's timed steps, the same "
+                        "cluster pins each of these candidates on every gradient in turn "
+                        "(CompressedAllReduce.pin_plan: fp32, bf16, rqsgd8, qsgd8, rqsgd4, "
+                        "psgd1-8, topk1; 'own': the planner's plan again), in two passes "
+                        "(the second in reverse order), each --warmup + --steps steps, and "
+                        "sets each measured step against the communication its plan "
+                        "predicts: whether the planner's prices order the plans as they "
+                        "run (default: none)")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds per run (one cluster); its workers are killed after that")
     p.add_argument("--out", default=DEFAULT_OUT,
@@ -168,6 +179,12 @@ def parse_args(argv=None):
             p.error(str(exc))
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
+    pins = sorted(set(args.auto_pins) - set(PIN_LABELS) - {OWN})
+    if pins:
+        p.error(f"--auto_pins: {', '.join(pins)} not among {', '.join(PIN_LABELS + (OWN,))}")
+    if args.auto_pins and not any(split_config(c)[0] and split_config(c)[0].split(":")[0]
+                                  == "auto" for c in args.configs):
+        p.error("--auto_pins needs an auto configuration among --configs")
     args.rates = list(dict.fromkeys(args.rates))
     args.models = list(dict.fromkeys(args.models))
     args.workers = list(dict.fromkeys(args.workers))
@@ -213,6 +230,14 @@ def _cpu_busy_s():
     with open("/proc/stat") as f:
         v = [int(x) for x in f.readline().split()[1:4]]
     return sum(v) / os.sysconf("SC_CLK_TCK")
+
+
+# --auto_pins: the candidates' labels (tfgc.distribute.planner.BY_LABEL's; the driver
+# imports no TensorFlow, so they are listed here and a test checks them), and the
+# planner's own plan.
+PIN_LABELS = ("fp32", "bf16", "rqsgd8", "qsgd8", "rqsgd4", "psgd1", "psgd2", "psgd4",
+              "psgd8", "topk1")
+OWN = "own"
 
 
 def worker_main(args):
@@ -435,8 +460,52 @@ def _worker(args, prefix, phase):
         if plan.pace is not None:
             result["plan_pace"] = [plan.pace.compute_s, plan.pace.scale,
                                    plan.pace.low_rank_steps, plan.pace.shared_compute_s]
+    if plans and args.auto_pins:
+        phase[0] = "pins"
+        result["pins"] = _pinned_steps(strategy, net, train_ds, args, keras)
     with open(prefix + ".json", "w") as f:
         json.dump(result, f)
+
+
+def _pinned_steps(strategy, net, train_ds, args, keras):
+    """``--auto_pins``: each label pinned on every gradient in turn (``own``: the
+    planner's plan), in two passes, the second reversed, so that the machine's drift
+    falls on both ends; a fit of ``--warmup`` + ``--steps`` steps each (the first
+    retraces). Returns a row per fit: the label, the pass, the timed steps' median and
+    the communication its plans predict (``Plan.step_seconds``, summed over the step's
+    sets of gradients), with the plans' labels counted. The planner's choice is given
+    back at the end."""
+    import numpy as np
+
+    cdo = strategy.cross_device_ops
+    labels = list(args.auto_pins)
+    rows = []
+    for pass_, order in enumerate((labels, labels[::-1])):
+        for label in order:
+            cdo.pin_plan(None if label == OWN else label)
+            durations = []
+
+            class Timer(keras.callbacks.Callback):
+                def on_train_batch_begin(self, batch, logs=None):
+                    self.t = time.perf_counter()
+
+                def on_train_batch_end(self, batch, logs=None):
+                    durations.append(time.perf_counter() - self.t)
+
+            net.fit(train_ds, epochs=1, steps_per_epoch=args.warmup + args.steps,
+                    callbacks=[Timer()], verbose=0)
+            plans = strategy.compression_plans()
+            counts = {}
+            for plan in plans:
+                for e in plan.entries:
+                    counts[e.label] = counts.get(e.label, 0) + 1
+            timed = [d * 1e3 for d in durations[args.warmup:]]
+            rows.append({"pin": label, "pass": pass_, "median_ms": float(np.median(timed)),
+                         "durations_ms": timed,
+                         "predicted_ms": 1e3 * sum(p.step_seconds() for p in plans),
+                         "labels": counts})
+    cdo.pin_plan(None)
+    return rows
 
 
 # ---------------------------------------------------------------------------------
@@ -531,6 +600,8 @@ def run_once(cluster, run, args, run_dir, port):
            "--steps", str(run["steps"]), "--warmup", str(run["warmup"]),
            "--threads", str(threads), "--min_elements", str(args.min_elements),
            "--learning_rate", str(args.learning_rate), "--auto_plan", args.auto_plan]
+    if args.auto_pins and run["kind"] == "main":
+        cmd += ["--auto_pins"] + list(args.auto_pins)
     supervise(cluster, cmd, run_dir, port, args.timeout, "--timeout")
     results = []
     for i in range(cluster.n):
@@ -620,6 +691,8 @@ def summarize_run(run, workers):
         "warmup_ms": w0["warmup_ms"],
         "auto_settle_s": w0.get("auto_settle_s"),
     })
+    if "pins" in w0:
+        run["pins"] = w0["pins"]
     if "plan" in w0:
         run["plan"], run["plan_figures"] = w0["plan"], w0["plan_figures"]
         run["plan_sets"] = w0.get("plan_sets", 1)
@@ -744,7 +817,7 @@ def _drive(args, argv, holder):
             "models", "rates", "workers", "configs", "steps", "repeats", "warmup",
             "bytes_workers",
             "bytes_rate", "bytes_steps", "dataset", "batch_size", "learning_rate",
-            "min_elements", "threads", "timeout", "auto_plan")},
+            "min_elements", "threads", "timeout", "auto_plan", "auto_pins")},
         "auto_settle": {"steps": AUTO_SETTLE_STEPS, "every": AUTO_SETTLE_EVERY},
         "link": f"tbf rate R {' '.join(TBF)} on both ends of each worker's veth; bridge in "
                 "a switch namespace",

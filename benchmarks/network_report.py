@@ -453,6 +453,8 @@ def render_markdown(report, args):
                          f"{apart}: {kinds}.{weighed} Figures: {r['plan_figures']}")
         lines.append("")
 
+    lines += render_pins(raw)
+
     failures = [r for r in raw if r.get("status") == "failed"]
     if failures:
         lines += ["## Failed runs", ""]
@@ -466,6 +468,70 @@ def render_markdown(report, args):
         lines.append(f"{len(missing)} planned run(s) did not happen (interrupted).")
         lines.append("")
     return "\n".join(lines)
+
+
+def pin_summary(rows):
+    """``--auto_pins``' rows of one run, by label in the order first run: the passes'
+    medians, their mean, the predicted communication (the mean of the passes', which
+    differ where the link was measured again between them), the step less that, and
+    the labels the plan sent; then the pairs of labels whose predictions order them as
+    their mean steps do, out of all pairs (a pair closer than the passes' spread on
+    either side counts as a tie, ordered either way)."""
+    by = {}
+    for row in rows:
+        by.setdefault(row["pin"], []).append(row)
+    table = []
+    for label, runs in by.items():
+        medians = [r["median_ms"] for r in sorted(runs, key=lambda r: r["pass"])]
+        step = sum(medians) / len(medians)
+        predicted = sum(r["predicted_ms"] for r in runs) / len(runs)
+        table.append({"pin": label, "passes": medians, "step": step, "predicted": predicted,
+                      "rest": step - predicted, "spread": max(medians) - min(medians),
+                      "labels": runs[-1]["labels"]})
+    agree = pairs = 0
+    for i, a in enumerate(table):
+        for b in table[i + 1:]:
+            pairs += 1
+            gap = b["step"] - a["step"]
+            if abs(gap) <= max(a["spread"], b["spread"]) or \
+                    (gap > 0) == (b["predicted"] > a["predicted"]):
+                agree += 1
+    return table, agree, pairs
+
+
+def render_pins(raw):
+    """The ``--auto_pins`` section, or no lines."""
+    pinned = [r for r in raw if r.get("status") == "ok" and r.get("pins")]
+    if not pinned:
+        return []
+    lines = ["## Plans pinned by hand: measured step against the predicted communication",
+             "",
+             "After `auto`'s own plan, the same cluster pinned each label on every gradient "
+             "(`pin_plan`; `own`: the planner's choice), in two passes, the second in "
+             "reverse order. Step: the median of each pass's timed steps; predicted: "
+             "`Plan.step_seconds()` summed over the step's sets of gradients (codec CPU, "
+             "wire and latency). Step less predicted is what the planner's model takes as "
+             "compute: the same for every plan where its prices are right (less where "
+             "communication overlaps compute). Gradients a label does not take go as "
+             "float32.", ""]
+    for r in pinned:
+        table, agree, pairs = pin_summary(r["pins"])
+        lines += [f"### `{r['config']}`, {r['model']}, {r['workers']} workers, "
+                  f"{rate_label(r['rate'])}"
+                  + (f" (round {r['round'] + 1})" if "round" in r else ""), ""]
+        rows = []
+        for t in sorted(table, key=lambda t: t["step"]):
+            sent = ", ".join(f"{label} x{k}" for label, k in
+                             sorted(t["labels"].items(), key=lambda kv: (-kv[1], kv[0])))
+            rows.append([f"`{t['pin']}`", ", ".join(fmt_ms(m) for m in t["passes"]),
+                         fmt_ms(t["step"]), fmt_ms(t["predicted"]), fmt_ms(t["rest"]), sent])
+        lines += _table(["pinned", "step ms by pass", "step ms", "predicted ms",
+                         "step - predicted", "sent as"], ["l", "r", "r", "r", "r", "l"], rows)
+        rests = [t["rest"] for t in table]
+        lines += ["", f"Pairs of plans that the predictions order as their steps ran (or "
+                  f"closer than the passes' spread): {agree} of {pairs}. Step less predicted "
+                  f"ranges {fmt_ms(min(rests))}-{fmt_ms(max(rests))} ms.", ""]
+    return lines
 
 
 PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2",

@@ -510,6 +510,101 @@ def test_a_given_choice_is_priced_as_the_planner_prices_it_or_ruled_out():
     assert planner.make_plan(GRADIENTS, fig, 0.05, only=dict(labels, head="psgd8")) is None
 
 
+def test_a_pinned_choice_is_taken_whatever_the_budgets_and_regimes_say():
+    low_rank = planner.LowRank(2, MEASURED)
+    fig = all_figures(0.1)
+    names = [name for name, _, _ in GRADIENTS]
+    # Past every budget, critical, low rank without a measurement: as pinned, each
+    # entry saying so; the same choice unforced is ruled out.
+    coarse = {name: "rqsgd4" for name in names}
+    assert planner.make_plan(GRADIENTS, fig, 1e-6, only=coarse) is None
+    pinned = planner.make_plan(GRADIENTS, fig, 1e-6, only=coarse, critical=set(names),
+                               forced=True)
+    assert [e.label for e in pinned.entries] == ["rqsgd4"] * len(names)
+    assert {e.reason for e in pinned.entries} == {"pinned"}
+    assert pinned.mean_error > 1e-6  # what it uses, past the budget
+    # Priced as the planner prices the same choice where it is allowed.
+    free = planner.make_plan(GRADIENTS, fig, 0.5, only=coarse)
+    assert pinned.step_seconds() == pytest.approx(free.step_seconds())
+    ranked = planner.make_plan(GRADIENTS, fig, 0.05, only={n: "psgd1" for n in names},
+                               low_rank=planner.LowRank(2, {}), forced=True)
+    assert {e.label for e in ranked.entries} == {"psgd1"}
+    assert all(math.isnan(e.error) for e in ranked.entries)  # nothing measured
+    assert ranked.low_rank_error == 0.0
+    # With measured errors, the pinned low rank counts what it uses of the budget,
+    # beyond it too.
+    measured = planner.make_plan(GRADIENTS, fig, 0.05, only={n: "psgd1" for n in names},
+                                 low_rank=low_rank, forced=True)
+    assert measured.low_rank_error > measured.low_rank_budget > 0
+    # A gradient the label does not take goes as float32, saying why; the others as
+    # pinned.
+    vector = GRADIENTS + [("bias", (512,), "float32")]
+    mixed = planner.make_plan(vector, fig, 0.05, only={n: "psgd2" for n in names + ["bias"]},
+                              forced=True)
+    assert [e.label for e in mixed.entries] == ["psgd2"] * len(names) + ["fp32"]
+    assert mixed.entries[-1].reason == "pinned as psgd2, which does not take this gradient"
+    # Figures without the measured candidates' timings cannot price them.
+    assert planner.make_plan(GRADIENTS, figures(link_gbps=0.1), 0.05,
+                             only={n: "psgd2" for n in names}, forced=True) is None
+    with pytest.raises(ValueError, match="`only`"):
+        planner.make_plan(GRADIENTS, fig, 0.05, forced=True)
+
+
+def test_a_pinned_plan_holds_until_given_back():
+    # One worker in this process: the planner plans its gradients as on a cluster.
+    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
+    cdo = strategy.cross_device_ops
+    with pytest.raises(ValueError, match="needs a planned step first"):
+        cdo.pin_plan({"a/kernel:0": "bf16"})
+    assert cdo.pin_plan("bf16") is False  # before the first step: it plans as pinned
+    model = small_model(strategy)
+    x, y = small_data(16)
+    model.fit(x, y, batch_size=4, steps_per_epoch=1, verbose=0)
+    plan = strategy.compression_plan()
+    assert [(e.name, e.label, e.reason) for e in plan.entries] == \
+        [("a/kernel:0", "bf16", "pinned")]
+    assert cdo.pin_plan("bf16") is False  # the same plan: no retrace
+    # Intervals price the pinned plan anew but keep it.
+    cdo.track_regimes()
+    model.fit(x, y, batch_size=4, steps_per_epoch=2, verbose=0)
+    cdo.adapt(0.5, step_s=0.01)
+    model.fit(x, y, batch_size=4, steps_per_epoch=1, verbose=0)
+    assert [e.label for e in strategy.compression_plan().entries] == ["bf16"]
+    # Low rank, its timings measured first; the model still trains under it.
+    generation = cdo.generation
+    assert cdo.pin_plan({"a/kernel:0": "psgd2"}) is True
+    assert cdo.generation == generation + 1
+    before = model.get_weights()
+    history = model.fit(x, y, batch_size=4, steps_per_epoch=2, verbose=0)
+    assert [e.label for e in strategy.compression_plan().entries] == ["psgd2"]
+    assert "psgd2" in strategy.compression_plan().figures.encode_us
+    assert np.isfinite(history.history["loss"]).all()
+    assert not np.array_equal(before[0], model.get_weights()[0])
+    # Bad choices fail naming the argument and leave the pin as it was.
+    for bad, match in [("bf17", "is not a candidate"), ({"a/kernel:0": "int3"}, "not candidates"),
+                       ({"nope": "bf16"}, "no plan has"), ({}, "non-empty dict"),
+                       (8, "`choice` must be")]:
+        with pytest.raises(ValueError, match=match):
+            cdo.pin_plan(bad)
+    assert [e.label for e in strategy.compression_plan().entries] == ["psgd2"]
+    # Given back: the planner's own choice again (one worker: nothing to send, float32).
+    assert cdo.pin_plan(None) is True
+    model.fit(x, y, batch_size=4, steps_per_epoch=1, verbose=0)
+    own = strategy.compression_plan()
+    assert [e.label for e in own.entries] == ["fp32"] and own.entries[0].reason != "pinned"
+
+
+def test_a_low_rank_pin_before_the_first_step_measures_its_timings_then():
+    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
+    strategy.cross_device_ops.pin_plan("psgd1")
+    model = small_model(strategy)
+    history = model.fit(*small_data(8), batch_size=4, steps_per_epoch=2, verbose=0)
+    plan = strategy.compression_plan()
+    assert [(e.label, e.reason) for e in plan.entries] == [("psgd1", "pinned")]
+    assert plan.entries[0].cpu_s > 0 and "psgd1" in plan.figures.encode_us
+    assert np.isfinite(history.history["loss"]).all()
+
+
 def test_a_new_plan_is_taken_when_it_saves_more_than_a_change_costs():
     low_rank = planner.LowRank(2, MEASURED)
     fig = all_figures(0.1)
@@ -1428,6 +1523,8 @@ def test_the_plan_callback_refuses_what_it_cannot_use():
         tfgc.keras.AutoPlanCallback(strategy)
     with pytest.raises(ValueError, match="is for compressor='auto'"):
         strategy.cross_device_ops.replan()
+    with pytest.raises(ValueError, match="is for compressor='auto'"):
+        strategy.cross_device_ops.pin_plan("bf16")
     strategy.compressor = "auto"
     for kwargs, argument in [({"threshold": 0}, "threshold"), ({"link_margin": -1}, "link_margin"),
                              ({"every_epochs": 0}, "every_epochs"),
@@ -2275,3 +2372,26 @@ def test_a_gan_plans_each_models_gradients_apart_and_adapts_both(cluster):
     for key in w0.files:
         np.testing.assert_array_equal(w0[key], w1[key])
         assert np.all(np.isfinite(w0[key]))
+
+
+def test_a_pinned_plan_runs_on_every_worker_and_sends_what_it_counts(cluster):
+    # pin_plan on both workers of the GAN restored above: both sets' gradients as the
+    # pin says from the next step (one retrace, where it changed the plan), the same
+    # plan on each worker, and the bytes on the wire those its entries count plus the
+    # ring's share of the gradients the policy sends dense; given back, the planner's
+    # own choice again.
+    runs = _per_worker(cluster, "gan")
+    pinned = runs[0]["pinned"]
+    assert pinned == runs[1]["pinned"]
+    assert pinned["changed"] == (pinned["keys"] != runs[0]["restored"])
+    assert pinned["generations"] == int(pinned["changed"])
+    assert [len(plan) for plan in pinned["plans"]] == [1, 2]
+    assert {(e[1], e[2]) for plan in pinned["plans"] for e in plan} == \
+        {(worker.GAN_PIN, "pinned")}
+    assert pinned["reductions"] == 4  # two steps of two sets
+    counted = sum(e[3] for plan in pinned["plans"] for e in plan)
+    dense = 2 * (2 - 1) / 2 * 4 * pinned["unplanned"]
+    assert abs(pinned["sent"] - counted - dense) <= 0.01 * counted, pinned
+    back = pinned["given_back"]
+    assert pinned["released"] == ([key for key, _ in back] != pinned["keys"])
+    assert not any(r.startswith("pinned") for _, reasons in back for r in reasons), back

@@ -130,3 +130,44 @@ def test_the_report_gives_the_rounds_median_each_round_and_autos_ratio():
     # Rounds: auto 1.10, 0.93 and 1.30 times qsgd: the median 1.10.
     assert "| `auto` | m | 2 | 100 Mbit/s | `qsgd` | 1.10 |" in text
     assert "| `auto` | m | 2 | 100 Mbit/s | 110, 190, 260 |" in text
+
+
+def test_pins_must_be_candidates_and_need_an_auto_configuration(capsys):
+    assert _args("--auto_pins", "bf16", "own").auto_pins == ["bf16", "own"]
+    with pytest.raises(SystemExit):
+        _args("--auto_pins", "bf17")
+    assert "--auto_pins: bf17 not among" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        network.parse_args(["--configs", "qsgd", "--auto_pins", "bf16"])
+    assert "needs an auto configuration" in capsys.readouterr().err
+
+
+def test_the_pin_labels_are_the_planner_s():
+    from tfgc.distribute import planner  # the driver lists them without TensorFlow
+
+    assert network.PIN_LABELS == tuple(planner.BY_LABEL)
+
+
+def _pin(label, pass_, step, predicted):
+    return {"pin": label, "pass": pass_, "median_ms": step, "predicted_ms": predicted,
+            "labels": {label: 3}}
+
+
+def test_pinned_plans_are_set_against_their_predictions_pair_by_pair():
+    # Steps of 50 ms compute plus the predicted communication, except rqsgd4's, which
+    # ran 20 ms slower than predicted: it swaps with bf16 (predicted 10 ms less than
+    # bf16's but ran 10 ms more): their pair is out of order. topk1's passes differ
+    # by 30 ms, so its pairs (5 and 15 ms from the others) are ties, in order either way.
+    rows = [_pin("bf16", 0, 80.0, 30.0), _pin("bf16", 1, 80.0, 30.0),
+            _pin("rqsgd4", 0, 90.0, 20.0), _pin("rqsgd4", 1, 90.0, 20.0)]
+    table, agree, pairs = report.pin_summary(rows)
+    assert (agree, pairs) == (0, 1)
+    assert [t["rest"] for t in table] == [50.0, 70.0]
+    rows += [_pin("topk1", 0, 60.0, 5.0), _pin("topk1", 1, 90.0, 5.0)]
+    table, agree, pairs = report.pin_summary(rows)
+    assert pairs == 3 and agree == 2
+    assert next(t for t in table if t["pin"] == "topk1")["step"] == 75.0
+    text = "\n".join(report.render_pins([{**_run("auto", "1gbit", 80.0), "pins": rows}]))
+    assert "| `bf16` | 80.0, 80.0 | 80.0 | 30.0 | 50.0 | bf16 x3 |" in text
+    assert "2 of 3" in text and "50.0-70.0 ms" in text
+    assert report.render_pins([_run("auto", "1gbit", 80.0)]) == []

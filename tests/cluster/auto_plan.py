@@ -59,7 +59,9 @@
    predict, the losses and the weights (``gan.w<rank>.json``, ``gan.w<rank>.npz``);
    then saves both optimizers' checkpoint, restores it into a new GAN with the
    compressor set afresh and writes the plans of its first step and the count of
-   measurements before and after.
+   measurements before and after; then pins every gradient as ``GAN_PIN``
+   (``pin_plan``) for two steps (their plans and bytes) and gives the choice back for
+   one.
 13. Trains a bag of embeddings whose head is below the policy's size (the table the
    only gradient to plan) under ``AutoPlanCallback`` on a slow given link: its plans
    and the gradients sent as they are after the first step and at the end, the losses
@@ -630,6 +632,7 @@ def alternating(strategy, rank, num_workers, out_dir):
 # 1024 elements), its steps and AutoPlanCallback's interval.
 GAN_NOISE, GAN_SAMPLE = 16, 32
 GAN_STEPS, GAN_EVERY = 12, 3
+GAN_PIN = "bf16"
 
 
 def gan(strategy, rank, num_workers, out_dir):
@@ -735,13 +738,36 @@ def gan(strategy, rank, num_workers, out_dir):
     tf.train.Checkpoint(d_opt=again.d_opt, g_opt=again.g_opt).restore(path)
     again.fit(data, epochs=1, steps_per_epoch=1, verbose=0,
               callbacks=[tfgc.keras.AutoPlanCallback(strategy, every_steps=GAN_EVERY)])
+    restored = [plan.key() for plan in strategy.compression_plans()]
+    # Pinned by hand: every gradient of both sets as bf16 (the slow link's plans are
+    # not), two steps and their bytes, then given back for a step.
+    generation = cdo.generation
+    pinned = {"changed": cdo.pin_plan(GAN_PIN)}
+    before = strategy.compression_stats()
+    again.fit(data, epochs=1, steps_per_epoch=2, verbose=0)
+    after = strategy.compression_stats()
+    plans = strategy.compression_plans()
+    planned = sum(int(np.prod(e.shape)) for plan in plans for e in plan.entries)
+    pinned.update(
+        generations=cdo.generation - generation,
+        plans=[[[e.name, e.label, e.reason, e.sent_bytes] for e in plan.entries]
+               for plan in plans],
+        digests=[plan.digest() for plan in plans],
+        keys=[plan.key() for plan in plans],
+        sent=(after["total_sent_bytes"] - before["total_sent_bytes"]) / 2,
+        reductions=after["steps"] - before["steps"],
+        unplanned=int(sum(np.prod(v.shape) for v in again.trainable_variables)) - planned)
+    pinned["released"] = cdo.pin_plan(None)
+    again.fit(data, epochs=1, steps_per_epoch=1, verbose=0)
+    pinned["given_back"] = [[plan.key(), [e.reason for e in plan.entries]]
+                            for plan in strategy.compression_plans()]
     np.savez(os.path.join(out_dir, f"gan.w{rank}.npz"),
              **{f"w{i}": w.numpy() for i, w in enumerate(model.weights)})
     with open(os.path.join(out_dir, f"gan.w{rank}.json"), "w") as f:
-        json.dump({"intervals": intervals,
+        json.dump({"intervals": intervals, "pinned": pinned,
                    "losses": {k: [float(v) for v in vs] for k, vs in history.history.items()},
                    "shown": shown, "saved": saved,
-                   "restored": [plan.key() for plan in strategy.compression_plans()],
+                   "restored": restored,
                    "measurements": [measured,
                                     cdo._auto.measurements]}, f)  # pylint: disable=protected-access
 

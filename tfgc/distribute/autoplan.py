@@ -200,6 +200,9 @@ class AutoPlanner:
         # The restored record's parts of the layouts not planned yet, by their
         # gradients (``_layout_key``): each takes its part when first planned.
         self._saved_layouts = {}
+        # A plan set by hand (``pin``): one label for every gradient, or labels by
+        # gradient name (the others float32); None: the planner's own.
+        self._pin = None
 
     def _active(self):
         """The layouts whose plans belong to the current generation (planned in it, or
@@ -360,8 +363,10 @@ class AutoPlanner:
                 logging.info("tfgc: compressor='auto' measured in %.1f s: %s",
                              time.perf_counter() - started, figures.describe())
             self._figures = (generation, figures)
+        if self._pin is not None:
+            self._figures = (generation, self._pinned_figures(self._figures[1]))
         plan = None
-        if labels is not None:  # {}: a plan of tables alone
+        if labels is not None and self._pin is None:  # {}: a plan of tables alone
             # The saved plan itself, where the restored regimes and budgets still allow
             # it: a plan made afresh could differ (a change kept out because it did not
             # pay, steps timed after the plan was made).
@@ -548,6 +553,9 @@ class AutoPlanner:
         the faster choice from the rows last counted (``_count_rows``, which the
         callers gather first)."""
         gradients = lay.gradients
+        if self._pin is not None:
+            only = {g[0]: (self._pin if isinstance(self._pin, str) else
+                           self._pin.get(g[0], "fp32")) for g in gradients}
         critical = lay.critical
         if critical == "all":
             critical = frozenset(g[0] for g in gradients)
@@ -562,7 +570,8 @@ class AutoPlanner:
                   for p, k in enumerate(_table_places(gradients))}
         return planner.plan_tables([tuple(g[:3]) for g in gradients], tables, figures,
                                    auto.error, dense=dense, rows_label=rows_label,
-                                   critical=critical, low_rank=low_rank, only=only, pace=pace)
+                                   critical=critical, low_rank=low_rank, only=only, pace=pace,
+                                   forced=self._pin is not None)
 
     def _count_rows(self, lay):
         """Every worker's rows of ``lay``'s last step, the most of each (``rows``). Every
@@ -824,6 +833,59 @@ class AutoPlanner:
             if lay in changed or retrace:
                 logging.info("%s", plan.table())
         return bool(changed or retrace)
+
+    def pin(self, choice) -> bool:
+        """See ``CompressedAllReduce.pin_plan``."""
+        self._pin = self._checked_pin(choice)
+        active = self._active()
+        if not active:
+            return False  # the next trace plans as pinned
+        figures = self._pinned_figures(self._figures[1])
+        plans = {}
+        for lay in active:
+            self._count_rows(lay)
+            plans[lay] = self._planned(lay, figures)
+        return self._take(plans, figures)
+
+    def _checked_pin(self, choice):
+        """``choice`` as ``pin`` keeps it, or a ValueError naming what is wrong."""
+        labels = ", ".join(planner.BY_LABEL)
+        if choice is None:
+            return None
+        if isinstance(choice, str):
+            if choice not in planner.BY_LABEL:
+                raise ValueError(f"pin_plan: `choice` {choice!r} is not a candidate; "
+                                 f"one of {labels}, a dict of them by gradient, or None")
+            return choice
+        if not isinstance(choice, dict) or not choice:
+            raise ValueError(f"pin_plan: `choice` must be a candidate's label ({labels}), "
+                             f"a non-empty dict of them by gradient name, or None; got "
+                             f"{choice!r}")
+        bad = {name: label for name, label in choice.items()
+               if not isinstance(name, str) or label not in planner.BY_LABEL}
+        if bad:
+            raise ValueError(f"pin_plan: `choice` has labels that are not candidates: {bad} "
+                             f"(candidates: {labels})")
+        known = {g[0] for lay in self._layouts.values() for g in lay.gradients}
+        if not known:
+            raise ValueError("pin_plan: `choice` by gradient name needs a planned step "
+                             "first (the names are those of compression_plan()'s entries); "
+                             "a single label pins every gradient from the first step")
+        unknown = sorted(set(choice) - known)
+        if unknown:
+            raise ValueError(f"pin_plan: `choice` names gradients that no plan has: "
+                             f"{unknown}; planned: {sorted(known)}")
+        return dict(choice)
+
+    def _pinned_figures(self, figures):
+        """``figures`` with the CPU timings of the measured candidates the pin names
+        (low rank, top-k), measured now where missing (every worker at once)."""
+        labels = ({self._pin} if isinstance(self._pin, str) else
+                  set(self._pin.values()) if self._pin else set())
+        if any(planner.BY_LABEL[label].error_key is not None for label in labels):
+            with tf.init_scope():  # the first trace's plan asks too
+                figures = planner.measure_low_rank(self._ops, figures)
+        return figures
 
     def replan(self, margin: float, due=None) -> bool:
         """See ``CompressedAllReduce.replan``."""

@@ -810,6 +810,26 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         call it at the same point."""
         return self._auto_planner("measure_low_rank").measure_low_rank(step_s, step_se_s)
 
+    def pin_plan(self, choice) -> bool:
+        """Under ``compressor="auto"``: sends the gradients as ``choice`` says from the
+        next step on, instead of the planner's choice, to compare plans on a model or
+        to keep one known to work. ``choice``: a candidate's label
+        (``tfgc.distribute.planner.BY_LABEL``: fp32, bf16, rqsgd8, qsgd8, rqsgd4,
+        psgd1-8, topk1) for every gradient, or a dict of labels by gradient name (those
+        of ``plan()``'s entries, so after a step; the gradients not named go as fp32);
+        None gives the choice back to the planner. A gradient that the label does
+        not take (PowerSGD's a vector) goes as float32, and says so in the plan and in
+        ``uncompressed_gradients``. The pin overrides the error budgets and the
+        critical regimes (its plan reports the low-rank error it uses, where
+        measured); ``replan``, ``adapt`` and ``measure_low_rank`` still measure, time
+        and track, and price the pinned plan anew, but do not change it. It is not
+        kept in checkpoints. Pinning a low-rank or top-k label measures their CPU cost
+        first, where not measured yet. Every worker must call it at the same point,
+        with the same ``choice``, between steps. Returns whether the plan changed
+        (then the next step retraces); False before the first step, whose plan
+        follows the pin."""
+        return self._auto_planner("pin_plan").pin(choice)
+
     def capture_gradients(self):
         """Under ``compressor="auto"`` with ``low_rank`` on: the next step keeps each
         matrix's local gradient for the next ``measure_low_rank`` or ``adapt`` (the first

@@ -1000,7 +1000,7 @@ class Entry:
     cpu_s: float
     wire_s: float
     error: float  # the candidate's relative variance bound on this gradient
-    reason: str = ""  # for float32: why
+    reason: str = ""  # for float32: why; "pinned" (every entry) in a plan set by hand
     critical: bool = False  # in a critical regime: candidates of bf16's bound at most
 
     @property
@@ -1319,7 +1319,8 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
               low_rank: Optional[LowRank] = None,
               only: Optional[Dict[str, str]] = None,
               pace: Optional[Pace] = None,
-              capped: Optional[Dict[str, float]] = None) -> Optional[Plan]:
+              capped: Optional[Dict[str, float]] = None,
+              forced: bool = False) -> Optional[Plan]:
     """The plan for ``gradients`` (name, static shape, dtype name), in their order.
 
     Every candidate's cost and error for every gradient, then the Lagrangian choice
@@ -1346,6 +1347,13 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
     ``capped`` (name -> bound): gradients outside the error budget that take only
     quantizers of at most that bound (or low rank): the dense embedding tables
     (``plan_tables``).
+
+    ``forced`` (with ``only``, which then names every gradient): the choice as given,
+    whatever the regimes and budgets say (``AutoPlanner.pin``: a plan set by hand), each
+    entry's reason "pinned"; a gradient whose label does not take its shape or dtype
+    goes as float32, its reason saying so, and a measured candidate (low rank, top-k)
+    needs only its CPU timings in ``figures`` (its error, where not measured, is NaN).
+    None where ``figures`` lack those timings.
     """
     capped = capped or {}
     w = figures.num_workers
@@ -1355,23 +1363,39 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
     lr_budget = 0.0
     if low_rank is not None:
         lr_budget = low_rank.budget({name: shape for name, shape, _ in gradients})
-    options = []
+    if forced and only is None:
+        raise ValueError("make_plan(forced=True) needs `only`")
+    options, unfit = [], {}
     for name, shape, dtype in gradients:
         n = int(np.prod(shape, dtype=np.int64))
         tf_shape, tf_dtype = tf.TensorShape(shape), tf.as_dtype(dtype)
+        wanted = None if only is None else only.get(name)
+        if forced:
+            described = BY_LABEL[wanted].described if wanted in BY_LABEL else None
+            if described is not None and not described.supports(tf_shape, tf_dtype):
+                unfit[name], wanted = wanted, "fp32"
         mine = []
         for order, candidate in enumerate(ALL):
-            if only is not None and candidate.label != only.get(name):
+            if only is not None and candidate.label != wanted:
                 continue
             compressor = candidate.described
             if compressor is not None and not compressor.supports(tf_shape, tf_dtype):
                 continue
             if candidate.error_key is None:
                 bound, lr = candidate.variance_bound(n), 0.0
-                if name in critical and bound > critical_bound:
+                if not forced and name in critical and bound > critical_bound:
                     continue
-                if name in capped and bound > capped[name]:
+                if not forced and name in capped and bound > capped[name]:
                     continue
+            elif forced:
+                # As pinned: the measured error where there is one, counted in the
+                # low-rank budget as the plan uses it (beyond it, maybe).
+                if candidate.label not in figures.encode_us:
+                    continue
+                sq, rel = (low_rank.errors[name] if low_rank is not None
+                           and name in low_rank.errors else (0.0, {}))
+                bound = rel.get(candidate.error_key, float("nan"))
+                lr = sq * bound / lr_budget if lr_budget > 0 and math.isfinite(bound) else 0.0
             else:
                 # Measured gradients only, at the critical rank or more in a critical
                 # regime (top-k not at all: ACCORDION sends less compressed there), and
@@ -1397,8 +1421,9 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
         options.append((name, tuple(shape), dtype, mine))
     if only is not None and (
             any(not mine for _, _, _, mine in options)
-            or sum(mine[0]["mass"] for _, _, _, mine in options) > error_budget + 1e-12
-            or sum(mine[0]["lr"] for _, _, _, mine in options) > 1.0 + 1e-9):
+            or not forced and (
+                sum(mine[0]["mass"] for _, _, _, mine in options) > error_budget + 1e-12
+                or sum(mine[0]["lr"] for _, _, _, mine in options) > 1.0 + 1e-9)):
         return None
 
     def solve(price):
@@ -1414,6 +1439,8 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
 
         lam = 0.0
         choice = pick(0.0)
+        if forced:  # one option a gradient: nothing to weigh
+            return lam, choice, choice, choice
         if mass(choice) > error_budget:
             lam, choice = _lagrangian(pick, mass, error_budget)
             choice = _fill(choice, priced, error_budget - mass(choice))
@@ -1431,7 +1458,7 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
 
     price = 0.0
     solved = solve(price)
-    if used(solved) > 1.0 + 1e-9:
+    if used(solved) > 1.0 + 1e-9 and not forced:
         # The price of a whole budget: from the step's seconds up, until the choice
         # fits (at a price high enough, only options that lose nothing remain).
         hi = sum(max(o["cpu"] + o["wire"] for o in mine) for _, _, _, mine in options) or 1.0
@@ -1461,7 +1488,10 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
     entries = []
     for (name, shape, dtype, _), o, before, quick in zip(options, choice, budgeted, fastest):
         reason = ""
-        if o["candidate"].spec is None:
+        if forced:
+            reason = (f"pinned as {unfit[name]}, which does not take this gradient"
+                      if name in unfit else "pinned")
+        elif o["candidate"].spec is None:
             if before["candidate"].spec is not None:
                 reason = "its group saves less than its own collectives cost"
             elif quick["candidate"].spec is None:
