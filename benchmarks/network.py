@@ -148,7 +148,8 @@ def parse_args(argv=None):
                         "(the second in reverse order), each --warmup + --steps steps, and "
                         "sets each measured step against the communication its plan "
                         "predicts: whether the planner's prices order the plans as they "
-                        "run (default: none)")
+                        "run (default: none). They run within the auto run's --timeout: "
+                        "raise it for many labels or a slow link")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds per run (one cluster); its workers are killed after that")
     p.add_argument("--out", default=DEFAULT_OUT,
@@ -460,26 +461,36 @@ def _worker(args, prefix, phase):
         if plan.pace is not None:
             result["plan_pace"] = [plan.pace.compute_s, plan.pace.scale,
                                    plan.pace.low_rank_steps, plan.pace.shared_compute_s]
-    if plans and args.auto_pins:
-        phase[0] = "pins"
-        result["pins"] = _pinned_steps(strategy, net, train_ds, args, keras)
     with open(prefix + ".json", "w") as f:
         json.dump(result, f)
+    if plans and args.auto_pins:
+        # After the run's own result is written; each pinned fit's row is added as it
+        # ends, and one that fails (a label this model cannot run) is recorded, so what
+        # ran is kept. (A run past --timeout is killed, and fails as a whole.)
+        phase[0] = "pins"
+        result["pins"] = []
+        try:
+            _pinned_steps(strategy, net, train_ds, args, keras, result["pins"],
+                          lambda: _common.write_json(prefix + ".json", result))
+        except Exception as exc:  # noqa: BLE001  (recorded; the run's own figures stand)
+            text = (str(exc).strip().splitlines() or [""])[0]
+            result["pins_failed"] = f"{type(exc).__name__}: {text}"[:300]
+        _common.write_json(prefix + ".json", result)
 
 
-def _pinned_steps(strategy, net, train_ds, args, keras):
+def _pinned_steps(strategy, net, train_ds, args, keras, rows, save):
     """``--auto_pins``: each label pinned on every gradient in turn (``own``: the
-    planner's plan), in two passes, the second reversed, so that the machine's drift
-    falls on both ends; a fit of ``--warmup`` + ``--steps`` steps each (the first
-    retraces). Returns a row per fit: the label, the pass, the timed steps' median and
-    the communication its plans predict (``Plan.step_seconds``, summed over the step's
-    sets of gradients), with the plans' labels counted. The planner's choice is given
-    back at the end."""
+    planner's choice, made afresh: it may differ from the plan the run timed), in two
+    passes, the second reversed, so that the machine's drift falls on both ends; a fit
+    of ``--warmup`` + ``--steps`` steps each (the first step retraces where the plan
+    changed). Adds to ``rows`` a row per fit, and calls ``save()`` after each: the
+    label, the pass, the timed steps' median and the communication its plans predict
+    (``Plan.step_seconds``, summed over the step's sets of gradients), with the plans'
+    labels counted. The planner's choice is given back at the end."""
     import numpy as np
 
     cdo = strategy.cross_device_ops
     labels = list(args.auto_pins)
-    rows = []
     for pass_, order in enumerate((labels, labels[::-1])):
         for label in order:
             cdo.pin_plan(None if label == OWN else label)
@@ -504,8 +515,8 @@ def _pinned_steps(strategy, net, train_ds, args, keras):
                          "durations_ms": timed,
                          "predicted_ms": 1e3 * sum(p.step_seconds() for p in plans),
                          "labels": counts})
+            save()
     cdo.pin_plan(None)
-    return rows
 
 
 # ---------------------------------------------------------------------------------
@@ -693,6 +704,8 @@ def summarize_run(run, workers):
     })
     if "pins" in w0:
         run["pins"] = w0["pins"]
+        if "pins_failed" in w0:
+            run["pins_failed"] = w0["pins_failed"]
     if "plan" in w0:
         run["plan"], run["plan_figures"] = w0["plan"], w0["plan_figures"]
         run["plan_sets"] = w0.get("plan_sets", 1)

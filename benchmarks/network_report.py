@@ -530,7 +530,9 @@ def render_pins(raw):
         rests = [t["rest"] for t in table]
         lines += ["", f"Pairs of plans that the predictions order as their steps ran (or "
                   f"closer than the passes' spread): {agree} of {pairs}. Step less predicted "
-                  f"ranges {fmt_ms(min(rests))}-{fmt_ms(max(rests))} ms.", ""]
+                  f"ranges {fmt_ms(min(rests))}-{fmt_ms(max(rests))} ms."
+                  + (f" The pins stopped early: {r['pins_failed']}."
+                     if r.get("pins_failed") else ""), ""]
     return lines
 
 

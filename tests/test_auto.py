@@ -543,6 +543,14 @@ def test_a_pinned_choice_is_taken_whatever_the_budgets_and_regimes_say():
                               forced=True)
     assert [e.label for e in mixed.entries] == ["psgd2"] * len(names) + ["fp32"]
     assert mixed.entries[-1].reason == "pinned as psgd2, which does not take this gradient"
+    # Measured on one gradient alone: its error and share of the budget counted,
+    # the others' errors unknown (NaN) and left out of every sum.
+    one = planner.LowRank(2, {"fc1": MEASURED["fc1"]})
+    partial = planner.make_plan(GRADIENTS, fig, 0.05, only={n: "psgd1" for n in names},
+                                low_rank=one, forced=True)
+    errors = {e.name: e.error for e in partial.entries}
+    assert math.isfinite(errors.pop("fc1")) and all(math.isnan(v) for v in errors.values())
+    assert 0 < partial.low_rank_error < math.inf and partial.mean_error == 0.0
     # Figures without the measured candidates' timings cannot price them.
     assert planner.make_plan(GRADIENTS, figures(link_gbps=0.1), 0.05,
                              only={n: "psgd2" for n in names}, forced=True) is None
@@ -581,17 +589,48 @@ def test_a_pinned_plan_holds_until_given_back():
     assert np.isfinite(history.history["loss"]).all()
     assert not np.array_equal(before[0], model.get_weights()[0])
     # Bad choices fail naming the argument and leave the pin as it was.
+    generation = cdo.generation
     for bad, match in [("bf17", "is not a candidate"), ({"a/kernel:0": "int3"}, "not candidates"),
+                       ({"a/kernel:0": ["bf16"]}, "not candidates"),
+                       ({3: "bf16"}, "keys must be gradient names"),
                        ({"nope": "bf16"}, "no plan has"), ({}, "non-empty dict"),
                        (8, "`choice` must be")]:
         with pytest.raises(ValueError, match=match):
             cdo.pin_plan(bad)
+    model.fit(x, y, batch_size=4, steps_per_epoch=1, verbose=0)
+    assert cdo.generation == generation  # no retrace: still pinned as before
     assert [e.label for e in strategy.compression_plan().entries] == ["psgd2"]
+    # A checkpoint keeps what the pinned steps measured, not the pin: restored, the
+    # planner plans afresh from the restored figures (nothing measured again).
+    record = cdo._auto.snapshot()  # pylint: disable=protected-access
+    assert [part["pinned"] for part in record["layouts"]] == [True]
+    again = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
+    again.cross_device_ops._auto.restored(json.loads(json.dumps(record)))  # pylint: disable=protected-access
+    small_model(again).fit(x, y, batch_size=4, steps_per_epoch=1, verbose=0)
+    assert [(e.label, e.reason) for e in again.compression_plan().entries] == \
+        [("fp32", "float32 is the fastest on this link")]
+    assert again.cross_device_ops._auto.measurements == 0  # pylint: disable=protected-access
     # Given back: the planner's own choice again (one worker: nothing to send, float32).
     assert cdo.pin_plan(None) is True
     model.fit(x, y, batch_size=4, steps_per_epoch=1, verbose=0)
     own = strategy.compression_plan()
     assert [e.label for e in own.entries] == ["fp32"] and own.entries[0].reason != "pinned"
+
+
+@pytest.mark.parametrize("pin, rows", [("rqsgd4", "rqsgd4"), ("bf16", "bf16"),
+                                       ("fp32", "fp32"), ("psgd2", "fp32"),
+                                       ("topk1", "fp32")])
+def test_a_pinned_table_goes_as_rows_in_the_pinned_quantizer_or_float32(pin, rows):
+    # The table planned alone on one worker: unpinned, its rows go float32 (nothing
+    # travels); pinned, as the pin says where it is a quantizer; low rank and top-k
+    # keep no residual or query for rows that change every step: float32.
+    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
+    strategy.cross_device_ops.pin_plan(pin)
+    history = fit_bag(strategy, 2)
+    (plan,) = strategy.compression_plans()
+    (table,) = plan.tables
+    assert (table.label, table.dense) == (rows, False)
+    assert np.all(np.isfinite(history.history["loss"]))
 
 
 def test_a_low_rank_pin_before_the_first_step_measures_its_timings_then():
@@ -2332,6 +2371,8 @@ def test_a_gan_plans_each_models_gradients_apart_and_adapts_both(cluster):
     # regimes then never moved, and compression_plan() showed one model. Now each set
     # has its plan and regimes, and a change of either retraces once.
     runs = _per_worker(cluster, "gan")
+    for r in runs:
+        del r["refusals"]  # each worker's own message
     assert runs[0] == runs[1]  # the same plans, generations and losses on both workers
     intervals = runs[0]["intervals"]
     assert len(intervals) == worker.GAN_STEPS // worker.GAN_EVERY
@@ -2382,6 +2423,12 @@ def test_a_pinned_plan_runs_on_every_worker_and_sends_what_it_counts(cluster):
     # own choice again.
     runs = _per_worker(cluster, "gan")
     pinned = runs[0]["pinned"]
+    # Different choices: both workers refused; a choice one worker refused: it says
+    # why, and the other that they differ.
+    differ = "the workers' choices differ or some refused theirs"
+    assert all(differ in r["refusals"][0] for r in runs)
+    assert differ in runs[0]["refusals"][1]
+    assert "'bf17' is not a candidate" in runs[1]["refusals"][1]
     assert pinned == runs[1]["pinned"]
     assert pinned["changed"] == (pinned["keys"] != runs[0]["restored"])
     assert pinned["generations"] == int(pinned["changed"])

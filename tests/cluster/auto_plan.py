@@ -59,9 +59,9 @@
    predict, the losses and the weights (``gan.w<rank>.json``, ``gan.w<rank>.npz``);
    then saves both optimizers' checkpoint, restores it into a new GAN with the
    compressor set afresh and writes the plans of its first step and the count of
-   measurements before and after; then pins every gradient as ``GAN_PIN``
-   (``pin_plan``) for two steps (their plans and bytes) and gives the choice back for
-   one.
+   measurements before and after; then has the workers pin different choices (each
+   refusal's message), pins every gradient as ``GAN_PIN`` (``pin_plan``) for two steps
+   (their plans and bytes) and gives the choice back for one.
 13. Trains a bag of embeddings whose head is below the policy's size (the table the
    only gradient to plan) under ``AutoPlanCallback`` on a slow given link: its plans
    and the gradients sent as they are after the first step and at the end, the losses
@@ -741,6 +741,15 @@ def gan(strategy, rank, num_workers, out_dir):
     restored = [plan.key() for plan in strategy.compression_plans()]
     # Pinned by hand: every gradient of both sets as bf16 (the slow link's plans are
     # not), two steps and their bytes, then given back for a step.
+    # Choices that differ between the workers, or that one worker refuses: every
+    # worker stops with a ValueError, and nothing is pinned.
+    refusals = []
+    for mine in (["bf16", "rqsgd4"], ["bf16", "bf17"]):
+        try:
+            cdo.pin_plan(mine[rank])
+            refusals.append(None)
+        except ValueError as exc:
+            refusals.append(str(exc))
     generation = cdo.generation
     pinned = {"changed": cdo.pin_plan(GAN_PIN)}
     before = strategy.compression_stats()
@@ -764,7 +773,7 @@ def gan(strategy, rank, num_workers, out_dir):
     np.savez(os.path.join(out_dir, f"gan.w{rank}.npz"),
              **{f"w{i}": w.numpy() for i, w in enumerate(model.weights)})
     with open(os.path.join(out_dir, f"gan.w{rank}.json"), "w") as f:
-        json.dump({"intervals": intervals, "pinned": pinned,
+        json.dump({"intervals": intervals, "pinned": pinned, "refusals": refusals,
                    "losses": {k: [float(v) for v in vs] for k, vs in history.history.items()},
                    "shown": shown, "saved": saved,
                    "restored": restored,

@@ -443,6 +443,8 @@ class AutoPlanner:
         critical = lay.critical
         return {"key": plan.key(),
                 "labels": {e.name: e.label for e in plan.entries},
+                # A plan set by hand: not restored as the planner's own choice.
+                "pinned": self._pin is not None,
                 "gradients": json.loads(json.dumps(lay.gradients)),
                 "critical": critical if critical == "all" else sorted(critical),
                 "norms": {str(k): v for k, v in lay.norms.items()},
@@ -503,7 +505,8 @@ class AutoPlanner:
     def _take_part(lay, part):
         """A restored ``part`` of the record into the layout ``lay`` (its regimes and
         timed steps, where regimes are tracked, and its tables' counted rows); returns
-        its plan's labels by name and what its tables' rows went as."""
+        its plan's labels by name and what its tables' rows went as (None, None for a
+        plan that was pinned: ``pin``)."""
         if lay.sums is not None:  # regimes tracked: carry on from the saved interval
             critical = part["critical"]
             lay.critical = critical if critical == "all" else frozenset(critical)
@@ -514,6 +517,8 @@ class AutoPlanner:
         for place, _, _, _, rows, tokens, _ in tables:
             if lay.rows.get(place, (0, 0))[0] == 0:  # not counted since: the saved count
                 lay.rows[place] = (rows, tokens)
+        if part.get("pinned"):  # planned afresh from the restored figures and regimes
+            return None, None
         return part.get("labels"), tables[0][6] if tables else None
 
     def _moved_link(self, lay, figures):
@@ -551,11 +556,21 @@ class AutoPlanner:
         the errors and its steps (``planner.plan_tables``): the tables at the places
         ``dense`` sent dense (their rows as ``rows_label``, where given), or, with None,
         the faster choice from the rows last counted (``_count_rows``, which the
-        callers gather first)."""
+        callers gather first). Under a pin (``pin``), the pinned plan instead, whatever
+        ``only`` and ``rows_label`` say."""
         gradients = lay.gradients
         if self._pin is not None:
-            only = {g[0]: (self._pin if isinstance(self._pin, str) else
-                           self._pin.get(g[0], "fp32")) for g in gradients}
+            only = {g[0]: self._pinned_label(g[0]) for g in gradients}
+            # Tables go as rows (unless the trace summed them dense already), in the
+            # pinned label where it is a quantizer (the first table's, for a pin by
+            # name), else float32 on the stock gather: rows change from step to step,
+            # with no residual or query of their own for low rank or top-k.
+            dense = frozenset() if dense is None else dense
+            names = [g[0] for g in gradients if len(g) > 3]
+            if names:
+                candidate = planner.BY_LABEL[self._pinned_label(names[0])]
+                rows_label = (candidate.label if candidate.error_key is None
+                              else "fp32")
         critical = lay.critical
         if critical == "all":
             critical = frozenset(g[0] for g in gradients)
@@ -836,16 +851,37 @@ class AutoPlanner:
 
     def pin(self, choice) -> bool:
         """See ``CompressedAllReduce.pin_plan``."""
-        self._pin = self._checked_pin(choice)
-        active = self._active()
-        if not active:
-            return False  # the next trace plans as pinned
-        figures = self._pinned_figures(self._figures[1])
-        plans = {}
-        for lay in active:
-            self._count_rows(lay)
-            plans[lay] = self._planned(lay, figures)
-        return self._take(plans, figures)
+        # Every worker's choice checked, then compared (a checksum each; 0: refused),
+        # before anything else is gathered: a worker that refused its choice or pinned
+        # another would otherwise leave the others waiting in a collective.
+        try:
+            checked, refused = self._checked_pin(choice), None
+        except ValueError as exc:
+            checked, refused = None, exc
+        word = 0 if refused else zlib.crc32(
+            json.dumps(checked, sort_keys=True).encode()) & 0x7FFFFFFF or 1
+        words = self._ops.gather_words([word])[:, 0].tolist()
+        if refused is not None:
+            raise refused
+        if len(set(words)) > 1:
+            raise ValueError("pin_plan: the workers' choices differ or some refused theirs "
+                             f"(checksums by replica, 0: refused: {words}); every worker "
+                             "must pin the same, at the same point")
+        previous, self._pin = self._pin, checked
+        try:
+            active = self._active()
+            if not active:
+                return False  # the next trace plans as pinned
+            figures = self._pinned_figures(self._figures[1])
+            plans = {}
+            for lay in active:
+                self._count_rows(lay)
+                plans[lay] = self._planned(lay, figures)
+                self._check_agree(plans[lay])
+            return self._take(plans, figures)
+        except BaseException:
+            self._pin = previous
+            raise
 
     def _checked_pin(self, choice):
         """``choice`` as ``pin`` keeps it, or a ValueError naming what is wrong."""
@@ -861,8 +897,12 @@ class AutoPlanner:
             raise ValueError(f"pin_plan: `choice` must be a candidate's label ({labels}), "
                              f"a non-empty dict of them by gradient name, or None; got "
                              f"{choice!r}")
+        keys = [name for name in choice if not isinstance(name, str)]
+        if keys:
+            raise ValueError(f"pin_plan: `choice`'s keys must be gradient names (str); "
+                             f"got {keys!r}")
         bad = {name: label for name, label in choice.items()
-               if not isinstance(name, str) or label not in planner.BY_LABEL}
+               if not isinstance(label, str) or label not in planner.BY_LABEL}
         if bad:
             raise ValueError(f"pin_plan: `choice` has labels that are not candidates: {bad} "
                              f"(candidates: {labels})")
@@ -876,6 +916,10 @@ class AutoPlanner:
             raise ValueError(f"pin_plan: `choice` names gradients that no plan has: "
                              f"{unknown}; planned: {sorted(known)}")
         return dict(choice)
+
+    def _pinned_label(self, name):
+        """What the pin sends the gradient ``name`` as."""
+        return self._pin if isinstance(self._pin, str) else self._pin.get(name, "fp32")
 
     def _pinned_figures(self, figures):
         """``figures`` with the CPU timings of the measured candidates the pin names

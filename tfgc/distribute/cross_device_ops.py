@@ -815,19 +815,24 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         next step on, instead of the planner's choice, to compare plans on a model or
         to keep one known to work. ``choice``: a candidate's label
         (``tfgc.distribute.planner.BY_LABEL``: fp32, bf16, rqsgd8, qsgd8, rqsgd4,
-        psgd1-8, topk1) for every gradient, or a dict of labels by gradient name (those
-        of ``plan()``'s entries, so after a step; the gradients not named go as fp32);
-        None gives the choice back to the planner. A gradient that the label does
-        not take (PowerSGD's a vector) goes as float32, and says so in the plan and in
-        ``uncompressed_gradients``. The pin overrides the error budgets and the
-        critical regimes (its plan reports the low-rank error it uses, where
-        measured); ``replan``, ``adapt`` and ``measure_low_rank`` still measure, time
-        and track, and price the pinned plan anew, but do not change it. It is not
-        kept in checkpoints. Pinning a low-rank or top-k label measures their CPU cost
-        first, where not measured yet. Every worker must call it at the same point,
-        with the same ``choice``, between steps. Returns whether the plan changed
-        (then the next step retraces); False before the first step, whose plan
-        follows the pin."""
+        psgd1, psgd2, psgd4, psgd8, topk1) for every gradient, or a dict of labels by
+        gradient name (those of ``plan()``'s entries, so after a step; the gradients
+        not named go as fp32); None gives the choice back to the planner. A gradient
+        that the label does not take (PowerSGD's a vector) goes as float32, and says
+        so in the plan and in ``uncompressed_gradients``. Embedding tables go as the
+        rows a step touched, in the pinned label where it is a quantizer (a dict: the
+        first table's), else as float32 on the stock gather. The pin overrides the
+        error budgets and the critical regimes (its plan reports the low-rank error it
+        uses, where measured); ``replan``, ``adapt`` and ``measure_low_rank`` still
+        measure, time and track, and price the pinned plan anew, but do not change
+        it. Pinning a low-rank or top-k label measures their CPU cost first, where not
+        measured yet. A checkpoint keeps the pinned plan's figures, regimes and timed
+        steps, not the pin: restored, the planner plans afresh. Setting the
+        ``compressor`` again (``"auto"`` too) gives the choice back. Every worker must
+        call it at the same point, between steps, with the same ``choice``: the
+        workers compare theirs first, and all raise ValueError where one refused its
+        choice or they differ. Returns whether the plan changed (then the next step
+        retraces); False before the first step, whose plan follows the pin."""
         return self._auto_planner("pin_plan").pin(choice)
 
     def capture_gradients(self):

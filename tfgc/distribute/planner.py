@@ -1000,7 +1000,7 @@ class Entry:
     cpu_s: float
     wire_s: float
     error: float  # the candidate's relative variance bound on this gradient
-    reason: str = ""  # for float32: why; "pinned" (every entry) in a plan set by hand
+    reason: str = ""  # for float32: why; in a plan set by hand, "pinned" (or why not)
     critical: bool = False  # in a critical regime: candidates of bf16's bound at most
 
     @property
@@ -1619,9 +1619,10 @@ def plan_tables(gradients: Sequence[Tuple[str, Sequence[int], str]],
     the quantizers within the budget (``row_quantizers``) and float32 on the stock
     gather the plan prices fastest.
     ``rows_label``: the candidate the rows go as instead (a running plan priced anew
-    keeps what its traced step sends). ``kwargs``: ``make_plan``'s. None where
-    ``make_plan`` returns None (``only``), or where the tables are planned alone and
-    the budget or a critical table rules out ``rows_label``."""
+    keeps what its traced step sends, a pinned one what the pin says). ``kwargs``:
+    ``make_plan``'s (with ``forced``, no budget or regime rules out ``rows_label``).
+    None where ``make_plan`` returns None (``only``), or where the tables are planned
+    alone and the budget or a critical table rules out ``rows_label``."""
     order = sorted(tables)
     places = {k: p for p, k in enumerate(order)}
     counted = [p for p, k in enumerate(order) if tables[k][0] > 0]
@@ -1686,7 +1687,8 @@ def plan_tables(gradients: Sequence[Tuple[str, Sequence[int], str]],
         plan = dataclasses.replace(plan, tables=tuple(lines))
         if best is None or plan.paced_seconds() < best.paced_seconds():
             best = plan
-    if rows_label is not None and best is not None and candidates[0] is not None:
+    if rows_label is not None and best is not None and candidates[0] is not None \
+            and not kwargs.get("forced"):
         # Tables planned alone take their rows' quantizer within the budget (and the
         # critical bound) themselves: one the current regimes or budget no longer allow
         # (a restored plan's, or a running one's once a table turned critical) rules
