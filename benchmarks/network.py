@@ -485,8 +485,9 @@ def _pinned_steps(strategy, net, train_ds, args, keras, rows, save):
     of ``--warmup`` + ``--steps`` steps each (the first step retraces where the plan
     changed). Adds to ``rows`` a row per fit, and calls ``save()`` after each: the
     label, the pass, the timed steps' median and the communication its plans predict
-    (``Plan.step_seconds``, summed over the step's sets of gradients), with the plans'
-    labels counted. The planner's choice is given back at the end."""
+    (``Plan.step_seconds``, summed over the step's sets of gradients), the share of
+    its low-rank budget each set's plan uses and the most steps that adds by the
+    planner's prior (``Auto.low_rank_steps``), with the plans' labels counted. The planner's choice is given back at the end."""
     import numpy as np
 
     cdo = strategy.cross_device_ops
@@ -514,6 +515,12 @@ def _pinned_steps(strategy, net, train_ds, args, keras, rows, save):
             rows.append({"pin": label, "pass": pass_, "median_ms": float(np.median(timed)),
                          "durations_ms": timed,
                          "predicted_ms": 1e3 * sum(p.step_seconds() for p in plans),
+                         # The share of its low-rank budget each set's plan uses, and
+                         # the steps that adds by the planner's prior (of a step).
+                         "low_rank_shares": [p.low_rank_share for p in plans],
+                         "more_steps": max((p.pace.low_rank_steps if p.pace else
+                                            strategy.compressor.low_rank_steps)
+                                           * p.low_rank_share for p in plans),
                          "labels": counts})
             save()
     cdo.pin_plan(None)

@@ -487,7 +487,7 @@ def pin_summary(rows):
         predicted = sum(r["predicted_ms"] for r in runs) / len(runs)
         table.append({"pin": label, "passes": medians, "step": step, "predicted": predicted,
                       "rest": step - predicted, "spread": max(medians) - min(medians),
-                      "labels": runs[-1]["labels"]})
+                      "labels": runs[-1]["labels"], "more_steps": runs[-1].get("more_steps")})
     agree = pairs = 0
     for i, a in enumerate(table):
         for b in table[i + 1:]:
@@ -512,8 +512,11 @@ def render_pins(raw):
              "`Plan.step_seconds()` summed over the step's sets of gradients (codec CPU, "
              "wire and latency). Step less predicted is what the planner's model takes as "
              "compute: the same for every plan where its prices are right (less where "
-             "communication overlaps compute). Gradients a label does not take go as "
-             "float32.", ""]
+             "communication overlaps compute). More steps: what the planner's prior "
+             "(`low_rank_steps` times the share of the low-rank budget a set's plan "
+             "uses, the most of the sets') says its low-rank and top-k error costs in "
+             "steps; quantizers count in the error budget instead. Gradients a label "
+             "does not take go as float32.", ""]
     for r in pinned:
         table, agree, pairs = pin_summary(r["pins"])
         lines += [f"### `{r['config']}`, {r['model']}, {r['workers']} workers, "
@@ -523,14 +526,17 @@ def render_pins(raw):
         for t in sorted(table, key=lambda t: t["step"]):
             sent = ", ".join(f"{label} x{k}" for label, k in
                              sorted(t["labels"].items(), key=lambda kv: (-kv[1], kv[0])))
+            more = t["more_steps"]
             rows.append([f"`{t['pin']}`", ", ".join(fmt_ms(m) for m in t["passes"]),
-                         fmt_ms(t["step"]), fmt_ms(t["predicted"]), fmt_ms(t["rest"]), sent])
+                         fmt_ms(t["step"]), fmt_ms(t["predicted"]), fmt_ms(t["rest"]),
+                         "" if more is None else f"{more:.0%}", sent])
         lines += _table(["pinned", "step ms by pass", "step ms", "predicted ms",
-                         "step - predicted", "sent as"], ["l", "r", "r", "r", "r", "l"], rows)
+                         "step - predicted", "more steps (prior)", "sent as"],
+                        ["l", "r", "r", "r", "r", "r", "l"], rows)
         rests = [t["rest"] for t in table]
         lines += ["", f"Pairs of plans that the predictions order as their steps ran (or "
-                  f"closer than the passes' spread): {agree} of {pairs}. Step less predicted "
-                  f"ranges {fmt_ms(min(rests))}-{fmt_ms(max(rests))} ms."
+                  f"closer than the passes' spread): {agree} of {pairs}. Step less predicted: "
+                  f"from {fmt_ms(min(rests))} to {fmt_ms(max(rests))} ms."
                   + (f" The pins stopped early: {r['pins_failed']}."
                      if r.get("pins_failed") else ""), ""]
     return lines

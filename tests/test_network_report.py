@@ -150,7 +150,7 @@ def test_the_pin_labels_are_the_planner_s():
 
 def _pin(label, pass_, step, predicted):
     return {"pin": label, "pass": pass_, "median_ms": step, "predicted_ms": predicted,
-            "labels": {label: 3}}
+            "labels": {label: 3}, "more_steps": 0.25 if label == "topk1" else 0.0}
 
 
 def test_pinned_plans_are_set_against_their_predictions_pair_by_pair():
@@ -168,6 +168,7 @@ def test_pinned_plans_are_set_against_their_predictions_pair_by_pair():
     assert pairs == 3 and agree == 2
     assert next(t for t in table if t["pin"] == "topk1")["step"] == 75.0
     text = "\n".join(report.render_pins([{**_run("auto", "1gbit", 80.0), "pins": rows}]))
-    assert "| `bf16` | 80.0, 80.0 | 80.0 | 30.0 | 50.0 | bf16 x3 |" in text
-    assert "2 of 3" in text and "50.0-70.0 ms" in text
+    assert "| `bf16` | 80.0, 80.0 | 80.0 | 30.0 | 50.0 | 0% | bf16 x3 |" in text
+    assert "| `topk1` | 60.0, 90.0 | 75.0 | 5.0 | 70.0 | 25% | topk1 x3 |" in text
+    assert "2 of 3" in text and "from 50.0 to 70.0 ms" in text
     assert report.render_pins([_run("auto", "1gbit", 80.0)]) == []
