@@ -144,7 +144,7 @@ def parse_args(argv=None):
                    help="compressor='auto': after its own plan's timed steps, the same "
                         "cluster pins each of these candidates on every gradient in turn "
                         "(CompressedAllReduce.pin_plan: fp32, bf16, rqsgd8, qsgd8, rqsgd4, "
-                        "psgd1-8, topk1; 'own': the planner's plan again), in two passes "
+                        "psgd1-8, topk1; 'own': the plan the run timed), in two passes "
                         "(the second in reverse order), each --warmup + --steps steps, and "
                         "sets each measured step against the communication its plan "
                         "predicts: whether the planner's prices order the plans as they "
@@ -183,6 +183,9 @@ def parse_args(argv=None):
     pins = sorted(set(args.auto_pins) - set(PIN_LABELS) - {OWN})
     if pins:
         p.error(f"--auto_pins: {', '.join(pins)} not among {', '.join(PIN_LABELS + (OWN,))}")
+    if args.auto_pins and args.warmup < 1:
+        p.error("--auto_pins needs --warmup of at least 1 (a pinned plan's first step "
+                "retraces)")
     if args.auto_pins and not any(split_config(c)[0] and split_config(c)[0].split(":")[0]
                                   == "auto" for c in args.configs):
         p.error("--auto_pins needs an auto configuration among --configs")
@@ -479,9 +482,9 @@ def _worker(args, prefix, phase):
 
 
 def _pinned_steps(strategy, net, train_ds, args, keras, rows, save):
-    """``--auto_pins``: each label pinned on every gradient in turn (``own``: the
-    planner's choice, made afresh: it may differ from the plan the run timed), in two
-    passes, the second reversed, so that the machine's drift falls on both ends; a fit
+    """``--auto_pins``: each label pinned on every gradient in turn (``own``: the plan
+    the run timed, pinned by name), in two passes, the second reversed, so that the
+    machine's drift falls on both ends; a fit
     of ``--warmup`` + ``--steps`` steps each (the first step retraces where the plan
     changed). Adds to ``rows`` a row per fit, and calls ``save()`` after each: the
     label, the pass, the timed steps' median and the communication its plans predict
@@ -492,9 +495,12 @@ def _pinned_steps(strategy, net, train_ds, args, keras, rows, save):
 
     cdo = strategy.cross_device_ops
     labels = list(args.auto_pins)
+    # The plan the run timed, by gradient name (every set's), for ``own``: given back
+    # to the planner instead, it could plan afresh.
+    timed = {e.name: e.label for plan in strategy.compression_plans() for e in plan.entries}
     for pass_, order in enumerate((labels, labels[::-1])):
         for label in order:
-            cdo.pin_plan(None if label == OWN else label)
+            cdo.pin_plan(timed if label == OWN else label)
             durations = []
 
             class Timer(keras.callbacks.Callback):

@@ -474,29 +474,34 @@ def pin_summary(rows):
     """``--auto_pins``' rows of one run, by label in the order first run: the passes'
     medians, their mean, the predicted communication (the mean of the passes', which
     differ where the link was measured again between them), the step less that, and
-    the labels the plan sent; then the pairs of labels whose predictions order them as
-    their mean steps do, out of all pairs (a pair closer than the passes' spread on
-    either side counts as a tie, ordered either way)."""
+    the labels the plan sent (a row with no finite step is left out). Then the pairs
+    of labels, counted as ``order`` (the predictions order them as their mean steps
+    ran), ``close`` (their passes' ranges overlap, or their predictions are equal: too
+    close to order) or ``out`` (out of order)."""
     by = {}
     for row in rows:
-        by.setdefault(row["pin"], []).append(row)
+        if math.isfinite(row["median_ms"]):
+            by.setdefault(row["pin"], []).append(row)
     table = []
     for label, runs in by.items():
         medians = [r["median_ms"] for r in sorted(runs, key=lambda r: r["pass"])]
         step = sum(medians) / len(medians)
         predicted = sum(r["predicted_ms"] for r in runs) / len(runs)
         table.append({"pin": label, "passes": medians, "step": step, "predicted": predicted,
-                      "rest": step - predicted, "spread": max(medians) - min(medians),
-                      "labels": runs[-1]["labels"], "more_steps": runs[-1].get("more_steps")})
-    agree = pairs = 0
+                      "rest": step - predicted, "labels": runs[-1]["labels"],
+                      "more_steps": runs[-1].get("more_steps")})
+    counts = {"order": 0, "close": 0, "out": 0}
     for i, a in enumerate(table):
         for b in table[i + 1:]:
-            pairs += 1
-            gap = b["step"] - a["step"]
-            if abs(gap) <= max(a["spread"], b["spread"]) or \
-                    (gap > 0) == (b["predicted"] > a["predicted"]):
-                agree += 1
-    return table, agree, pairs
+            overlap = (min(a["passes"]) <= max(b["passes"])
+                       and min(b["passes"]) <= max(a["passes"]))
+            if overlap or round(a["predicted"], 6) == round(b["predicted"], 6):
+                counts["close"] += 1
+            elif (b["step"] > a["step"]) == (b["predicted"] > a["predicted"]):
+                counts["order"] += 1
+            else:
+                counts["out"] += 1
+    return table, counts
 
 
 def render_pins(raw):
@@ -507,7 +512,8 @@ def render_pins(raw):
     lines = ["## Plans pinned by hand: measured step against the predicted communication",
              "",
              "After `auto`'s own plan, the same cluster pinned each label on every gradient "
-             "(`pin_plan`; `own`: the planner's choice), in two passes, the second in "
+             "(`pin_plan`; `own`: the plan the run timed, pinned by name), in two passes, "
+             "the second in "
              "reverse order. Step: the median of each pass's timed steps; predicted: "
              "`Plan.step_seconds()` summed over the step's sets of gradients (codec CPU, "
              "wire and latency). Step less predicted is what the planner's model takes as "
@@ -518,7 +524,7 @@ def render_pins(raw):
              "steps; quantizers count in the error budget instead. Gradients a label "
              "does not take go as float32.", ""]
     for r in pinned:
-        table, agree, pairs = pin_summary(r["pins"])
+        table, counts = pin_summary(r["pins"])
         lines += [f"### `{r['config']}`, {r['model']}, {r['workers']} workers, "
                   f"{rate_label(r['rate'])}"
                   + (f" (round {r['round'] + 1})" if "round" in r else ""), ""]
@@ -534,8 +540,11 @@ def render_pins(raw):
                          "step - predicted", "more steps (prior)", "sent as"],
                         ["l", "r", "r", "r", "r", "r", "l"], rows)
         rests = [t["rest"] for t in table]
-        lines += ["", f"Pairs of plans that the predictions order as their steps ran (or "
-                  f"closer than the passes' spread): {agree} of {pairs}. Step less predicted: "
+        pairs = sum(counts.values())
+        lines += ["", f"Of the {pairs} pairs of plans, the predictions order {counts['order']} "
+                  f"as their steps ran and {counts['out']} the other way; in "
+                  f"{counts['close']} the two plans' passes overlap (or their predictions "
+                  f"are equal), too close to order. Step less predicted: "
                   f"from {fmt_ms(min(rests))} to {fmt_ms(max(rests))} ms."
                   + (f" The pins stopped early: {r['pins_failed']}."
                      if r.get("pins_failed") else ""), ""]

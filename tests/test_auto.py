@@ -615,6 +615,10 @@ def test_a_pinned_plan_holds_until_given_back():
     model.fit(x, y, batch_size=4, steps_per_epoch=1, verbose=0)
     own = strategy.compression_plan()
     assert [e.label for e in own.entries] == ["fp32"] and own.entries[0].reason != "pinned"
+    # Nothing pinned: None leaves the planner's plan as it is (no new plan, no retrace).
+    generation = cdo.generation
+    assert cdo.pin_plan(None) is False and cdo.generation == generation
+    assert strategy.compression_plan() is own
 
 
 @pytest.mark.parametrize("pin, rows", [("rqsgd4", "rqsgd4"), ("bf16", "bf16"),

@@ -140,6 +140,9 @@ def test_pins_must_be_candidates_and_need_an_auto_configuration(capsys):
     with pytest.raises(SystemExit):
         network.parse_args(["--configs", "qsgd", "--auto_pins", "bf16"])
     assert "needs an auto configuration" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _args("--auto_pins", "bf16", "--warmup", "0")
+    assert "--auto_pins needs --warmup of at least 1" in capsys.readouterr().err
 
 
 def test_the_pin_labels_are_the_planner_s():
@@ -155,20 +158,27 @@ def _pin(label, pass_, step, predicted):
 
 def test_pinned_plans_are_set_against_their_predictions_pair_by_pair():
     # Steps of 50 ms compute plus the predicted communication, except rqsgd4's, which
-    # ran 20 ms slower than predicted: it swaps with bf16 (predicted 10 ms less than
-    # bf16's but ran 10 ms more): their pair is out of order. topk1's passes differ
-    # by 30 ms, so its pairs (5 and 15 ms from the others) are ties, in order either way.
+    # ran 20 ms slower than predicted: predicted 10 ms below bf16's, it ran 10 ms
+    # above it, out of order.
     rows = [_pin("bf16", 0, 80.0, 30.0), _pin("bf16", 1, 80.0, 30.0),
             _pin("rqsgd4", 0, 90.0, 20.0), _pin("rqsgd4", 1, 90.0, 20.0)]
-    table, agree, pairs = report.pin_summary(rows)
-    assert (agree, pairs) == (0, 1)
+    table, counts = report.pin_summary(rows)
+    assert counts == {"order": 0, "close": 0, "out": 1}
     assert [t["rest"] for t in table] == [50.0, 70.0]
-    rows += [_pin("topk1", 0, 60.0, 5.0), _pin("topk1", 1, 90.0, 5.0)]
-    table, agree, pairs = report.pin_summary(rows)
-    assert pairs == 3 and agree == 2
+    # topk1's passes (60 and 90 ms) overlap bf16's and rqsgd4's: too close to order.
+    # psgd2 (55-56 ms) is clear of every other range: ordered against bf16 and
+    # rqsgd4, and too close to topk1, whose prediction is the same.
+    rows += [_pin("topk1", 0, 60.0, 5.0), _pin("topk1", 1, 90.0, 5.0),
+             _pin("psgd2", 0, 55.0, 5.0), _pin("psgd2", 1, 56.0, 5.0)]
+    table, counts = report.pin_summary(rows)
+    assert counts == {"order": 2, "close": 3, "out": 1}
     assert next(t for t in table if t["pin"] == "topk1")["step"] == 75.0
+    # A fit with no timed step is left out.
+    table, counts = report.pin_summary(rows + [_pin("qsgd8", 0, float("nan"), 1.0)])
+    assert "qsgd8" not in {t["pin"] for t in table} and sum(counts.values()) == 6
     text = "\n".join(report.render_pins([{**_run("auto", "1gbit", 80.0), "pins": rows}]))
     assert "| `bf16` | 80.0, 80.0 | 80.0 | 30.0 | 50.0 | 0% | bf16 x3 |" in text
     assert "| `topk1` | 60.0, 90.0 | 75.0 | 5.0 | 70.0 | 25% | topk1 x3 |" in text
-    assert "2 of 3" in text and "from 50.0 to 70.0 ms" in text
+    assert ("Of the 6 pairs of plans, the predictions order 2 as their steps ran and 1 "
+            "the other way; in 3") in text and "from 50.0 to 70.0 ms" in text
     assert report.render_pins([_run("auto", "1gbit", 80.0)]) == []

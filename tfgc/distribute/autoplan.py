@@ -867,6 +867,8 @@ class AutoPlanner:
             raise ValueError("pin_plan: the workers' choices differ or some refused theirs "
                              f"(checksums by replica, 0: refused: {words}); every worker "
                              "must pin the same, at the same point")
+        if checked is None and self._pin is None:
+            return False  # nothing pinned: the planner's own plan stays as it is
         previous, self._pin = self._pin, checked
         try:
             active = self._active()

@@ -817,7 +817,8 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         (``tfgc.distribute.planner.BY_LABEL``: fp32, bf16, rqsgd8, qsgd8, rqsgd4,
         psgd1, psgd2, psgd4, psgd8, topk1) for every gradient, or a dict of labels by
         gradient name (those of ``plan()``'s entries, so after a step; the gradients
-        not named go as fp32); None gives the choice back to the planner. A gradient
+        not named go as fp32); None gives the choice back to the planner, which plans
+        afresh (where nothing is pinned, None changes nothing). A gradient
         that the label does not take (PowerSGD's a vector) goes as float32, and says
         so in the plan and in ``uncompressed_gradients``. Embedding tables go as the
         rows a step touched, in the pinned label where it is a quantizer (a dict: the
