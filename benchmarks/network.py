@@ -497,10 +497,11 @@ def _pinned_steps(strategy, net, train_ds, args, keras, rows, save):
     labels = list(args.auto_pins)
     # The plan the run timed, by gradient name (every set's), for ``own``: given back
     # to the planner instead, it could plan afresh.
-    timed = {e.name: e.label for plan in strategy.compression_plans() for e in plan.entries}
+    own_plan = {e.name: e.label for plan in strategy.compression_plans()
+                for e in plan.entries}
     for pass_, order in enumerate((labels, labels[::-1])):
         for label in order:
-            cdo.pin_plan(timed if label == OWN else label)
+            cdo.pin_plan(own_plan if label == OWN else label)
             durations = []
 
             class Timer(keras.callbacks.Callback):

@@ -182,3 +182,44 @@ def test_pinned_plans_are_set_against_their_predictions_pair_by_pair():
     assert ("Of the 6 pairs of plans, the predictions order 2 as their steps ran and 1 "
             "the other way; in 3") in text and "from 50.0 to 70.0 ms" in text
     assert report.render_pins([_run("auto", "1gbit", 80.0)]) == []
+
+
+def test_pinned_steps_time_each_label_and_the_run_s_own_plan_in_two_passes():
+    # The worker's pin phase on one worker in this process: every label in both
+    # passes (own last in the second), own pinned as the plan the run timed, one row
+    # per fit with a finite step and a prediction, saved after each, and the choice
+    # given back at the end.
+    import argparse
+
+    import numpy as np
+    import tensorflow as tf
+    import tf_keras as keras
+
+    import tfgc
+
+    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
+    with strategy.scope():
+        net = keras.Sequential([keras.layers.Dense(64, input_shape=(40,), name="a"),
+                                keras.layers.Dense(4, name="b")])
+        net.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    rng = np.random.default_rng(0)
+    data = tf.data.Dataset.from_tensor_slices(
+        (rng.normal(size=(64, 40)).astype(np.float32),
+         rng.normal(size=(64, 4)).astype(np.float32))).batch(8).repeat()
+    net.fit(data, steps_per_epoch=2, verbose=0)
+    timed = {e.name: e.label for e in strategy.compression_plan().entries}
+    args = argparse.Namespace(auto_pins=["own", "bf16", "psgd2"], warmup=1, steps=2)
+    rows, saved = [], []
+    network._pinned_steps(strategy, net, data, args, keras, rows,
+                          lambda: saved.append(len(rows)))
+    assert [(r["pin"], r["pass"]) for r in rows] == [
+        ("own", 0), ("bf16", 0), ("psgd2", 0), ("psgd2", 1), ("bf16", 1), ("own", 1)]
+    assert saved == [1, 2, 3, 4, 5, 6]
+    assert all(len(r["durations_ms"]) == 2 and np.isfinite(r["median_ms"])
+               and r["predicted_ms"] >= 0 for r in rows)
+    assert [r["labels"] for r in rows[:3]] == [
+        {label: 1 for label in timed.values()}, {"bf16": 1}, {"psgd2": 1}]
+    assert rows[-1]["labels"] == rows[0]["labels"]
+    # Given back: the planner's choice, nothing pinned.
+    assert not any(e.reason.startswith("pinned")
+                   for e in strategy.compression_plan().entries)
