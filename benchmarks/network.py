@@ -484,13 +484,13 @@ def _worker(args, prefix, phase):
 def _pinned_steps(strategy, net, train_ds, args, keras, rows, save):
     """``--auto_pins``: each label pinned on every gradient in turn (``own``: the plan
     the run timed, pinned by name), in two passes, the second reversed, so that the
-    machine's drift falls on both ends; a fit
-    of ``--warmup`` + ``--steps`` steps each (the first step retraces where the plan
-    changed). Adds to ``rows`` a row per fit, and calls ``save()`` after each: the
-    label, the pass, the timed steps' median and the communication its plans predict
-    (``Plan.step_seconds``, summed over the step's sets of gradients), the share of
-    its low-rank budget each set's plan uses and the most steps that adds by the
-    planner's prior (``Auto.low_rank_steps``), with the plans' labels counted. The planner's choice is given back at the end."""
+    machine's drift falls on both ends; a fit of ``--warmup`` + ``--steps`` steps each
+    (the first step retraces where the plan changed). Adds to ``rows`` a row per fit,
+    and calls ``save()`` after each: the label, the pass, the timed steps' median and
+    the communication its plans predict (``Plan.step_seconds``, summed over the step's
+    sets of gradients), the share of its low-rank budget each set's plan uses and the
+    most steps that adds by the planner's prior (``Auto.low_rank_steps``), with the
+    plans' labels counted. The planner's choice is given back at the end."""
     import numpy as np
 
     cdo = strategy.cross_device_ops
@@ -499,18 +499,19 @@ def _pinned_steps(strategy, net, train_ds, args, keras, rows, save):
     # to the planner instead, it could plan afresh.
     own_plan = {e.name: e.label for plan in strategy.compression_plans()
                 for e in plan.entries}
+    durations = []
+
+    class Timer(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            self.t = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            durations.append(time.perf_counter() - self.t)
+
     for pass_, order in enumerate((labels, labels[::-1])):
         for label in order:
             cdo.pin_plan(own_plan if label == OWN else label)
-            durations = []
-
-            class Timer(keras.callbacks.Callback):
-                def on_train_batch_begin(self, batch, logs=None):
-                    self.t = time.perf_counter()
-
-                def on_train_batch_end(self, batch, logs=None):
-                    durations.append(time.perf_counter() - self.t)
-
+            durations.clear()
             net.fit(train_ds, epochs=1, steps_per_epoch=args.warmup + args.steps,
                     callbacks=[Timer()], verbose=0)
             plans = strategy.compression_plans()
@@ -519,15 +520,14 @@ def _pinned_steps(strategy, net, train_ds, args, keras, rows, save):
                 for e in plan.entries:
                     counts[e.label] = counts.get(e.label, 0) + 1
             timed = [d * 1e3 for d in durations[args.warmup:]]
+            shares = [p.low_rank_share for p in plans]
             rows.append({"pin": label, "pass": pass_, "median_ms": float(np.median(timed)),
                          "durations_ms": timed,
                          "predicted_ms": 1e3 * sum(p.step_seconds() for p in plans),
                          # The share of its low-rank budget each set's plan uses, and
                          # the steps that adds by the planner's prior (of a step).
-                         "low_rank_shares": [p.low_rank_share for p in plans],
-                         "more_steps": max((p.pace.low_rank_steps if p.pace else
-                                            strategy.compressor.low_rank_steps)
-                                           * p.low_rank_share for p in plans),
+                         "low_rank_shares": shares,
+                         "more_steps": strategy.compressor.low_rank_steps * max(shares),
                          "labels": counts})
             save()
     cdo.pin_plan(None)

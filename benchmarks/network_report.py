@@ -513,8 +513,8 @@ def render_pins(raw):
              "",
              "After `auto`'s own plan, the same cluster pinned each label on every gradient "
              "(`pin_plan`; `own`: the plan the run timed, pinned by name), in two passes, "
-             "the second in "
-             "reverse order. Step: the median of each pass's timed steps; predicted: "
+             "the second in reverse order. Step: the median of each pass's timed steps; "
+             "predicted: "
              "`Plan.step_seconds()` summed over the step's sets of gradients (codec CPU, "
              "wire and latency). Step less predicted is what the planner's model takes as "
              "compute: the same for every plan where its prices are right (less where "
