@@ -11,7 +11,11 @@ Fashion-MNIST's 60,000 training images, scaled to [-1, 1], on a local cluster of
 batch 32 a worker, Adam (2e-4, beta_1 0.5) for both, under each ``--settings`` entry:
 ``stock`` (``tf.distribute.MultiWorkerMirroredStrategy``) or a tfgc compressor string.
 The same seed gives every setting the same initial weights, the same data order and
-the same noise.
+the same noise. With ``--rate R`` (root: ``netns.py``, as ``network.py``) the workers run
+behind links shaped to R instead: the steps of a fixed setting do not depend on the
+link, but ``compressor="auto"``'s plans do, so a setting run there is reported as
+``SETTING@R`` beside the loopback runs it resumes (``--resume``), and each run keeps
+its median step, for the time it took.
 
 Quality is the Frechet distance (FD) between the features of 5,000 generated samples
 (a fixed noise batch) and those of the 10,000 test images: the features are the last
@@ -69,6 +73,10 @@ def parse_args(argv=None):
     p.add_argument("--eval_every", type=int, default=400, help="steps between evaluations")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
+    p.add_argument("--rate", default=None,
+                   help="run on a cluster of network namespaces whose links are shaped "
+                        "to this rate (tc syntax: 1gbit, 100mbit; needs root); default: "
+                        "loopback")
     p.add_argument("--out", default=DEFAULT_OUT, help="output prefix (.json, .md)")
     p.add_argument("--resume", action="store_true",
                    help="keep the runs of PREFIX.json and run only the missing ones")
@@ -81,7 +89,13 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.settings = list(dict.fromkeys(args.settings))
     args.seeds = list(dict.fromkeys(args.seeds))
-    if args.reference not in args.settings:
+    if args.rate is not None and not args.worker:
+        from network_report import rate_bps  # stdlib only
+        try:
+            rate_bps(args.rate)
+        except ValueError as exc:
+            p.error(f"--rate: {exc}")
+    if args.reference not in args.settings and not args.resume:
         p.error(f"--reference {args.reference!r} is not among --settings")
     for name in ("steps", "eval_every", "workers"):
         if getattr(args, name) < 1:
@@ -93,6 +107,23 @@ def parse_args(argv=None):
     if not args.timeout > 0:
         p.error("--timeout must be positive")
     return args
+
+
+def labelled(setting, rate):
+    """A setting as the report names it: ``SETTING@RATE`` on a shaped link."""
+    return setting if rate is None else f"{setting}@{rate}"
+
+
+def reference_of(args, earlier):
+    """The reference as the report names it: ``--reference`` run now (labelled with
+    ``--rate``), else the resumed sweep's setting of that name; SystemExit where it is
+    neither (before anything is trained or built)."""
+    if args.reference in args.settings:
+        return labelled(args.reference, args.rate)
+    if earlier is not None and args.reference in earlier.get("settings", []):
+        return args.reference
+    raise SystemExit(f"--reference {args.reference!r} is neither among --settings nor in "
+                     "the resumed sweep")
 
 
 # -- quality (numpy only) -----------------------------------------------------------
@@ -227,10 +258,14 @@ def worker_main(args):
         gan, _ = model_zoo.build_model(keras, "gan")
         gan.compile(optimizer=keras.optimizers.Adam(ADAM[0], beta_1=ADAM[1]))
     probe = tf.random.stateless_normal([SAMPLES, model_zoo.GAN_NOISE], seed=[10007, 1])
-    curve, began = [], []
+    curve, began, durations = [], [], []
 
     class Evaluate(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            self._t = time.perf_counter()
+
         def on_train_batch_end(self, batch, logs=None):
+            durations.append(time.perf_counter() - self._t)  # the step, no evaluation
             step = batch + 1
             if step == 1:
                 began.append(time.perf_counter())
@@ -250,8 +285,11 @@ def worker_main(args):
     if rank == 0:
         plans = ([p.table() for p in strategy.compression_plans()]
                  if hasattr(strategy, "compression_plans") else [])
+        # The median step after the first interval (auto's measurements and traces).
         _common.write_json(args.json, {"setting": args.setting, "seed": seed,
-                                       "curve": curve, "plans": plans})
+                                       "curve": curve, "plans": plans,
+                                       "median_step_ms": 1e3 * float(np.median(
+                                           durations[len(durations) // 10:]))})
 
 
 # -- the driver ----------------------------------------------------------------------
@@ -311,6 +349,20 @@ def render(report):
                 cells.append(f"not by {means[setting][-1][0]}" if reached is None else
                              f"{reached:.0f} ({reached / base:.2f})")
             lines.append(f"| {level:.1f} ({step}) | " + " | ".join(cells) + " |")
+    timed = [s for s in settings
+             if any("median_step_ms" in runs.get((s, seed), {}) for seed in seeds)]
+    if timed:
+        # Runs from before steps were timed have none. Loopback steps are not a link's.
+        lines += ["", "Median step (ms; a run's steps after its first tenth, without the "
+                  "evaluations, and with the few that retrace for a new plan under "
+                  "`auto`; a setting `@R` ran on links shaped to R, the others on "
+                  "loopback):", ""]
+        lines.append("| setting | " + " | ".join(f"seed {s}" for s in seeds) + " |")
+        lines.append("|---|" + "--:|" * len(seeds))
+        for setting in timed:
+            cells = [runs.get((setting, seed), {}).get("median_step_ms") for seed in seeds]
+            lines.append(f"| `{setting}` | " + " | ".join(
+                "" if c is None else f"{c:.1f}" for c in cells) + " |")
     lines += ["", "FD at each evaluation (mean over seeds):", ""]
     steps = sorted({p[0] for r in report["runs"] for p in r["curve"]})
     lines.append("| step | " + " | ".join(f"`{s}`" for s in settings) + " |")
@@ -341,7 +393,54 @@ def _earlier(args):
     return report
 
 
+class SweepStopped(Exception):
+    """The shaped cluster broke: the sweep stops (its runs so far are kept)."""
+
+
 def drive(args, argv):
+    reference_of(args, _earlier(args) if args.resume else None)  # checked first
+    if args.rate is None:  # loopback
+        def loopback(command, out, log, k):
+            return _common.run_cluster(command, args.workers, out, args.timeout, log)
+        return sweep(args, argv, loopback)
+    import network  # the shaped cluster's driver: signals, clean-up
+    from netns import Cluster, NetError, clean_leftovers, preflight
+
+    def shaped(args, argv, holder):
+        reason = preflight()
+        if reason:
+            network.say(f"gan_quality --rate needs a shaped cluster: {reason}")
+            return 1
+        holder["ready"] = True
+        clean_leftovers()
+        runs = _common.scratch_dir("tfgc-gan-quality-shaped-")
+
+        def run_shaped(command, out, log, k):
+            run_dir = os.path.join(runs, f"run{k}")
+            try:
+                network.supervise(cluster, command, run_dir, network.BASE_PORT + k,
+                                  args.timeout, "--timeout")
+            except network.RunFailed as exc:
+                raise RuntimeError(f"{exc.reason} (worker logs under {run_dir})") from None
+            except NetError as exc:
+                raise SweepStopped(f"the shaped cluster broke: {exc}") from None
+            with open(out) as f:
+                return json.load(f)
+        try:
+            cluster = holder["cluster"] = Cluster(args.workers).up()
+            cluster.set_rate(args.rate)
+            return sweep(args, argv, run_shaped)
+        except NetError as exc:
+            network.say(f"error building the shaped cluster: {exc}")
+        except SweepStopped as exc:
+            network.say(f"stopped: {exc}; the runs before it are in {args.out}.json")
+        return 1
+    return network.driver_main(args, argv, drive=shaped)
+
+
+def sweep(args, argv, run_cluster):
+    """The sweep: each (setting, seed) the report lacks, one cluster each
+    (``run_cluster(command, json_path, log, index)`` returns worker 0's JSON)."""
     started = time.time()
     scratch = _common.scratch_dir("tfgc-gan-quality-")
     command_line = _common.command_line("gan_quality.py", argv)
@@ -362,7 +461,7 @@ def drive(args, argv):
                   "wall_s": 0.0}
     done = {(r["setting"], r["seed"]) for r in report["runs"]}
     missing = [(setting, seed) for seed in args.seeds for setting in args.settings
-               if (setting, seed) not in done]
+               if (labelled(setting, args.rate), seed) not in done]
     if resumed:
         if missing:
             report["resumed"] = report.get("resumed", []) + [command_line]
@@ -370,10 +469,12 @@ def drive(args, argv):
             print("[gan_quality] the feature network came out otherwise than the earlier "
                   f"sweep's ({feature_accuracy} against {report.get('feature_accuracy')}): "
                   "its FDs are not comparable with the new runs'", flush=True)
-    report.update(settings=list(dict.fromkeys(report.get("settings", []) + args.settings)),
+    report.update(settings=list(dict.fromkeys(
+                      report.get("settings", [])
+                      + [labelled(setting, args.rate) for setting in args.settings])),
                   seeds=list(dict.fromkeys(report.get("seeds", []) + args.seeds)),
-                  reference=args.reference, features=features,
-                  feature_accuracy=feature_accuracy, complete=False)
+                  reference=reference_of(args, report if resumed else None),
+                  features=features, feature_accuracy=feature_accuracy, complete=False)
     elapsed = report.get("wall_s", 0.0)
     log = open(os.path.join(scratch, "workers.log"), "w")
     for setting, seed in missing:
@@ -383,13 +484,14 @@ def drive(args, argv):
                    "--steps", str(args.steps), "--eval_every", str(args.eval_every)]
         began = time.time()
         try:
-            run = _common.run_cluster(command, args.workers, out, args.timeout, log)
+            run = run_cluster(command, out, log, len(report["runs"]))
         except (RuntimeError, OSError, ValueError) as exc:  # recorded; the sweep goes on
-            run = {"setting": setting, "seed": seed, "curve": [],
+            run = {"seed": seed, "curve": [],
                    "failed": str(exc).strip().splitlines()[0][:300]}
+        run.update(setting=labelled(setting, args.rate), compressor=setting, rate=args.rate)
         run["wall_s"] = time.time() - began
         report["runs"].append(run)
-        print(f"[gan_quality] {setting} seed {seed}: "
+        print(f"[gan_quality] {run['setting']} seed {seed}: "
               + (f"failed: {run['failed']}" if run.get("failed") else
                  f"final FD {final_quality(run['curve']):.2f}")
               + f" ({run['wall_s']:.0f} s)", flush=True)

@@ -85,12 +85,14 @@ RESNET_SHAPE, RESNET_EXAMPLES = (32, 32, 3), 2048
 # embeddings whose table is its only gradient worth compressing.
 USER_MODELS = ("mobilenetv2", "encoder", "gan", "bag")
 WIDE_MLP_UNITS = (2048, 2048)
-# --auto_plan settled: steps under AutoPlanCallback before the warm-up: two intervals of
-# AUTO_SETTLE_EVERY steps (each a trace or retrace, a step that settles, and six the
+# --auto_plan settled: steps under AutoPlanCallback before the warm-up: three intervals
+# of AUTO_SETTLE_EVERY steps (each a trace or retrace, a step that settles, and six the
 # callback times for the plan's pace: with one, ResNet-50's step-to-step spread set
-# the pace's slope), then the step that retraces for the settled plan.
+# the pace's slope), then the step that retraces for the settled plan. The third
+# times the plan chosen at the second's end, so that one that runs slower than a plan
+# timed before gives way to it, as it would in training.
 AUTO_SETTLE_EVERY = 8
-AUTO_SETTLE_STEPS = 2 * AUTO_SETTLE_EVERY + 1
+AUTO_SETTLE_STEPS = 3 * AUTO_SETTLE_EVERY + 1
 
 
 def parse_args(argv=None):
@@ -381,13 +383,15 @@ def _worker(args, prefix, phase):
             if batch == total - 1:
                 self.end = self._snapshot()
 
-    settle_s = None
+    settle_s = went_back = None
     if args.auto_plan == "settled" and getattr(getattr(strategy, "compressor", None),
                                                "plans_per_tensor", False):
         # The plan after the critical regimes: the first interval's end (every gradient
         # critical, nothing to compare with) measures the low-rank errors; at the second
         # no norm moves by 1e9, so every gradient takes the budget's plan, weighed by
-        # the two plans' timed steps; a step more retraces for it. Worker 0 keeps
+        # the two plans' timed steps; at the third, that plan's own step is timed too,
+        # and the plan kept is the planner's choice or one that ran faster
+        # (``planner.prefer_timed``); a step more retraces for it. Worker 0 keeps
         # summing the gradients afterwards, as under the callback in training.
         phase[0] = "settle"
         began = time.perf_counter()
@@ -405,6 +409,9 @@ def _worker(args, prefix, phase):
         net.fit(train_ds, epochs=1, steps_per_epoch=100 * AUTO_SETTLE_STEPS,
                 callbacks=[callback, Stop()], verbose=0)
         settle_s = time.perf_counter() - began
+        # How often the settle went back to a plan that ran faster than the planner's
+        # later choice (``planner.prefer_timed``).
+        went_back = strategy.cross_device_ops._auto.went_back  # pylint: disable=protected-access
 
     phase[0] = "train"
     probe = Probe()
@@ -433,6 +440,7 @@ def _worker(args, prefix, phase):
         "durations_ms": timed_ms,
         "veth": {k: v / steps for k, v in diff.items()},
         "startup_s": t_strategy - t_start, "fit_s": fit_s, "auto_settle_s": settle_s,
+        "auto_went_back": went_back,
         "final_loss": float(history.history["loss"][-1]),
     }
     # What the strategy itself says this worker sends per step.
@@ -715,6 +723,7 @@ def summarize_run(run, workers):
         "durations_ms": w0["durations_ms"],
         "warmup_ms": w0["warmup_ms"],
         "auto_settle_s": w0.get("auto_settle_s"),
+        "auto_went_back": w0.get("auto_went_back"),
     })
     if "pins" in w0:
         run["pins"] = w0["pins"]

@@ -445,6 +445,11 @@ def render_markdown(report, args):
                        + f": compute {pace[0] * 1e3:.1f} ms{shared} + "
                        f"{pace[1]:.2f} x the predicted communication, {pace[2]:g} more "
                        "steps for a whole low-rank budget.")
+            back = r.get("auto_went_back")
+            if back:  # the settle went back to a plan whose steps ran faster
+                weighed += (f" The settle went back {back} time{'s' if back > 1 else ''} "
+                            "to a plan that had run faster than the planner's later "
+                            "choice.")
             apart = f" in {sets} sets (a plan each)" if sets > 1 else ""
             lines.append(f"- `{r['config']}`, {r['model']}, {r['workers']} workers, "
                          f"{rate_label(r['rate'])}"
@@ -546,9 +551,30 @@ def render_pins(raw):
                   f"{counts['close']} the two plans' passes overlap (or their predictions "
                   f"are equal), too close to order. Step less predicted: "
                   f"from {fmt_ms(min(rests))} to {fmt_ms(max(rests))} ms."
+                  + own_against_fastest(table)
                   + (f" The pins stopped early: {r['pins_failed']}."
                      if r.get("pins_failed") else ""), ""]
     return lines
+
+
+def lossless_ms(row):
+    """A ``pin_summary`` row's step times one plus its prior's extra steps: its time
+    per step of a plan that loses nothing (None where the prior is not known)."""
+    more = row.get("more_steps")
+    return None if more is None else row["step"] * (1.0 + more)
+
+
+def own_against_fastest(table):
+    """A sentence: ``own``'s time per lossless step against the fastest pinned
+    label's ("" where ``own`` or the priors are missing)."""
+    timed = {t["pin"]: lossless_ms(t) for t in table if lossless_ms(t) is not None}
+    others = {pin: ms for pin, ms in timed.items() if pin != "own"}
+    if "own" not in timed or not others:
+        return ""
+    fastest = min(others, key=lambda pin: (others[pin], pin))
+    return (f" Per step of a lossless plan (step x (1 + more steps)): `own` "
+            f"{fmt_ms(timed['own'])} ms, {timed['own'] / others[fastest]:.2f}x the "
+            f"fastest label pinned everywhere, `{fastest}` ({fmt_ms(others[fastest])} ms).")
 
 
 PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2",

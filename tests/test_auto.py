@@ -892,12 +892,239 @@ def test_the_planner_keeps_its_plan_unless_a_change_pays_at_every_slope():
     assert outcomes == {0.010: False, 0.0003: True}
 
 
+def test_a_timed_plan_is_priced_from_its_own_step_moved_along_the_slope():
+    # The plan's step ran at 60 ms when the step's communication was predicted at
+    # 30 ms (its own and another set's); now it is predicted at step_seconds() plus
+    # the other set's 12 ms. Its cost is that step moved by the slope over the
+    # difference, weighed by the steps its low-rank error adds, and so is its error.
+    low_rank = planner.LowRank(2, MEASURED)
+    fig = all_figures(1.0)
+    pace = planner.Pace(0.02, 0.8, 0.3).beside(0.012)
+    plan = planner.make_plan(GRADIENTS, fig, 0.05, low_rank=low_rank, pace=pace)
+    assert 0 < plan.low_rank_share <= 1
+    weight = 1 + 0.3 * plan.low_rank_share
+    seconds, error = planner.timed_seconds(plan, (0.030, 0.060, 0.002))
+    assert seconds == pytest.approx((0.060 + 0.8 * (plan.step_seconds() + 0.012 - 0.030))
+                                    * weight)
+    assert error == pytest.approx(math.hypot(0.002, planner.PACE_DRIFT * 0.060) * weight)
+    # An error not given: the prior share of the step.
+    _, error = planner.timed_seconds(plan, (0.030, 0.060))
+    assert error == pytest.approx(math.hypot(planner.PACE_PRIOR * 0.060,
+                                             planner.PACE_DRIFT * 0.060) * weight)
+    # Where the predictions agree with the step, it is the pace's own price.
+    on_line = (0.012 + plan.step_seconds(),
+               pace.compute_s - pace.shared_compute_s + 0.8 * (0.012 + plan.step_seconds()))
+    assert planner.timed_seconds(plan, on_line)[0] == pytest.approx(plan.paced_seconds())
+
+
+def _timed_pair(step_a, step_b, se=0.0005):
+    """Two plans of GRADIENTS under one pace, a quantized one (``a``) and a low-rank
+    one (``b``), each timed at the given step, for ``planner.prefer_timed``."""
+    low_rank = planner.LowRank(2, MEASURED)
+    fig = all_figures(1.0)
+    pace = planner.Pace(0.05, 1.0, 0.3)
+    a = planner.make_plan(GRADIENTS, fig, 0.05, low_rank=low_rank, pace=pace,
+                          only={name: "bf16" for name, _, _ in GRADIENTS})
+    b = planner.make_plan(GRADIENTS, fig, 0.05, low_rank=low_rank, pace=pace)
+    assert a.key() != b.key()
+    timed = {a.key(): (a, (a.step_seconds(), step_a, se)),
+             b.key(): (b, (b.step_seconds(), step_b, se))}
+    return a, b, timed
+
+
+def test_a_plan_that_ran_slower_than_one_timed_before_gives_way_to_it():
+    a, b, timed = _timed_pair(0.100, 0.200)
+    cost_a = planner.timed_seconds(a, timed[a.key()][1])[0]
+    cost_b = planner.timed_seconds(b, timed[b.key()][1])[0]
+    assert cost_b - cost_a > 0.05
+    # b runs now and is the planner's choice again: its own step says a is faster.
+    assert planner.prefer_timed(b, b, timed) is a
+    # ... unless the change must save more than that a step.
+    assert planner.prefer_timed(b, b, timed, min_gain_s=cost_b - cost_a + 1e-6) is b
+    assert planner.prefer_timed(b, b, timed, min_gain_s=cost_b - cost_a - 1e-6) is a
+    # a runs: it stays, whatever the planner would choose from its line.
+    assert planner.prefer_timed(b, a, timed) is a
+    # Steps as noisy as their difference: no change on a lucky step.
+    a, b, noisy = _timed_pair(0.100, 0.104, se=0.004)
+    assert planner.prefer_timed(b, b, noisy) is b
+    a, b, tight = _timed_pair(0.100, 0.104, se=0.0001)
+    assert planner.prefer_timed(b, b, tight) is a
+
+
+def test_an_untimed_plan_is_tried_only_where_it_is_predicted_to_beat_every_timed_one():
+    a, b, timed = _timed_pair(0.100, 0.200)
+    del timed[b.key()]  # b never ran
+    assert b.paced_seconds() < planner.timed_seconds(a, timed[a.key()][1])[0] or \
+        pytest.fail("the test needs b predicted below a's step")
+    assert planner.prefer_timed(b, a, timed) is None  # predicted faster: tried
+    # a ran faster than b's prediction: a stays.
+    slow_b = dataclasses.replace(b, pace=planner.Pace(0.5, 1.0, 0.3))
+    assert planner.prefer_timed(slow_b, a, timed) is a
+    # Nothing to weigh by steps: no pace, the current plan ruled out, or not timed.
+    assert planner.prefer_timed(dataclasses.replace(b, pace=None), a, timed) is None
+    assert planner.prefer_timed(slow_b, None, timed) is None
+    assert planner.prefer_timed(slow_b, a, {}) is None
+    assert planner.prefer_timed(slow_b, b, timed) is None
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_the_planner_goes_back_to_a_plan_that_ran_faster_and_stays_there(given):
+    # AutoPlanner._plan_again with the plans that ran kept (``_timed`` fills
+    # ``ran``): the low-rank plan, the planner's choice, ran twice as long as the
+    # quantized one timed before it. It goes back to the quantized plan, retracing
+    # once, and keeps it at the next interval's end with the same steps; unless the
+    # link was given, not measured: the steps ran on another network.
+    spec = "auto:link_gbps=1" if given else "auto"
+    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor=spec)
+    ops = strategy.cross_device_ops
+    auto = ops._auto  # pylint: disable=protected-access
+    auto.track_regimes()
+    fig = all_figures(1.0)
+    low_rank = planner.LowRank(2, MEASURED)
+    free = planner.make_plan(GRADIENTS, fig, 0.05, low_rank=low_rank)
+    quantized = planner.make_plan(GRADIENTS, fig, 0.05)
+    assert free.low_rank_share > 0 and quantized.low_rank_share == 0
+    # pylint: disable=protected-access
+    lay = auto._layout(tuple(GRADIENTS))
+    lay.critical, auto._low_rank = frozenset(), dict(MEASURED)
+    auto._figures = (ops.generation, fig)
+    lay.plan = (ops.generation, free)
+    lay.steps = {quantized.key(): (quantized.step_seconds(), 0.100, 0.0005),
+                 free.key(): (free.step_seconds(), 0.200, 0.0005)}
+    lay.beside = {key: "" for key in lay.steps}  # timed alone (``_timed``)
+    generation = ops.generation
+    if given:
+        assert auto._plan_again(lay, free, 0.0).key() != quantized.key()
+        return
+    assert auto._take({lay: auto._plan_again(lay, free, 0.0)}, fig)
+    assert ops.generation == generation + 1
+    assert auto.plan.key() == quantized.key() and auto.went_back == 1
+    assert not auto._take({lay: auto._plan_again(lay, auto.plan, 0.0)}, fig)
+    assert auto.plan.key() == quantized.key() and ops.generation == generation + 1
+    assert auto.went_back == 1
+    # Steps read back from a checkpoint record are plans' keys and figures only: the
+    # plans are made again from the keys, and weigh the same.
+    record = json.loads(json.dumps(auto.snapshot()))
+    again = tfgc.CompressedMultiWorkerMirroredStrategy(compressor=spec).cross_device_ops
+    again_auto = again._auto
+    again_auto.track_regimes()
+    back = again_auto._layout(tuple(GRADIENTS))
+    again_auto._low_rank = dict(MEASURED)
+    again_auto._figures = (again.generation, fig)
+    back.plan = (again.generation, free)
+    autoplan.AutoPlanner._take_part(back, record["layouts"][0])
+    assert back.steps == lay.steps and back.beside == lay.beside
+    assert again_auto._plan_again(back, free, 0.0).key() == quantized.key()
+    # A record from before the plans beside were kept: not weighed by the steps.
+    for row in record["layouts"][0]["steps"]:
+        del row[4:]
+    autoplan.AutoPlanner._take_part(back, record["layouts"][0])
+    assert back.beside == {}
+    assert again_auto._plan_again(back, free, 0.0).key() != quantized.key()
+    # A pinned plan stays pinned, whatever the steps say.
+    again_auto._pin, count = "psgd2", again_auto.went_back
+    autoplan.AutoPlanner._take_part(back, auto.snapshot()["layouts"][0])
+    pinned = again_auto._plan_again(back, free, 0.0)
+    assert {e.label for e in pinned.entries} == {"psgd2"} and again_auto.went_back == count
+
+
+@pytest.mark.parametrize("same_beside", [False, True])
+def test_a_set_weighs_only_the_steps_timed_beside_the_other_sets_plans_of_now(same_beside):
+    # Two sets a step (a GAN's): each timed step holds both sets' runs. The first set's
+    # bf16 plan ran 105 ms beside the other set's old plan, its current plan 120 ms
+    # beside the other's new one: the 15 ms may be the other set's change, not its own,
+    # so the first set goes back to bf16 only where both were timed beside the same.
+    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
+    ops = strategy.cross_device_ops
+    auto = ops._auto  # pylint: disable=protected-access
+    auto.track_regimes()
+    fig = all_figures(1.0)
+    low_rank = planner.LowRank(2, MEASURED)
+    first = GRADIENTS[:3]
+    # pylint: disable=protected-access
+    lay = auto._layout(tuple(first))
+    lay.critical, auto._low_rank = frozenset(), dict(MEASURED)
+    auto._figures = (ops.generation, fig)
+    old = planner.make_plan(first, fig, 0.05, only={n: "bf16" for n, _, _ in first})
+    current = planner.make_plan(first, fig, 0.05, low_rank=low_rank)
+    lay.plan = (ops.generation, current)
+    lay.others_s = 0.010
+    lay.steps = {old.key(): (old.step_seconds() + 0.010, 0.105, 0.0005),
+                 current.key(): (current.step_seconds() + 0.010, 0.120, 0.0005)}
+    lay.beside = {old.key(): "auto:g=psgd2@low_rank" if same_beside else "auto:g=bf16@allreduce",
+                  current.key(): "auto:g=psgd2@low_rank"}
+    timed = auto._timed_plans(lay, fig, current)
+    assert set(timed) == ({old.key(), current.key()} if same_beside else {current.key()})
+    taken = auto._plan_again(lay, current, 0.0)
+    assert (taken.key() == old.key()) == same_beside
+    assert auto.went_back == int(same_beside)
+
+
+def test_a_new_plan_that_does_not_pay_leaves_a_faster_timed_plan_to_be_taken(monkeypatch):
+    # The quantized plan, current, ran 200 ms and one of rank 2 on every matrix
+    # 100 ms: a steep slope. The planner's new choice (less communication still) is
+    # predicted below both, so it would be tried, but here a change is made not to
+    # pay (``change_pays``); the current plan then still gives way to the rank-2 one
+    # its steps showed faster.
+    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
+    ops = strategy.cross_device_ops
+    auto = ops._auto  # pylint: disable=protected-access
+    auto.track_regimes()
+    fig = all_figures(1.0)
+    low_rank = planner.LowRank(2, MEASURED)
+    free = planner.make_plan(GRADIENTS, fig, 0.05, low_rank=low_rank,
+                             only={name: "rqsgd4" if name == "embed" else "psgd2"
+                                   for name, _, _ in GRADIENTS})
+    quantized = planner.make_plan(GRADIENTS, fig, 0.05)
+    # pylint: disable=protected-access
+    lay = auto._layout(tuple(GRADIENTS))
+    lay.critical, auto._low_rank = frozenset(), dict(MEASURED)
+    auto._figures = (ops.generation, fig)
+    lay.plan = (ops.generation, quantized)
+    lay.steps = {quantized.key(): (quantized.step_seconds(), 0.200, 0.0005),
+                 free.key(): (free.step_seconds(), 0.100, 0.0005)}
+    lay.beside = {key: "" for key in lay.steps}
+    new = auto._planned(lay, fig)
+    timed = auto._timed_plans(lay, fig, quantized)
+    assert new.key() not in timed
+    assert new.paced_seconds() < min(planner.timed_seconds(*v)[0] for v in timed.values())
+    monkeypatch.setattr(planner, "change_pays", lambda kept, new, min_gain_s: False)
+    assert auto._plan_again(lay, quantized, 0.0).key() == free.key()
+    assert auto.went_back == 1
+
+
 TABLE_AFTER = 2  # the embedding table's index among TABLE_GRADIENTS
 
 
 def table_gradients(shape):
     """GRADIENTS with an embedding table of ``shape`` after fc1."""
     return GRADIENTS[:TABLE_AFTER] + [("table", shape, "float32")] + GRADIENTS[TABLE_AFTER:]
+
+
+@pytest.mark.parametrize("dense", [frozenset(), frozenset([0])])
+def test_a_timed_plans_key_gives_its_choice_back_tables_included(dense):
+    # A layout as the planner keeps it (the table's tuple marked as one); its plan,
+    # made again from the key alone, is the same plan: the timed steps of a
+    # checkpoint name their plans by key.
+    layout = tuple(g if g[0] != "table" else g + ("table",)
+                   for g in table_gradients((20000, 64)))
+    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
+    ops = strategy.cross_device_ops
+    auto = ops._auto  # pylint: disable=protected-access
+    # pylint: disable=protected-access
+    lay = auto._layout(layout)
+    lay.critical, lay.rows = frozenset(), {0: (500, 2000)}
+    fig = all_figures(0.1)
+    plan = auto._planned(lay, fig, dense=dense, rows_label=None if dense else "bf16")
+    labels, places, rows_label = autoplan._choice_of(plan.key(), layout)
+    assert places == dense and rows_label == (None if dense else "bf16")
+    assert labels == {e.name: e.label for e in plan.entries}
+    assert auto._planned(lay, fig, only=labels, dense=places,
+                         rows_label=rows_label).key() == plan.key()
+    for key in ("", "fp32", "auto:", "auto:=bf16@allreduce", "auto:fc1"):
+        assert autoplan._choice_of(key, layout) == (None, None, None)
+    # A plan of tables alone, sent as rows: no entries, which is a choice too.
+    assert autoplan._choice_of("auto:table=rows:qsgd8", layout) == ({}, frozenset(), "qsgd8")
 
 
 @pytest.mark.parametrize("shape,rows,dense", [

@@ -58,6 +58,8 @@ def test_the_steps_ratio_is_the_steps_taken_per_reference_step_to_the_same_quali
     (["--steps", "100", "--eval_every", "200"], "--eval_every must be at most --steps"),
     (["--seeds", "0", "-1"], "--seeds must be at least 0"),
     (["--timeout", "0"], "--timeout must be positive"),
+    (["--rate", "fast"], "--rate: link rate 'fast'"),
+    (["--rate", "1gbps"], "use tc's syntax"),
 ])
 def test_bad_arguments_stop_with_a_message(argv, words, capsys):
     with pytest.raises(SystemExit):
@@ -118,3 +120,38 @@ def test_the_seeds_mean_curve_and_the_references_levels_at_each_quarter():
     # lossy's curve is none's a step of 100 later: to 60 at 300 (1.5x none's 200).
     assert "| 60.0 (200) | 200 (1.00) | 300 (1.50) |" in text
     assert "| 30.0 (400) | 400 (1.00) | not by 400 |" in text
+
+
+def test_a_shaped_setting_is_named_with_its_rate_and_so_is_its_reference():
+    assert gq.labelled("auto", None) == "auto"
+    assert gq.labelled("auto", "1gbit") == "auto@1gbit"
+    # A fresh sweep on a shaped link: the reference ran there too.
+    args = gq.parse_args(["--settings", "none", "auto", "--rate", "1gbit"])
+    assert gq.reference_of(args, None) == "none@1gbit"
+    # Resumed: the reference may be the earlier sweep's (on loopback), not only one of
+    # --settings; neither stops the sweep before anything is trained or built.
+    args = gq.parse_args(["--settings", "auto", "--rate", "1gbit", "--resume"])
+    assert (args.settings, args.rate, args.reference) == (["auto"], "1gbit", "none")
+    assert gq.reference_of(args, {"settings": ["none", "powersgd"]}) == "none"
+    with pytest.raises(SystemExit, match="neither among --settings nor in the resumed"):
+        gq.reference_of(args, {"settings": ["powersgd"]})
+    with pytest.raises(SystemExit, match="neither among --settings nor in the resumed"):
+        gq.reference_of(args, None)
+
+
+def test_the_report_gives_each_runs_median_step_where_it_was_timed():
+    curve = [[100, 80.0], [200, 60.0]]
+    report = {"settings": ["none", "auto", "auto@1gbit"], "reference": "none", "seeds": [0, 1],
+              "feature_accuracy": 0.87, "command": "c", "started": "s", "cpu_count": 2,
+              "wall_s": 60, "complete": True, "workers": 2, "steps": 200, "eval_every": 100,
+              "runs": [{"setting": "none", "seed": 0, "curve": curve},  # before timing
+                       {"setting": "auto", "seed": 0, "curve": curve},
+                       {"setting": "auto@1gbit", "seed": 0, "curve": curve,
+                        "median_step_ms": 71.26, "rate": "1gbit"},
+                       {"setting": "auto@1gbit", "seed": 1, "curve": curve,
+                        "median_step_ms": 80.0, "rate": "1gbit"}]}
+    text = gq.render(report)
+    assert "| `auto@1gbit` | 71.3 | 80.0 |" in text
+    assert "`none` |" not in text.split("Median step")[1].split("FD at")[0]
+    without = gq.render(dict(report, runs=report["runs"][:2], settings=["none", "auto"]))
+    assert "Median step" not in without

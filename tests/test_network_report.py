@@ -132,6 +132,28 @@ def test_the_report_gives_the_rounds_median_each_round_and_autos_ratio():
     assert "| `auto` | m | 2 | 100 Mbit/s | 110, 190, 260 |" in text
 
 
+def test_the_report_says_when_the_settle_went_back_to_a_plan_that_ran_faster():
+    args = _args("--configs", "auto", "--rates", "100mbit", "--auto_plan", "settled")
+    runs = [r for r in _rounds({"stock": [400.0], "auto": [110.0]}) if r["rate"] == "100mbit"]
+    for r in runs:
+        r.update(veth_tx_per_step=1e6, strategy_sent_per_step=1e6, dense_sent_per_step=4e6,
+                 params=10, dense_bytes=40, dataset="synthetic", other_cpu_cores=0.0)
+    (auto,) = [r for r in runs if r["config"] == "auto"]
+    auto.update(plan=["a=rqsgd4@allgather", "b=fp32@allreduce"], plan_figures="f",
+                plan_pace=[0.05, 0.9, 0.3, 0.0])
+    report.add_speedups(runs)
+    texts = {}
+    for back in (None, 0, 1, 2):
+        auto["auto_went_back"] = back
+        texts[back] = report.render_markdown(
+            {"runs": runs, "command": "c", "started": "s", "cpu_count": 2, "complete": True,
+             "wall_s": 60, "link": "l", "auto_settle": {"steps": 25, "every": 8}}, args)
+        assert "fp32 x1, rqsgd4 x1" in texts[back]
+    assert "went back" not in texts[None] and "went back" not in texts[0]
+    assert "went back 1 time to a plan" in texts[1]
+    assert "went back 2 times to a plan" in texts[2]
+
+
 def test_pins_must_be_candidates_and_need_an_auto_configuration(capsys):
     assert _args("--auto_pins", "bf16", "own").auto_pins == ["bf16", "own"]
     with pytest.raises(SystemExit):
@@ -182,6 +204,13 @@ def test_pinned_plans_are_set_against_their_predictions_pair_by_pair():
     assert ("Of the 6 pairs of plans, the predictions order 2 as their steps ran and 1 "
             "the other way; in 3") in text and "from 50.0 to 70.0 ms" in text
     assert report.render_pins([_run("auto", "1gbit", 80.0)]) == []
+    # Per lossless step: topk1 75 x 1.25 = 93.75 ms; psgd2 55.5, the fastest; own 61 ms
+    # with 10 % more steps, 67.1 ms, 1.21x it. Without own, no sentence.
+    assert "Per step of a lossless plan" not in text
+    own = [dict(_pin("own", k, 61.0, 10.0), more_steps=0.1) for k in (0, 1)]
+    text = "\n".join(report.render_pins([{**_run("auto", "1gbit", 80.0), "pins": rows + own}]))
+    assert ("`own` 67.1 ms, 1.21x the fastest label pinned everywhere, `psgd2` (55.5 ms)"
+            in text)
 
 
 def test_pinned_steps_time_each_label_and_the_run_s_own_plan_in_two_passes():

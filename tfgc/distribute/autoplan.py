@@ -130,6 +130,9 @@ class _Layout:
         # compute (``planner.Pace.beside``).
         self.steps = {}
         self.others_s = 0.0
+        # By key of ``steps``: the other layouts' plans beside it when it was timed
+        # (their keys, sorted; "" alone), whose runs its step holds too.
+        self.beside = {}
         # By place among the embedding tables: this worker's rows of the last step (a
         # local int32 variable: distinct rows, rows with repeats; zeros: not counted),
         # and every worker's most as last gathered (``AutoPlanner._count_rows``).
@@ -182,9 +185,11 @@ class AutoPlanner:
         self._ran = None
         self._numbers = itertools.count()
         # How many times the figures were measured (a restored plan measures only the
-        # link), and how many restored plans the link measured then made afresh.
+        # link), how many restored plans the link measured then made afresh, and how
+        # many times a layout went back to a plan that ran faster (``_plan_again``).
         self.measurements = 0
         self.relinked = 0
+        self.went_back = 0
         self.reset()
 
     def reset(self):
@@ -448,7 +453,8 @@ class AutoPlanner:
                 "gradients": json.loads(json.dumps(lay.gradients)),
                 "critical": critical if critical == "all" else sorted(critical),
                 "norms": {str(k): v for k, v in lay.norms.items()},
-                "steps": [[key, comm, step, se if math.isfinite(se) else None]
+                "steps": [[key, comm, step, se if math.isfinite(se) else None,
+                           lay.beside.get(key)]
                           for key, (comm, step, se) in sorted(lay.steps.items())],
                 "others_s": lay.others_s,
                 # Each table: place, name, shape, sent dense, the rows it was priced
@@ -512,6 +518,9 @@ class AutoPlanner:
             lay.critical = critical if critical == "all" else frozenset(critical)
             lay.norms = {int(k): v for k, v in part["norms"].items()}
             lay.steps = steps_from_record(part.get("steps") or [])
+            # Rows written before the plans beside were kept have none: unknown.
+            lay.beside = {row[0]: row[4] for row in part.get("steps") or []
+                          if len(row) > 4 and isinstance(row[4], str)}
             lay.others_s = float(part.get("others_s") or 0.0)  # format 2 before it: none
         tables = part.get("tables") or []
         for place, _, _, _, rows, tokens, _ in tables:
@@ -540,7 +549,7 @@ class AutoPlanner:
                      figures.describe_link())
         self.relinked += 1
         for other in self._layouts.values():
-            other.steps = {}
+            other.steps, other.beside = {}, {}
         return new
 
     def _all_restored(self, text) -> bool:
@@ -640,6 +649,8 @@ class AutoPlanner:
         for lay in ran:
             lay.others_s = total - predicted[lay]
             lay.steps[lay.plan[1].key()] = (total, step_s, step_se_s)
+            lay.beside[lay.plan[1].key()] = ";".join(
+                sorted(other.plan[1].key() for other in ran if other is not lay))
 
     def _check_agree(self, plan):
         """Stops with a message if any worker derived another plan (a bug, or workers
@@ -1073,10 +1084,24 @@ class AutoPlanner:
         under the pace and the paces its measured slope allows (``planner.change_pays``):
         a change retraces the train function, which costs seconds, and a new rank that
         saves a tenth of a millisecond does not pay that back, nor does one that only
-        the steps' noise favours; then ``current`` priced anew. Its callers have
-        counted the tables' rows."""
+        the steps' noise favours; then ``current`` priced anew. Where plans have run
+        and been timed on a measured link (two plans or more, made again from their
+        keys: ``_timed_plans``), their own steps weigh more than the prediction
+        (``planner.prefer_timed``): a plan that ran slower than one timed before gives
+        way to that one, and the new plan is tried only where it is predicted to beat
+        every plan timed. On a given link (``link_gbps``) the steps run on another
+        network than the one planned for, so only the pace's line reads them. Its
+        callers have counted the tables' rows."""
         figures = self._figures[1]
         plan = self._planned(lay, figures)
+        timed = {}
+        if (self._pin is None and not self._ops.compressor.link_gbps
+                and plan.pace is not None and len(lay.steps) > 1):
+            timed = self._timed_plans(lay, figures, current)
+            kept = timed.get(current.key(), (None,))[0]
+            taken = planner.prefer_timed(plan, kept, timed, min_gain_s)
+            if taken is not None:
+                return self._went_back(taken, kept, plan)
         if plan.key() == current.key():
             return plan
         kept = None
@@ -1084,13 +1109,49 @@ class AutoPlanner:
             kept = self._as_running(lay, figures, current)
         if planner.change_pays(kept, plan, min_gain_s):
             return plan
+        # Not taken: ``kept`` is not None here (``change_pays`` takes any plan over none).
         logging.info("tfgc: compressor='auto' keeps its plan: the new one would save "
                      "%.3f ms a step at the measured pace and %.3f ms at the least the "
                      "steps allow, less than a change costs (%.3f ms a step over the "
                      "steps it would run)",
                      (kept.paced_seconds() - plan.paced_seconds()) * 1e3,
                      planner.least_gain(kept, plan) * 1e3, min_gain_s * 1e3)
+        if kept.key() in timed:
+            # The new plan was predicted to beat every plan timed but does not pay for
+            # a change: a plan timed faster than the current one still may.
+            return self._went_back(planner.prefer_timed(kept, timed[kept.key()][0], timed,
+                                                        min_gain_s), kept, plan)
         return kept
+
+    def _timed_plans(self, lay, figures, current):
+        """The plans ``lay`` ran and timed (its ``steps``, restored ones included)
+        beside the plans the other layouts run now (as ``current``, the plan of ``lay``
+        timed last, was: a step holds every layout's runs) that the current regimes and
+        budgets still allow, each priced now with its timed step, by key
+        (``planner.prefer_timed``'s ``timed``); {} where ``current`` was not timed."""
+        now = lay.beside.get(current.key())
+        if now is None or current.key() not in lay.steps:
+            return {}
+        timed = {}
+        for key, point in lay.steps.items():
+            if lay.beside.get(key) != now:
+                continue
+            labels, dense, rows_label = _choice_of(key, lay.gradients)
+            plan = (None if labels is None else
+                    self._planned(lay, figures, only=labels, dense=dense,
+                                  rows_label=rows_label))
+            if plan is not None and plan.key() == key:
+                timed[key] = (plan, point)
+        return timed
+
+    def _went_back(self, taken, kept, new):
+        """``taken``, counted and said where it is neither the current plan (``kept``)
+        nor the planner's choice (``new``)."""
+        if taken.key() not in (kept.key(), new.key()):
+            self.went_back += 1
+            logging.info("tfgc: compressor='auto' goes back to a plan whose steps ran "
+                         "faster than the current one's: %s", taken.key())
+        return taken
 
     @property
     def norms(self):
@@ -1103,6 +1164,27 @@ class AutoPlanner:
     def figures(self):
         """The current figures (``planner.Figures``), or None before the first plan."""
         return None if self._figures is None else self._figures[1]
+
+
+def _choice_of(key, layout):
+    """A plan's choice from its ``key`` (``planner.Plan.key``) for the gradients of
+    ``layout``: its labels by name, the places among the tables it sent dense, and what
+    its tables' rows went as (None: no rows); (None, None, None) where the key is not
+    one (variable names hold neither ``;`` nor ``=``)."""
+    if not key.startswith("auto:"):
+        return None, None, None
+    labels, rows_label = {}, None
+    for part in key[len("auto:"):].split(";"):
+        name, sep, sent = part.rpartition("=")
+        if not sep or not name:
+            return None, None, None
+        if sent.startswith("rows:"):
+            rows_label = sent[len("rows:"):]
+        else:
+            labels[name] = sent.partition("@")[0]
+    dense = frozenset(p for p, k in enumerate(_table_places(layout))
+                      if layout[k][0] in labels)
+    return labels, dense, rows_label
 
 
 def _planned_places(layout, plan):

@@ -879,6 +879,17 @@ class Pace:
             others=tuple(p.beside(others_s) for p in self.others))
 
 
+def step_error(point: Tuple[float, ...]) -> float:
+    """The standard error of a timed plan's step (a ``pace_from`` point): its own where
+    given and finite, else ``PACE_PRIOR`` of the step; at least ``PACE_DRIFT`` of it
+    (added in quadrature)."""
+    t = float(point[1])
+    se = float(point[2]) if len(point) > 2 and point[2] is not None else float("nan")
+    if not (math.isfinite(se) and se >= 0):
+        se = PACE_PRIOR * t
+    return math.hypot(se, PACE_DRIFT * t)
+
+
 def pace_from(points: Sequence[Tuple[float, ...]], low_rank_steps: float) -> Optional[Pace]:
     """The ``Pace`` of the plans that ran: ``points`` of (predicted communication,
     measured median step[, its standard error]), seconds, one per plan. A step whose
@@ -900,11 +911,8 @@ def pace_from(points: Sequence[Tuple[float, ...]], low_rank_steps: float) -> Opt
     kept = []
     for point in points:
         c, t = float(point[0]), float(point[1])
-        se = float(point[2]) if len(point) > 2 and point[2] is not None else float("nan")
         if math.isfinite(c) and math.isfinite(t) and c >= 0 and t > 0:
-            if not (math.isfinite(se) and se >= 0):
-                se = PACE_PRIOR * t
-            kept.append((c, t, math.hypot(se, PACE_DRIFT * t)))
+            kept.append((c, t, step_error(point)))
     if not kept:
         return None
     lrs = float(low_rank_steps)
@@ -1312,6 +1320,61 @@ def least_gain(kept: Plan, new: Plan) -> float:
     bend bound it."""
     paces = [new.pace] + list(new.pace.others if new.pace is not None else ())
     return float(min(kept.paced_seconds(p) - new.paced_seconds(p) for p in paces))
+
+
+def timed_seconds(plan: Plan, point: Tuple[float, ...],
+                  pace: Optional[Pace] = None) -> Tuple[float, float]:
+    """``plan``'s seconds as the planner weighs them (``Plan.paced_seconds``), from the
+    step it ran at (``point``, as ``pace_from`` takes it: the step's predicted
+    communication then, the measured median step, its error) rather than from the
+    pace's line (``pace``, or the plan's own), and their standard error
+    (``step_error``). The step is moved along the line's slope by what the step's
+    communication is predicted to be now (this plan's, priced under the current
+    figures, and the other sets': ``Pace.beside``), then weighed by the steps the
+    plan's low-rank error adds."""
+    pace = pace or plan.pace
+    then, step = float(point[0]), float(point[1])
+    moved = step + pace.scale * (plan.step_seconds() + pace.shared_s - then)
+    weight = 1.0 + pace.low_rank_steps * plan.low_rank_share
+    return max(moved, 0.0) * weight, step_error(point) * weight
+
+
+def prefer_timed(new: Plan, kept: Optional[Plan], timed: Dict[str, Tuple[Plan, tuple]],
+                 min_gain_s: float = 0.0) -> Optional[Plan]:
+    """Measured steps over the model's prediction: the plan to take instead of ``new``
+    (the planner's choice) given ``timed``, the plans that ran (by key: that plan
+    priced now, under the current regimes and budgets, and its ``pace_from`` point),
+    or None to weigh ``new`` against ``kept`` by their predictions (``change_pays``).
+
+    ``kept`` is the current plan priced now (None where the regimes or budgets rule it
+    out). Each timed plan costs what its own step says (``timed_seconds``), ``new``
+    what its step says where it ran, else its prediction. Where that prediction beats
+    every timed plan, or ``kept`` was not timed (no step given), None: ``new`` is
+    tried. Otherwise ``kept`` gives way to the cheapest of the timed plans that save
+    more than ``min_gain_s`` a step and more than ``PACE_Z`` standard errors of the
+    difference, under the pace and each pace its slope's interval allows (as
+    ``least_gain``: a step moved along the line carries the slope's doubt); else it
+    stays. So a plan that ran slower than one timed before gives way to it, and is not
+    tried again while the timed steps stand, and a lucky step alone does not move it."""
+    if new.pace is None or kept is None or not timed or kept.key() not in timed:
+        return None
+    costs = {key: timed_seconds(plan, point) for key, (plan, point) in timed.items()}
+    best = min(costs, key=lambda key: (costs[key][0], key))
+    if new.key() not in costs and new.paced_seconds() < costs[best][0]:
+        return None
+    paces = [new.pace] + list(new.pace.others)
+
+    def saves(key):
+        """The least ``key`` saves over ``kept`` under any of ``paces``."""
+        return min(timed_seconds(kept, timed[kept.key()][1], p)[0]
+                   - timed_seconds(timed[key][0], timed[key][1], p)[0] for p in paces)
+
+    stay_se = costs[kept.key()][1]
+    better = [key for key in costs if key != kept.key()
+              and saves(key) > max(min_gain_s, PACE_Z * math.hypot(stay_se, costs[key][1]))]
+    if not better:
+        return kept
+    return timed[min(better, key=lambda key: (costs[key][0], key))][0]
 
 
 def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figures,
