@@ -1045,19 +1045,59 @@ def test_a_set_weighs_only_the_steps_timed_beside_the_other_sets_plans_of_now(sa
     lay = auto._layout(tuple(first))
     lay.critical, auto._low_rank = frozenset(), dict(MEASURED)
     auto._figures = (ops.generation, fig)
+    partner = auto._layout(tuple(GRADIENTS[3:]))  # the other set, and its plan now
+    partner.plan = (ops.generation, planner.make_plan(GRADIENTS[3:], fig, 0.05))
+    beside = partner.plan[1].key()
     old = planner.make_plan(first, fig, 0.05, only={n: "bf16" for n, _, _ in first})
     current = planner.make_plan(first, fig, 0.05, low_rank=low_rank)
     lay.plan = (ops.generation, current)
     lay.others_s = 0.010
     lay.steps = {old.key(): (old.step_seconds() + 0.010, 0.105, 0.0005),
                  current.key(): (current.step_seconds() + 0.010, 0.120, 0.0005)}
-    lay.beside = {old.key(): "auto:g=psgd2@low_rank" if same_beside else "auto:g=bf16@allreduce",
-                  current.key(): "auto:g=psgd2@low_rank"}
+    lay.beside = {old.key(): beside if same_beside else "auto:conv=bf16@allreduce",
+                  current.key(): beside}
     timed = auto._timed_plans(lay, fig, current)
     assert set(timed) == ({old.key(), current.key()} if same_beside else {current.key()})
     taken = auto._plan_again(lay, current, 0.0)
     assert (taken.key() == old.key()) == same_beside
     assert auto.went_back == int(same_beside)
+    # The other set has changed plan since the current one was timed: nothing timed
+    # beside its plan of now, so the line alone weighs.
+    partner.plan = (ops.generation, planner.make_plan(
+        GRADIENTS[3:], fig, 0.05, only={n: "fp32" for n, _, _ in GRADIENTS[3:]}))
+    assert partner.plan[1].key() != beside
+    assert auto._timed_plans(lay, fig, current) == {}
+
+
+def test_each_sets_timed_step_holds_both_plans_and_names_the_other_beside_it():
+    # AutoPlanner._timed on two layouts that ran in the same steps (a GAN's): each
+    # keeps the whole step against both plans' predicted communication, and the other
+    # layout's plan key as what it ran beside; a layout alone would keep "".
+    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
+    ops = strategy.cross_device_ops
+    auto = ops._auto  # pylint: disable=protected-access
+    auto.track_regimes()
+    fig = all_figures(1.0)
+    # pylint: disable=protected-access
+    a, b = auto._layout(tuple(GRADIENTS[:3])), auto._layout(tuple(GRADIENTS[3:]))
+    auto._figures = (ops.generation, fig)
+    plans = {a: planner.make_plan(GRADIENTS[:3], fig, 0.05),
+             b: planner.make_plan(GRADIENTS[3:], fig, 0.05,
+                                  only={n: "bf16" for n, _, _ in GRADIENTS[3:]})}
+    for lay, plan in plans.items():
+        lay.plan = (ops.generation, plan)
+    auto._timed([a, b], 0.120, 0.002)
+    total = plans[a].step_seconds() + plans[b].step_seconds()
+    for lay, other in ((a, b), (b, a)):
+        key = plans[lay].key()
+        assert lay.steps[key] == pytest.approx((total, 0.120, 0.002))
+        assert lay.beside[key] == plans[other].key() == auto._beside(lay)
+        assert lay.others_s == pytest.approx(plans[other].step_seconds())
+    # What a checkpoint keeps of it: the fifth element of each row, which older code
+    # reading the record leaves aside.
+    row = auto.snapshot()["layouts"][0]["steps"][0]
+    assert row[4] == plans[b].key()
+    assert autoplan.steps_from_record([row]) == {row[0]: (row[1], row[2], row[3])}
 
 
 def test_a_new_plan_that_does_not_pay_leaves_a_faster_timed_plan_to_be_taken(monkeypatch):
@@ -1088,6 +1128,8 @@ def test_a_new_plan_that_does_not_pay_leaves_a_faster_timed_plan_to_be_taken(mon
     timed = auto._timed_plans(lay, fig, quantized)
     assert new.key() not in timed
     assert new.paced_seconds() < min(planner.timed_seconds(*v)[0] for v in timed.values())
+    # The kept plan is priced (a measured slope), as a change that does not pay needs.
+    assert new.pace.measured_slope
     monkeypatch.setattr(planner, "change_pays", lambda kept, new, min_gain_s: False)
     assert auto._plan_again(lay, quantized, 0.0).key() == free.key()
     assert auto.went_back == 1

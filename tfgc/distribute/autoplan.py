@@ -649,8 +649,7 @@ class AutoPlanner:
         for lay in ran:
             lay.others_s = total - predicted[lay]
             lay.steps[lay.plan[1].key()] = (total, step_s, step_se_s)
-            lay.beside[lay.plan[1].key()] = ";".join(
-                sorted(other.plan[1].key() for other in ran if other is not lay))
+            lay.beside[lay.plan[1].key()] = self._beside(lay)
 
     def _check_agree(self, plan):
         """Stops with a message if any worker derived another plan (a bug, or workers
@@ -1123,14 +1122,19 @@ class AutoPlanner:
                                                         min_gain_s), kept, plan)
         return kept
 
+    def _beside(self, lay):
+        """The plans of the layouts beside ``lay`` now (``_Layout.beside``)."""
+        return ";".join(sorted(other.plan[1].key() for other in self._active()
+                               if other is not lay))
+
     def _timed_plans(self, lay, figures, current):
         """The plans ``lay`` ran and timed (its ``steps``, restored ones included)
-        beside the plans the other layouts run now (as ``current``, the plan of ``lay``
-        timed last, was: a step holds every layout's runs) that the current regimes and
-        budgets still allow, each priced now with its timed step, by key
-        (``planner.prefer_timed``'s ``timed``); {} where ``current`` was not timed."""
-        now = lay.beside.get(current.key())
-        if now is None or current.key() not in lay.steps:
+        beside the plans the other layouts run now (a step holds every layout's runs)
+        that the current regimes and budgets still allow, each priced now with its
+        timed step, by key (``planner.prefer_timed``'s ``timed``); {} where
+        ``current`` was not timed beside them."""
+        now = self._beside(lay)
+        if lay.beside.get(current.key()) != now or current.key() not in lay.steps:
             return {}
         timed = {}
         for key, point in lay.steps.items():
