@@ -967,6 +967,31 @@ def test_an_untimed_plan_is_tried_only_where_it_is_predicted_to_beat_every_timed
     assert planner.prefer_timed(slow_b, b, timed) is None
 
 
+def _tracking_planner(spec="auto"):
+    """A one-worker strategy's cross-device ops and their ``AutoPlanner``, tracking
+    regimes (as under ``AutoPlanCallback``), for tests that set its layouts by hand."""
+    ops = tfgc.CompressedMultiWorkerMirroredStrategy(compressor=spec).cross_device_ops
+    auto = ops._auto  # pylint: disable=protected-access
+    auto.track_regimes()
+    return ops, auto
+
+
+def _timed_layout(ops, auto, fig, current, steps):
+    """``auto``'s layout of GRADIENTS running ``current`` under ``fig``, nothing
+    critical, MEASURED's low-rank errors, each plan of ``steps`` ((plan, its median
+    step in seconds) pairs) timed alone at its predicted communication, within
+    0.5 ms."""
+    # pylint: disable=protected-access
+    lay = auto._layout(tuple(GRADIENTS))
+    lay.critical, auto._low_rank = frozenset(), dict(MEASURED)
+    auto._figures = (ops.generation, fig)
+    lay.plan = (ops.generation, current)
+    lay.steps = {plan.key(): (plan.step_seconds(), step, 0.0005)
+                 for plan, step in steps}
+    lay.beside = {key: "" for key in lay.steps}  # timed alone (``_timed``)
+    return lay
+
+
 @pytest.mark.parametrize("given", [False, True])
 def test_the_planner_goes_back_to_a_plan_that_ran_faster_and_stays_there(given):
     # AutoPlanner._plan_again with the plans that ran kept (``_timed`` fills
@@ -975,23 +1000,14 @@ def test_the_planner_goes_back_to_a_plan_that_ran_faster_and_stays_there(given):
     # once, and keeps it at the next interval's end with the same steps; unless the
     # link was given, not measured: the steps ran on another network.
     spec = "auto:link_gbps=1" if given else "auto"
-    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor=spec)
-    ops = strategy.cross_device_ops
-    auto = ops._auto  # pylint: disable=protected-access
-    auto.track_regimes()
+    ops, auto = _tracking_planner(spec)
     fig = all_figures(1.0)
     low_rank = planner.LowRank(2, MEASURED)
     free = planner.make_plan(GRADIENTS, fig, 0.05, low_rank=low_rank)
     quantized = planner.make_plan(GRADIENTS, fig, 0.05)
     assert free.low_rank_share > 0 and quantized.low_rank_share == 0
     # pylint: disable=protected-access
-    lay = auto._layout(tuple(GRADIENTS))
-    lay.critical, auto._low_rank = frozenset(), dict(MEASURED)
-    auto._figures = (ops.generation, fig)
-    lay.plan = (ops.generation, free)
-    lay.steps = {quantized.key(): (quantized.step_seconds(), 0.100, 0.0005),
-                 free.key(): (free.step_seconds(), 0.200, 0.0005)}
-    lay.beside = {key: "" for key in lay.steps}  # timed alone (``_timed``)
+    lay = _timed_layout(ops, auto, fig, free, [(quantized, 0.100), (free, 0.200)])
     generation = ops.generation
     if given:
         assert auto._plan_again(lay, free, 0.0).key() != quantized.key()
@@ -1005,9 +1021,7 @@ def test_the_planner_goes_back_to_a_plan_that_ran_faster_and_stays_there(given):
     # Steps read back from a checkpoint record are plans' keys and figures only: the
     # plans are made again from the keys, and weigh the same.
     record = json.loads(json.dumps(auto.snapshot()))
-    again = tfgc.CompressedMultiWorkerMirroredStrategy(compressor=spec).cross_device_ops
-    again_auto = again._auto
-    again_auto.track_regimes()
+    again, again_auto = _tracking_planner(spec)
     back = again_auto._layout(tuple(GRADIENTS))
     again_auto._low_rank = dict(MEASURED)
     again_auto._figures = (again.generation, fig)
@@ -1034,10 +1048,7 @@ def test_a_set_weighs_only_the_steps_timed_beside_the_other_sets_plans_of_now(sa
     # bf16 plan ran 105 ms beside the other set's old plan, its current plan 120 ms
     # beside the other's new one: the 15 ms may be the other set's change, not its own,
     # so the first set goes back to bf16 only where both were timed beside the same.
-    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
-    ops = strategy.cross_device_ops
-    auto = ops._auto  # pylint: disable=protected-access
-    auto.track_regimes()
+    ops, auto = _tracking_planner()
     fig = all_figures(1.0)
     low_rank = planner.LowRank(2, MEASURED)
     first = GRADIENTS[:3]
@@ -1073,10 +1084,7 @@ def test_each_sets_timed_step_holds_both_plans_and_names_the_other_beside_it():
     # AutoPlanner._timed on two layouts that ran in the same steps (a GAN's): each
     # keeps the whole step against both plans' predicted communication, and the other
     # layout's plan key as what it ran beside; a layout alone would keep "".
-    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
-    ops = strategy.cross_device_ops
-    auto = ops._auto  # pylint: disable=protected-access
-    auto.track_regimes()
+    ops, auto = _tracking_planner()
     fig = all_figures(1.0)
     # pylint: disable=protected-access
     a, b = auto._layout(tuple(GRADIENTS[:3])), auto._layout(tuple(GRADIENTS[3:]))
@@ -1106,10 +1114,7 @@ def test_a_new_plan_that_does_not_pay_leaves_a_faster_timed_plan_to_be_taken(mon
     # predicted below both, so it would be tried, but here a change is made not to
     # pay (``change_pays``); the current plan then still gives way to the rank-2 one
     # its steps showed faster.
-    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
-    ops = strategy.cross_device_ops
-    auto = ops._auto  # pylint: disable=protected-access
-    auto.track_regimes()
+    ops, auto = _tracking_planner()
     fig = all_figures(1.0)
     low_rank = planner.LowRank(2, MEASURED)
     free = planner.make_plan(GRADIENTS, fig, 0.05, low_rank=low_rank,
@@ -1117,13 +1122,7 @@ def test_a_new_plan_that_does_not_pay_leaves_a_faster_timed_plan_to_be_taken(mon
                                    for name, _, _ in GRADIENTS})
     quantized = planner.make_plan(GRADIENTS, fig, 0.05)
     # pylint: disable=protected-access
-    lay = auto._layout(tuple(GRADIENTS))
-    lay.critical, auto._low_rank = frozenset(), dict(MEASURED)
-    auto._figures = (ops.generation, fig)
-    lay.plan = (ops.generation, quantized)
-    lay.steps = {quantized.key(): (quantized.step_seconds(), 0.200, 0.0005),
-                 free.key(): (free.step_seconds(), 0.100, 0.0005)}
-    lay.beside = {key: "" for key in lay.steps}
+    lay = _timed_layout(ops, auto, fig, quantized, [(quantized, 0.200), (free, 0.100)])
     new = auto._planned(lay, fig)
     timed = auto._timed_plans(lay, fig, quantized)
     assert new.key() not in timed

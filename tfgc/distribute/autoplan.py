@@ -1083,12 +1083,13 @@ class AutoPlanner:
         under the pace and the paces its measured slope allows (``planner.change_pays``):
         a change retraces the train function, which costs seconds, and a new rank that
         saves a tenth of a millisecond does not pay that back, nor does one that only
-        the steps' noise favours; then ``current`` priced anew. Where plans have run
-        and been timed on a measured link (two plans or more, made again from their
-        keys: ``_timed_plans``), their own steps weigh more than the prediction
-        (``planner.prefer_timed``): a plan that ran slower than one timed before gives
-        way to that one, and the new plan is tried only where it is predicted to beat
-        every plan timed. On a given link (``link_gbps``) the steps run on another
+        the steps' noise favours; then ``current`` priced anew. Once two plans or more
+        have been timed on a measured link, the plans timed beside the other layouts'
+        plans of now (made again from their keys: ``_timed_plans``) weigh by their own
+        steps over the prediction (``planner.prefer_timed``): a plan that ran slower
+        than one timed before gives way to that one, and the new plan is tried only
+        where it is predicted to beat every plan timed, the current one included. On
+        a given link (``link_gbps``) the steps run on another
         network than the one planned for, so only the pace's line reads them. Its
         callers have counted the tables' rows."""
         figures = self._figures[1]
@@ -1174,7 +1175,8 @@ def _choice_of(key, layout):
     """A plan's choice from its ``key`` (``planner.Plan.key``) for the gradients of
     ``layout``: its labels by name, the places among the tables it sent dense, and what
     its tables' rows went as (None: no rows); (None, None, None) where the key is not
-    one (variable names hold neither ``;`` nor ``=``)."""
+    one. A name with ``;`` in it does not come back whole; the plan made from it then
+    has another key, and its caller leaves it out."""
     if not key.startswith("auto:"):
         return None, None, None
     labels, rows_label = {}, None
