@@ -1106,7 +1106,9 @@ class AutoPlanner:
             return plan
         kept = None
         if min_gain_s > 0 or (plan.pace is not None and plan.pace.measured_slope):
-            kept = self._as_running(lay, figures, current)
+            # Priced now: among the timed plans already, where it is one.
+            kept = (timed[current.key()][0] if current.key() in timed
+                    else self._as_running(lay, figures, current))
         if planner.change_pays(kept, plan, min_gain_s):
             return plan
         # Not taken: ``kept`` is not None here (``change_pays`` takes any plan over none).
@@ -1119,8 +1121,8 @@ class AutoPlanner:
         if kept.key() in timed:
             # The new plan was predicted to beat every plan timed but does not pay for
             # a change: a plan timed faster than the current one still may.
-            return self._went_back(planner.prefer_timed(kept, timed[kept.key()][0], timed,
-                                                        min_gain_s), kept, plan)
+            return self._went_back(planner.prefer_timed(kept, kept, timed, min_gain_s),
+                                   kept, plan)
         return kept
 
     def _beside(self, lay):
