@@ -1108,6 +1108,120 @@ def test_each_sets_timed_step_holds_both_plans_and_names_the_other_beside_it():
     assert autoplan.steps_from_record([row]) == {row[0]: (row[1], row[2], row[3])}
 
 
+def test_a_joint_weighs_the_plans_of_a_step_as_one():
+    fig = all_figures(1.0)
+    low_rank = planner.LowRank(2, MEASURED)
+    a = planner.make_plan(GRADIENTS[:3], fig, 0.05, low_rank=low_rank)
+    b = planner.make_plan(GRADIENTS[3:], fig, 0.05, low_rank=low_rank,
+                          only={n: "psgd2" for n, _, _ in GRADIENTS[3:]})
+    assert a.low_rank_share > 0 and b.low_rank_share > 0
+    pace = planner.Pace(0.02, 0.8, 0.3)
+    joint = planner.Joint((a, b), pace)
+    assert joint.key() == a.key() + "\n" + b.key()
+    assert joint.step_seconds() == pytest.approx(a.step_seconds() + b.step_seconds())
+    assert joint.low_rank_share == pytest.approx(a.low_rank_share + b.low_rank_share)
+    comm = a.step_seconds() + b.step_seconds()
+    assert joint.paced_seconds() == pytest.approx(
+        (0.02 + 0.8 * comm) * (1 + 0.3 * (a.low_rank_share + b.low_rank_share)))
+    assert planner.Joint((a, b)).paced_seconds() == pytest.approx(comm)
+    # Timed, it is moved along the line as one plan.
+    step, se = planner.timed_seconds(joint, (comm - 0.010, 0.150, 0.001))
+    assert step == pytest.approx((0.150 + 0.8 * 0.010) * (1 + 0.3 * joint.low_rank_share))
+
+
+def _two_sets_timed(auto, ops, fig, runs):
+    """``auto``'s two layouts (GRADIENTS' first three, and the rest), nothing critical,
+    each pair of plans of ``runs`` ((first set's plan, second's, median step) triples)
+    run and timed together in turn (``_timed``), the last pair current."""
+    # pylint: disable=protected-access
+    layouts = [auto._layout(tuple(GRADIENTS[:3])), auto._layout(tuple(GRADIENTS[3:]))]
+    auto._figures = (ops.generation, fig)
+    for lay in layouts:
+        lay.critical = frozenset()
+    for first, second, step in runs:
+        for lay, plan in zip(layouts, (first, second)):
+            lay.plan = (ops.generation, plan)
+        auto._timed(layouts, step, 0.0005)
+    return layouts
+
+
+def test_two_sets_go_back_together_to_the_plans_that_ran_faster_together():
+    # A GAN's two sets leave their critical regimes at the same interval's end, so both
+    # change plan at once (float32 to the budget's), and the step runs slower (160 against
+    # 100 ms). Neither set's own steps compare its plans beside the same plan of the
+    # other (its earlier step ran beside the other's earlier plan), so each alone keeps
+    # its plan; the plans that ran together compare, and both go back at once,
+    # retracing once, then stay there; from a checkpoint's record too.
+    ops, auto = _tracking_planner()
+    fig = all_figures(1.0)
+    sets = (GRADIENTS[:3], GRADIENTS[3:])
+    old = [planner.make_plan(g, fig, 0.05, only={n: "fp32" for n, _, _ in g}) for g in sets]
+    new = [planner.make_plan(g, fig, 0.05) for g in sets]
+    assert all(o.key() != n.key() for o, n in zip(old, new))
+    # pylint: disable=protected-access
+    layouts = _two_sets_timed(auto, ops, fig, [(*old, 0.100), (*new, 0.160)])
+    for lay, plan in zip(layouts, new):
+        assert auto._planned(lay, fig).key() == plan.key()  # the planner's choice
+        assert set(auto._timed_plans(lay, fig, plan)) == {plan.key()}
+        assert auto._plan_again(lay, plan).key() == plan.key()
+    generation = ops.generation
+    assert auto._take(auto._decide(layouts), fig)
+    assert ops.generation == generation + 1 and auto.went_back == 1
+    assert [lay.plan[1].key() for lay in layouts] == [p.key() for p in old]
+    assert not auto._take(auto._decide(layouts), fig)
+    assert [lay.plan[1].key() for lay in layouts] == [p.key() for p in old]
+    assert auto.went_back == 1
+    # Read back from a checkpoint record, where the new plans were current.
+    for lay, plan in zip(layouts, new):
+        lay.plan = (ops.generation, plan)
+    record = json.loads(json.dumps(auto.snapshot()))
+    again, again_auto = _tracking_planner()
+    back = [again_auto._layout(tuple(g)) for g in sets]
+    again_auto._figures = (again.generation, fig)
+    for lay, plan, part in zip(back, new, record["layouts"]):
+        lay.plan = (again.generation, plan)
+        autoplan.AutoPlanner._take_part(lay, part)
+    assert [p.key() for p in again_auto._decide(back).values()] == [p.key() for p in old]
+    # On a given link, or under a pin, the steps do not choose.
+    given, given_auto = _tracking_planner("auto:link_gbps=1")
+    lays = _two_sets_timed(given_auto, given, fig, [(*old, 0.100), (*new, 0.160)])
+    assert [p.key() for p in given_auto._decide(lays).values()] == [p.key() for p in new]
+
+
+def test_plans_ran_together_are_matched_by_set_and_left_out_where_ruled_out():
+    # AutoPlanner._timed_together: the pairs of plans timed together, whichever
+    # layout's steps name them; a pair timed beside a third layout's plan is left out,
+    # and so is a pair with a plan the regimes now rule out (its step still draws the
+    # line through whole steps).
+    ops, auto = _tracking_planner()
+    fig = all_figures(1.0)
+    sets = (GRADIENTS[:3], GRADIENTS[3:])
+    bf16 = [planner.make_plan(g, fig, 0.05, only={n: "bf16" for n, _, _ in g}) for g in sets]
+    new = [planner.make_plan(g, fig, 0.05) for g in sets]
+    # pylint: disable=protected-access
+    layouts = _two_sets_timed(auto, ops, fig, [(bf16[0], new[1], 0.100),
+                                               (new[0], new[1], 0.120)])
+    together, points = auto._timed_together(layouts, fig)
+    assert set(together) == {bf16[0].key() + "\n" + new[1].key(),
+                             new[0].key() + "\n" + new[1].key()}
+    assert sorted(p[1] for p in points) == [0.100, 0.120]
+    # The first set's bf16 plan ran beside a third layout's plan too.
+    first = layouts[0]
+    first.beside[bf16[0].key()] += ";auto:other=fp32@allreduce"
+    together, points = auto._timed_together(layouts, fig)
+    assert set(together) == {new[0].key() + "\n" + new[1].key()}
+    assert len(points) == 1
+    # The first set in a critical regime: its budget plan is ruled out now, bf16 not.
+    first.beside[bf16[0].key()] = new[1].key()
+    first.critical = frozenset(n for n, _, _ in sets[0])
+    assert auto._rebuilt(first, fig, new[0].key()) is None
+    together, points = auto._timed_together(layouts, fig)
+    assert set(together) == {bf16[0].key() + "\n" + new[1].key()} and len(points) == 2
+    # ... so the whole-step rule leaves the layouts' own choices.
+    plans = {lay: lay.plan[1] for lay in layouts}
+    assert auto._joint_back(layouts, plans, 0.0) is plans
+
+
 def test_a_new_plan_that_does_not_pay_leaves_a_faster_timed_plan_to_be_taken(monkeypatch):
     # The quantized plan, current, ran 200 ms and one of rank 2 on every matrix
     # 100 ms: a steep slope. The planner's new choice (less communication still) is

@@ -40,6 +40,7 @@ import collections
 import itertools
 import json
 import math
+import re
 import time
 import weakref
 import zlib
@@ -1026,8 +1027,7 @@ class AutoPlanner:
         # layout that no step summed in the interval (a model not trained in it) is
         # left as it was, and a new generation leaves it behind (its train function,
         # traced again, plans it again from its regimes; the planner may forget it).
-        self._take({lay: self._plan_again(lay, lay.plan[1], min_gain_s) for lay in ran},
-                   self._figures[1])
+        self._take(self._decide(ran, min_gain_s), self._figures[1])
         # What is critical now in the models trained in the interval: one whose every
         # step was skipped for a non-finite gradient (nothing summed) keeps the regimes
         # it had, and its plan still follows them; a model not trained in it is left
@@ -1052,8 +1052,7 @@ class AutoPlanner:
         self._timed(ran, step_s, step_se_s)
         if not ran or not self._measured(ran):
             return False
-        return self._take({lay: self._plan_again(lay, lay.plan[1]) for lay in ran},
-                          self._figures[1])
+        return self._take(self._decide(ran), self._figures[1])
 
     def _measured(self, layouts) -> bool:
         """Measures the low-rank errors of ``layouts`` again (and, the first time, the
@@ -1143,13 +1142,93 @@ class AutoPlanner:
         for key, point in lay.steps.items():
             if lay.beside.get(key) != now:
                 continue
-            labels, dense, rows_label = _choice_of(key, lay.gradients)
-            plan = (None if labels is None else
-                    self._planned(lay, figures, only=labels, dense=dense,
-                                  rows_label=rows_label))
-            if plan is not None and plan.key() == key:
+            plan = self._rebuilt(lay, figures, key)
+            if plan is not None:
                 timed[key] = (plan, point)
         return timed
+
+    def _rebuilt(self, lay, figures, key):
+        """The plan of ``lay`` whose key is ``key`` (``_choice_of``), priced under
+        ``figures`` and the current regimes and budgets; None where they rule it out or
+        the key does not name a plan of ``lay`` whole."""
+        if not _names_fit(key, lay.gradients):
+            return None
+        labels, dense, rows_label = _choice_of(key, lay.gradients)
+        plan = self._planned(lay, figures, only=labels, dense=dense, rows_label=rows_label)
+        return plan if plan is not None and plan.key() == key else None
+
+    def _decide(self, ran, min_gain_s: float = 0.0):
+        """The plans to take for the layouts in ``ran`` (those that trained in the
+        interval): each one's ``_plan_again``, then, where several ran (a step reduces
+        each of them), the whole step's choice among the sets of plans that ran
+        together (``_joint_back``). Every worker calls it at the same point."""
+        plans = {lay: self._plan_again(lay, lay.plan[1], min_gain_s) for lay in ran}
+        if (len(ran) < 2 or self._pin is not None or self._ops.compressor.link_gbps):
+            return plans
+        return self._joint_back(ran, plans, min_gain_s)
+
+    def _joint_back(self, ran, plans, min_gain_s):
+        """``plans`` for the layouts in ``ran``, or the plans that ran together in a
+        timed step instead (``planner.prefer_timed`` over ``planner.Joint``): a step
+        holds every layout's runs, and where they change plan at the same interval's
+        end (a GAN's two sets, out of their critical regimes at once), no layout's own
+        steps compare its plans beside the same plans of the others (``_timed_plans``);
+        the sets of plans that ran together do. Each is priced now with its whole
+        step, moved along the line through the steps they timed together; the
+        layouts' new plans are tried only where predicted to beat every set timed,
+        the current one included. Where the current set was not timed together, or
+        the regimes or budgets rule one of its plans out, ``plans`` stand."""
+        figures = self._figures[1]
+        together, points = self._timed_together(ran, figures)
+        pace = planner.pace_from(points, self._ops.compressor.low_rank_steps)
+        current = "\n".join(lay.plan[1].key() for lay in ran)
+        if pace is None or current not in together:
+            return plans
+        timed = {key: (planner.Joint(chosen, pace), point)
+                 for key, (chosen, point) in together.items()}
+        kept = timed[current][0]
+        new = planner.Joint(tuple(plans[lay] for lay in ran), pace)
+        taken = planner.prefer_timed(new, kept, timed, min_gain_s)
+        if taken is None:
+            return plans
+        if taken.key() not in (kept.key(), new.key()):
+            self.went_back += 1
+            logging.info("tfgc: compressor='auto' goes back to plans whose steps ran "
+                         "faster together than the current ones: %s",
+                         taken.key().replace("\n", " | "))
+        return dict(zip(ran, taken.plans))
+
+    def _timed_together(self, ran, figures):
+        """The sets of plans the layouts in ``ran`` ran together and timed: each
+        layout's ``steps`` keys with the keys ``beside`` them, matched to the layouts by
+        the names the keys hold. Returns the sets (their plans, in ``ran``'s order,
+        priced now under the current regimes and budgets; by their keys joined as
+        ``planner.Joint.key`` joins them) with their steps, and the steps of every
+        set, those now ruled out included (the points of the line through whole steps
+        of all of them). A set that held another layout's plan, or a key that names no
+        plan of one whole, is left out. A key's ``steps`` is its last step, which every
+        layout in the set wrote, so whichever layout's rows name a set agree."""
+        rebuilt, together, points = {}, {}, {}
+        for lay in ran:
+            for key, point in lay.steps.items():
+                keys = [key] + _BESIDE_SPLIT.split(lay.beside.get(key) or "")
+                keys = [k for k in keys if k]
+                chosen = []
+                for other in ran:
+                    found = [k for k in keys if _names_fit(k, other.gradients)]
+                    if len(found) != 1:
+                        break
+                    chosen.append(found[0])
+                if len(chosen) != len(ran) or len(keys) != len(ran) or key not in lay.beside:
+                    continue
+                points[tuple(v if math.isfinite(v) else None for v in point)] = point
+                for other, k in zip(ran, chosen):
+                    if (other, k) not in rebuilt:
+                        rebuilt[other, k] = self._rebuilt(other, figures, k)
+                plans = tuple(rebuilt[other, k] for other, k in zip(ran, chosen))
+                if all(plan is not None for plan in plans):
+                    together.setdefault("\n".join(chosen), (plans, point))
+        return together, list(points.values())
 
     def _went_back(self, taken, kept, new):
         """``taken``, counted and said where it is neither the current plan (``kept``)
@@ -1173,6 +1252,11 @@ class AutoPlanner:
         return None if self._figures is None else self._figures[1]
 
 
+# Where the keys of the plans beside a layout's (``_Layout.beside``) join: each key
+# starts "auto:" (``planner.Plan.key``).
+_BESIDE_SPLIT = re.compile(r";(?=auto:)")
+
+
 def _choice_of(key, layout):
     """A plan's choice from its ``key`` (``planner.Plan.key``) for the gradients of
     ``layout``: its labels by name, the places among the tables it sent dense, and what
@@ -1193,6 +1277,12 @@ def _choice_of(key, layout):
     dense = frozenset(p for p, k in enumerate(_table_places(layout))
                       if layout[k][0] in labels)
     return labels, dense, rows_label
+
+
+def _names_fit(key, layout) -> bool:
+    """Whether ``key`` names a choice for gradients of ``layout`` (``_choice_of``)."""
+    labels = _choice_of(key, layout)[0]
+    return labels is not None and set(labels) <= {g[0] for g in layout}
 
 
 def _planned_places(layout, plan):

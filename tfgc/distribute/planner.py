@@ -1163,6 +1163,42 @@ class Plan:
         return "\n".join([head] + lines + [tail])
 
 
+@dataclasses.dataclass(frozen=True)
+class Joint:
+    """The plans of the sets of gradients a step reduces together (a GAN's two
+    optimizers: ``AutoPlanner``'s layouts that ran), weighed as one plan by
+    ``prefer_timed`` and ``timed_seconds``: a timed step holds the runs of all of them,
+    so plans that ran beside each other are timed only as a whole.
+
+    ``pace`` is the line through whole steps against all their predicted communication
+    (``pace_from`` over every set's timed steps), so none of it is another set's
+    (``Pace.shared_s`` 0). Its communication is the sum of the plans', and its
+    low-rank share the sum of theirs (each of its own budget): a step's count is set by
+    every model it trains, and the sum is the larger of the ways to add them up for
+    small shares, (1 + a)(1 + b) ≈ 1 + a + b."""
+
+    plans: Tuple[Plan, ...]
+    pace: Optional[Pace] = None
+
+    def key(self) -> str:
+        """The plans' keys, one per line, in the sets' order."""
+        return "\n".join(plan.key() for plan in self.plans)
+
+    def step_seconds(self) -> float:
+        return sum(plan.step_seconds() for plan in self.plans)
+
+    @property
+    def low_rank_share(self) -> float:
+        return sum(plan.low_rank_share for plan in self.plans)
+
+    def paced_seconds(self, pace: Optional[Pace] = None) -> float:
+        """As ``Plan.paced_seconds``, under ``pace`` or its own."""
+        pace = pace or self.pace
+        if pace is None:
+            return self.step_seconds()
+        return pace.seconds(self.step_seconds(), self.low_rank_share)
+
+
 def _size(nbytes: int) -> str:
     for unit, scale in (("MB", 1e6), ("KB", 1e3)):
         if nbytes >= scale:
