@@ -383,7 +383,7 @@ def _worker(args, prefix, phase):
             if batch == total - 1:
                 self.end = self._snapshot()
 
-    settle_s = went_back = None
+    settle_s = went_back = settle_record = None
     if args.auto_plan == "settled" and getattr(getattr(strategy, "compressor", None),
                                                "plans_per_tensor", False):
         # The plan after the critical regimes: the first interval's end (every gradient
@@ -411,7 +411,13 @@ def _worker(args, prefix, phase):
         settle_s = time.perf_counter() - began
         # How often the settle went back to a plan that ran faster than the planner's
         # later choice (``planner.prefer_timed``).
-        went_back = strategy.cross_device_ops._auto.went_back  # pylint: disable=protected-access
+        auto = strategy.cross_device_ops._auto  # pylint: disable=protected-access
+        went_back = auto.went_back
+        # The planner's record after the settle (its figures, low-rank errors, and per
+        # set of gradients its plan, regimes and timed steps: each plan's key, its
+        # predicted communication, median step and error, the plans beside it, its
+        # age), from which its choices can be made again offline.
+        settle_record = auto.snapshot()
 
     phase[0] = "train"
     probe = Probe()
@@ -440,7 +446,7 @@ def _worker(args, prefix, phase):
         "durations_ms": timed_ms,
         "veth": {k: v / steps for k, v in diff.items()},
         "startup_s": t_strategy - t_start, "fit_s": fit_s, "auto_settle_s": settle_s,
-        "auto_went_back": went_back,
+        "auto_went_back": went_back, "auto_record": settle_record,
         "final_loss": float(history.history["loss"][-1]),
     }
     # What the strategy itself says this worker sends per step.
@@ -724,6 +730,7 @@ def summarize_run(run, workers):
         "warmup_ms": w0["warmup_ms"],
         "auto_settle_s": w0.get("auto_settle_s"),
         "auto_went_back": w0.get("auto_went_back"),
+        "auto_record": w0.get("auto_record"),
     })
     if "pins" in w0:
         run["pins"] = w0["pins"]

@@ -74,6 +74,13 @@ RESTORED_LINK_FACTOR = 3.0
 # unless the train function being traced reduces it too (a step of more sets keeps
 # them all).
 MAX_LAYOUTS = 4
+# A plan's timed step weighs (``_Layout.steps``: the pace's line and the plans gone
+# back to) for this many intervals of timed steps after it ran; then it is forgotten,
+# so a plan that once ran slow may be tried again where the planner predicts it
+# faster, and a line drawn through steps of long ago (another data pipeline, another
+# load on the hosts) does not price plans today. A plan running now is timed again at
+# every interval's end.
+TIMED_INTERVALS_KEPT = 8
 
 
 class PlanRecord(trackable.Trackable):
@@ -132,8 +139,10 @@ class _Layout:
         self.steps = {}
         self.others_s = 0.0
         # By key of ``steps``: the other layouts' plans beside it when it was timed
-        # (their keys, sorted; "" alone), whose runs its step holds too.
+        # (their keys, sorted; "" alone), whose runs its step holds too; and the
+        # interval (``AutoPlanner.intervals``) it was timed at.
         self.beside = {}
+        self.timed_at = {}
         # By place among the embedding tables: this worker's rows of the last step (a
         # local int32 variable: distinct rows, rows with repeats; zeros: not counted),
         # and every worker's most as last gathered (``AutoPlanner._count_rows``).
@@ -191,6 +200,9 @@ class AutoPlanner:
         self.measurements = 0
         self.relinked = 0
         self.went_back = 0
+        # The intervals whose steps were timed (``_timed``), this worker's count: a
+        # timed step's age (``TIMED_INTERVALS_KEPT``).
+        self.intervals = 0
         self.reset()
 
     def reset(self):
@@ -354,7 +366,7 @@ class AutoPlanner:
             self._saved = None
             part = self._saved_layouts.pop(_layout_key(gradients), None)
             if part is not None:  # restored with the figures this generation took
-                labels, rows_label = self._take_part(lay, part)
+                labels, rows_label = self._take_part(lay, part, self.intervals)
         else:
             figures, labels, rows_label = self._restored_figures(lay)
             moved = figures is not None and self._moved_link(lay, figures)
@@ -454,8 +466,11 @@ class AutoPlanner:
                 "gradients": json.loads(json.dumps(lay.gradients)),
                 "critical": critical if critical == "all" else sorted(critical),
                 "norms": {str(k): v for k, v in lay.norms.items()},
+                # Each timed step: key, communication, step, its error, the plans
+                # beside it, and how many intervals ago it was timed.
                 "steps": [[key, comm, step, se if math.isfinite(se) else None,
-                           lay.beside.get(key)]
+                           lay.beside.get(key),
+                           self.intervals - lay.timed_at.get(key, self.intervals)]
                           for key, (comm, step, se) in sorted(lay.steps.items())],
                 "others_s": lay.others_s,
                 # Each table: place, name, shape, sent dense, the rows it was priced
@@ -506,14 +521,15 @@ class AutoPlanner:
         self._saved_layouts = parts
         logging.info("tfgc: compressor='auto': the plan's figures restored from the "
                      "checkpoint (%s)", figures.describe())
-        return (figures,) + self._take_part(lay, part)
+        return (figures,) + self._take_part(lay, part, self.intervals)
 
     @staticmethod
-    def _take_part(lay, part):
+    def _take_part(lay, part, intervals=0):
         """A restored ``part`` of the record into the layout ``lay`` (its regimes and
         timed steps, where regimes are tracked, and its tables' counted rows); returns
         its plan's labels by name and what its tables' rows went as (None, None for a
-        plan that was pinned: ``pin``)."""
+        plan that was pinned: ``pin``). ``intervals``: ``AutoPlanner.intervals`` now,
+        which a timed step's age in the record counts back from."""
         if lay.sums is not None:  # regimes tracked: carry on from the saved interval
             critical = part["critical"]
             lay.critical = critical if critical == "all" else frozenset(critical)
@@ -522,6 +538,9 @@ class AutoPlanner:
             # Rows written before the plans beside were kept have none: unknown.
             lay.beside = {row[0]: row[4] for row in part.get("steps") or []
                           if len(row) > 4 and isinstance(row[4], str)}
+            # Rows written before steps aged have none: timed now.
+            lay.timed_at = {row[0]: intervals - (row[5] if len(row) > 5 and isinstance(
+                row[5], int) and row[5] >= 0 else 0) for row in part.get("steps") or []}
             lay.others_s = float(part.get("others_s") or 0.0)  # format 2 before it: none
         tables = part.get("tables") or []
         for place, _, _, _, rows, tokens, _ in tables:
@@ -588,7 +607,7 @@ class AutoPlanner:
         low_rank = None
         if auto.budget_rank and self._low_rank:
             low_rank = planner.LowRank(auto.budget_rank, dict(self._low_rank))
-        pace = planner.pace_from(list(lay.steps.values()), auto.low_rank_steps)
+        pace = planner.pace_from(self._points(lay), auto.low_rank_steps)
         if pace is not None:
             pace = pace.beside(lay.others_s)
         tables = {k: lay.rows.get(p, (0, 0))
@@ -597,6 +616,22 @@ class AutoPlanner:
                                    auto.error, dense=dense, rows_label=rows_label,
                                    critical=critical, low_rank=low_rank, only=only, pace=pace,
                                    forced=self._pin is not None)
+
+    def _points(self, lay):
+        """The whole steps ``lay`` ran in that were timed (``planner.pace_from``'s
+        points): its own ``steps``, and the steps the other layouts timed beside one of
+        its plans. A key keeps only its last step, so where the other layouts changed
+        plan beside an unchanged plan of ``lay``, theirs hold the steps it ran in
+        before."""
+        points = {_point_key(p): p for p in lay.steps.values()}
+        mine = set(lay.steps)
+        for other in self._layouts.values():
+            if other is lay:
+                continue
+            for key, point in other.steps.items():
+                if mine.intersection(_BESIDE_SPLIT.split(other.beside.get(key) or "")):
+                    points.setdefault(_point_key(point), point)
+        return list(points.values())
 
     def _count_rows(self, lay):
         """Every worker's rows of ``lay``'s last step, the most of each (``rows``). Every
@@ -647,10 +682,24 @@ class AutoPlanner:
         if not (math.isfinite(step_s) and step_s > 0):
             return
         total = sum(predicted.values())
+        self.intervals += 1
         for lay in ran:
             lay.others_s = total - predicted[lay]
             lay.steps[lay.plan[1].key()] = (total, step_s, step_se_s)
             lay.beside[lay.plan[1].key()] = self._beside(lay)
+            lay.timed_at[lay.plan[1].key()] = self.intervals
+        for lay in self._layouts.values():
+            self._forget_old(lay)
+
+    def _forget_old(self, lay):
+        """``lay``'s steps timed more than ``TIMED_INTERVALS_KEPT`` intervals ago
+        forgotten."""
+        for key in [k for k in lay.steps
+                    if self.intervals - lay.timed_at.get(k, self.intervals)
+                    >= TIMED_INTERVALS_KEPT]:
+            del lay.steps[key]
+            lay.beside.pop(key, None)
+            lay.timed_at.pop(key, None)
 
     def _check_agree(self, plan):
         """Stops with a message if any worker derived another plan (a bug, or workers
@@ -1087,10 +1136,12 @@ class AutoPlanner:
         plans of now (made again from their keys: ``_timed_plans``) weigh by their own
         steps over the prediction (``planner.prefer_timed``): a plan that ran slower
         than one timed before gives way to that one, and the new plan is tried only
-        where it is predicted to beat every plan timed, the current one included. On
-        a given link (``link_gbps``) the steps run on another
-        network than the one planned for, so only the pace's line reads them. Its
-        callers have counted the tables' rows."""
+        where it is predicted to beat every plan timed, the current one included;
+        where the regimes or budgets now rule the current plan out (a critical regime
+        begins), the cheapest of the timed plans they allow is taken over the new one
+        where it ran faster than the new one is predicted to. On a given link
+        (``link_gbps``) the steps run on another network than the one planned for, so
+        only the pace's line reads them. Its callers have counted the tables' rows."""
         figures = self._figures[1]
         plan = self._planned(lay, figures)
         timed = {}
@@ -1098,9 +1149,13 @@ class AutoPlanner:
                 and plan.pace is not None and len(lay.steps) > 1):
             timed = self._timed_plans(lay, figures, current)
             kept = timed.get(current.key(), (None,))[0]
-            taken = planner.prefer_timed(plan, kept, timed, min_gain_s)
-            if taken is not None:
-                return self._went_back(taken, kept, plan)
+            # Weighed by the steps where the current plan was timed and is priced now,
+            # or where the regimes or budgets now rule it out (a plan must be left).
+            if kept is not None or (timed and self._as_running(lay, figures, current)
+                                    is None):
+                taken = planner.prefer_timed(plan, kept, timed, min_gain_s)
+                if taken is not None:
+                    return self._went_back(taken, kept, plan)
         if plan.key() == current.key():
             return plan
         kept = None
@@ -1221,7 +1276,7 @@ class AutoPlanner:
                     chosen.append(found[0])
                 if len(chosen) != len(ran) or len(keys) != len(ran) or key not in lay.beside:
                     continue
-                points[tuple(v if math.isfinite(v) else None for v in point)] = point
+                points[_point_key(point)] = point
                 for other, k in zip(ran, chosen):
                     if (other, k) not in rebuilt:
                         rebuilt[other, k] = self._rebuilt(other, figures, k)
@@ -1231,9 +1286,9 @@ class AutoPlanner:
         return together, list(points.values())
 
     def _went_back(self, taken, kept, new):
-        """``taken``, counted and said where it is neither the current plan (``kept``)
-        nor the planner's choice (``new``)."""
-        if taken.key() not in (kept.key(), new.key()):
+        """``taken``, counted and said where it is neither the current plan (``kept``;
+        None where ruled out) nor the planner's choice (``new``)."""
+        if taken.key() != new.key() and (kept is None or taken.key() != kept.key()):
             self.went_back += 1
             logging.info("tfgc: compressor='auto' goes back to a plan whose steps ran "
                          "faster than the current one's: %s", taken.key())
@@ -1277,6 +1332,12 @@ def _choice_of(key, layout):
     dense = frozenset(p for p, k in enumerate(_table_places(layout))
                       if layout[k][0] in labels)
     return labels, dense, rows_label
+
+
+def _point_key(point):
+    """A timed step (``_Layout.steps``' value) as a key: the same step kept by two
+    layouts is one point (NaN, an unknown error, compares unequal to itself)."""
+    return tuple(v if math.isfinite(v) else None for v in point)
 
 
 def _names_fit(key, layout) -> bool:

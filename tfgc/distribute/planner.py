@@ -1171,11 +1171,11 @@ class Joint:
     so plans that ran beside each other are timed only as a whole.
 
     ``pace`` is the line through whole steps against all their predicted communication
-    (``pace_from`` over every set's timed steps), so none of it is another set's
+    (``pace_from`` over the steps they ran together), so none of it is another set's
     (``Pace.shared_s`` 0). Its communication is the sum of the plans', and its
-    low-rank share the sum of theirs (each of its own budget): a step's count is set by
-    every model it trains, and the sum is the larger of the ways to add them up for
-    small shares, (1 + a)(1 + b) ≈ 1 + a + b."""
+    low-rank share the largest of theirs (each of its own budget): the models a step
+    trains reach their accuracy together, at the pace of the one whose updates lose
+    most (``benchmarks/network.py``'s pins count a step's low-rank steps so too)."""
 
     plans: Tuple[Plan, ...]
     pace: Optional[Pace] = None
@@ -1189,7 +1189,7 @@ class Joint:
 
     @property
     def low_rank_share(self) -> float:
-        return sum(plan.low_rank_share for plan in self.plans)
+        return max((plan.low_rank_share for plan in self.plans), default=0.0)
 
     def paced_seconds(self, pace: Optional[Pace] = None) -> float:
         """As ``Plan.paced_seconds``, under ``pace`` or its own."""
@@ -1386,18 +1386,22 @@ def prefer_timed(new: Plan, kept: Optional[Plan], timed: Dict[str, Tuple[Plan, t
     out). Each timed plan costs what its own step says (``timed_seconds``), ``new``
     what its step says where it ran, else its prediction. Where that prediction beats
     every timed plan, or ``kept`` was not timed (no step given), None: ``new`` is
-    tried. Otherwise ``kept`` gives way to the cheapest of the timed plans that save
-    more than ``min_gain_s`` a step and more than ``PACE_Z`` standard errors of the
-    difference, under the pace and each pace its slope's interval allows (as
-    ``least_gain``: a step moved along the line carries the slope's doubt); else it
-    stays. So a plan that ran slower than one timed before gives way to it, and is not
-    tried again while the timed steps stand, and a lucky step alone does not move it."""
-    if new.pace is None or kept is None or not timed or kept.key() not in timed:
+    tried. Where ``kept`` is None, a plan must be left: the cheapest timed plan, or
+    None where that is ``new``. Otherwise ``kept`` gives way to the cheapest of the
+    timed plans that save more than ``min_gain_s`` a step and more than ``PACE_Z``
+    standard errors of the difference, under the pace and each pace its slope's
+    interval allows (as ``least_gain``: a step moved along the line carries the
+    slope's doubt); else it stays. So a plan that ran slower than one timed before
+    gives way to it, and is not tried again while the timed steps stand, and a lucky
+    step alone does not move it."""
+    if new.pace is None or not timed or (kept is not None and kept.key() not in timed):
         return None
     costs = {key: timed_seconds(plan, point) for key, (plan, point) in timed.items()}
     best = min(costs, key=lambda key: (costs[key][0], key))
     if new.key() not in costs and new.paced_seconds() < costs[best][0]:
         return None
+    if kept is None:
+        return None if best == new.key() else timed[best][0]
     paces = [new.pace] + list(new.pace.others)
 
     def saves(key):
