@@ -998,8 +998,8 @@ def _timed_layout(ops, auto, fig, current, steps):
 
 @pytest.mark.parametrize("given", [False, True])
 def test_the_planner_goes_back_to_a_plan_that_ran_faster_and_stays_there(given):
-    # AutoPlanner._plan_again with the plans that ran kept (``_timed`` fills
-    # ``ran``): the low-rank plan, the planner's choice, ran twice as long as the
+    # AutoPlanner._decide with the plans that ran kept (``_timed`` fills
+    # ``steps``): the low-rank plan, the planner's choice, ran twice as long as the
     # quantized one timed before it. It goes back to the quantized plan, retracing
     # once, and keeps it at the next interval's end with the same steps; unless the
     # link was given, not measured: the steps ran on another network.
@@ -1016,10 +1016,10 @@ def test_the_planner_goes_back_to_a_plan_that_ran_faster_and_stays_there(given):
     if given:
         assert auto._plan_again(lay, free, 0.0).key() != quantized.key()
         return
-    assert auto._take({lay: auto._plan_again(lay, free, 0.0)}, fig)
+    assert auto._take(auto._decide([lay]), fig)
     assert ops.generation == generation + 1
     assert auto.plan.key() == quantized.key() and auto.went_back == 1
-    assert not auto._take({lay: auto._plan_again(lay, auto.plan, 0.0)}, fig)
+    assert not auto._take(auto._decide([lay]), fig)
     assert auto.plan.key() == quantized.key() and ops.generation == generation + 1
     assert auto.went_back == 1
     # Steps read back from a checkpoint record are plans' keys and figures only: the
@@ -1042,12 +1042,13 @@ def test_the_planner_goes_back_to_a_plan_that_ran_faster_and_stays_there(given):
     # A pinned plan stays pinned, whatever the steps say.
     again_auto._pin, count = "psgd2", again_auto.went_back
     autoplan.AutoPlanner._take_part(back, auto.snapshot()["layouts"][0])
-    pinned = again_auto._plan_again(back, free, 0.0)
+    pinned = again_auto._decide([back])[back]
     assert {e.label for e in pinned.entries} == {"psgd2"} and again_auto.went_back == count
 
 
 @pytest.mark.parametrize("same_beside", [False, True])
-def test_a_set_weighs_only_the_steps_timed_beside_the_other_sets_plans_of_now(same_beside):
+def test_a_set_weighs_only_the_steps_timed_beside_the_other_sets_plans_of_now(
+        same_beside, monkeypatch):
     # Two sets a step (a GAN's): each timed step holds both sets' runs. The first set's
     # bf16 plan ran 105 ms beside the other set's old plan, its current plan 120 ms
     # beside the other's new one: the 15 ms may be the other set's change, not its own,
@@ -1073,7 +1074,16 @@ def test_a_set_weighs_only_the_steps_timed_beside_the_other_sets_plans_of_now(sa
                   current.key(): beside}
     timed = auto._timed_plans(lay, fig, current)
     assert set(timed) == ({old.key(), current.key()} if same_beside else {current.key()})
-    taken = auto._plan_again(lay, current, 0.0)
+    if same_beside:
+        # What is counted is the step's final choice: where the sets' plans weighed
+        # together keep the current ones, the set's own going back is not.
+        with monkeypatch.context() as patch:
+            patch.setattr(autoplan.AutoPlanner, "_joint_back",
+                          lambda self, ran, plans, gain: {o: o.plan[1] for o in ran})
+            assert auto._plan_again(lay, current, 0.0).key() == old.key()
+            assert auto._decide([lay, partner])[lay].key() == current.key()
+            assert auto.went_back == 0
+    taken = auto._decide([lay, partner])[lay]
     assert (taken.key() == old.key()) == same_beside
     assert auto.went_back == int(same_beside)
     # The other set has changed plan since the current one was timed: nothing timed
@@ -1216,6 +1226,44 @@ def test_a_sets_line_is_drawn_through_every_step_it_ran_in():
     assert not auto._planned(layouts[1], fig).pace.measured_slope
 
 
+def test_a_step_another_set_did_not_run_in_is_not_one_of_its_steps():
+    # Two sets planned in one generation, trained in turn (models fitted one after
+    # the other): each step timed names no plan beside it, and neither set's line nor
+    # the sets timed together hold the other's steps. Restored rows whose error is
+    # unknown (None, NaN once read) are still one step each, whichever set keeps them.
+    ops, auto = _tracking_planner()
+    fig = all_figures(1.0)
+    sets = (GRADIENTS[:3], GRADIENTS[3:])
+    plans = [planner.make_plan(g, fig, 0.05) for g in sets]
+    # pylint: disable=protected-access
+    layouts = [auto._layout(tuple(g)) for g in sets]
+    auto._figures = (ops.generation, fig)
+    for lay, plan in zip(layouts, plans):
+        lay.critical, lay.plan = frozenset(), (ops.generation, plan)
+    auto._timed([layouts[0]], 0.100, 0.001)
+    auto._timed([layouts[1]], 0.030, 0.001)
+    assert [lay.beside for lay in layouts] == [{plans[0].key(): ""}, {plans[1].key(): ""}]
+    assert [p[1] for p in auto._points(layouts[0])] == [0.100]
+    assert [p[1] for p in auto._points(layouts[1])] == [0.030]
+    assert auto._timed_together(layouts, fig) == ({}, [])
+    # Both ran, twice (the first set's plan changed): restored with unknown errors,
+    # the step both sets keep is one point.
+    other = planner.make_plan(sets[0], fig, 0.05, only={n: "bf16" for n, _, _ in sets[0]})
+    auto._timed(layouts, 0.150, 0.001)
+    layouts[0].plan = (ops.generation, other)
+    auto._timed(layouts, 0.110, 0.001)
+    record = json.loads(json.dumps(auto.snapshot()))
+    again, again_auto = _tracking_planner()
+    back = [again_auto._layout(tuple(g)) for g in sets]
+    for lay, part in zip(back, record["layouts"]):
+        for row in part["steps"]:
+            row[3] = None
+        autoplan.AutoPlanner._take_part(lay, part)
+    # (Each plan's key keeps its last step: the solo steps are overwritten.)
+    for lay in back:
+        assert sorted(p[1] for p in again_auto._points(lay)) == [0.110, 0.150]
+
+
 def test_plans_ran_together_are_matched_by_set_and_left_out_where_ruled_out():
     # AutoPlanner._timed_together: the pairs of plans timed together, whichever
     # layout's steps name them; a pair timed beside a third layout's plan is left out,
@@ -1252,32 +1300,34 @@ def test_plans_ran_together_are_matched_by_set_and_left_out_where_ruled_out():
 
 def test_a_timed_step_is_forgotten_after_its_intervals_and_its_age_is_kept():
     # A plan timed once, then another plan timed at every interval's end: the first
-    # one's step weighs for TIMED_INTERVALS_KEPT intervals, then is forgotten (steps,
-    # beside, age). A checkpoint record keeps each step's age, and a restored layout
-    # counts it on from the restoring planner's intervals; a row written before steps
-    # aged reads as timed now.
+    # one's step weighs at its interval's end and at TIMED_INTERVALS_KEPT more, then
+    # is forgotten (steps, beside, age); an end at which no layout ran is no interval.
+    # A checkpoint record keeps each step's age, and a restored layout counts it on
+    # from the restoring planner's intervals; a row written before steps aged reads
+    # as timed then.
     ops, auto = _tracking_planner()
     fig = all_figures(1.0)
     old = planner.make_plan(GRADIENTS, fig, 0.05, only={n: "bf16" for n, _, _ in GRADIENTS})
     current = planner.make_plan(GRADIENTS, fig, 0.05)
+    kept = autoplan.TIMED_INTERVALS_KEPT
     # pylint: disable=protected-access
     lay = auto._layout(tuple(GRADIENTS))
     auto._figures = (ops.generation, fig)
     lay.plan = (ops.generation, old)
     auto._timed([lay], 0.100, 0.001)
     lay.plan = (ops.generation, current)
-    for _ in range(autoplan.TIMED_INTERVALS_KEPT - 1):
+    for _ in range(kept):
         auto._timed([lay], 0.120, 0.001)
+        auto._timed([], 0.120, 0.001)
+    assert auto.intervals == kept + 1
     assert set(lay.steps) == set(lay.beside) == {old.key(), current.key()}
     rows = {row[0]: row for row in auto.snapshot()["layouts"][0]["steps"]}
-    assert rows[old.key()][5] == autoplan.TIMED_INTERVALS_KEPT - 1
-    assert rows[current.key()][5] == 0
+    assert rows[old.key()][5] == kept and rows[current.key()][5] == 0
     back = _tracking_planner()[1]
     back.intervals = 3
     restored = back._layout(tuple(GRADIENTS))
     autoplan.AutoPlanner._take_part(restored, auto.snapshot()["layouts"][0], back.intervals)
-    assert restored.timed_at == {old.key(): 3 - (autoplan.TIMED_INTERVALS_KEPT - 1),
-                                 current.key(): 3}
+    assert restored.timed_at == {old.key(): 3 - kept, current.key(): 3}
     # One interval more: the old plan's step is forgotten here and in the restored one.
     for planner_, layout in ((auto, lay), (back, restored)):
         layout.plan = (ops.generation, current)
@@ -1285,7 +1335,7 @@ def test_a_timed_step_is_forgotten_after_its_intervals_and_its_age_is_kept():
         planner_._timed([layout], 0.120, 0.001)
         assert set(layout.steps) == set(layout.beside) == set(layout.timed_at) == {
             current.key()}
-    # A row without an age: timed at the restoring planner's interval.
+    # A row without an age: timed at the intervals given.
     part = auto.snapshot()["layouts"][0]
     for row in part["steps"]:
         del row[5:]
@@ -1313,7 +1363,7 @@ def test_a_critical_regime_takes_a_timed_plan_it_allows_where_it_ran_faster(fp32
     assert set(timed) == {fp32.key()}
     faster = planner.timed_seconds(*timed[fp32.key()])[0] < new.paced_seconds()
     assert faster == (fp32_step == 0.100)
-    taken = auto._plan_again(lay, quantized, 0.0)
+    taken = auto._decide([lay])[lay]
     assert taken.key() == (fp32.key() if faster else new.key())
     assert auto.went_back == int(faster)
 
@@ -1340,7 +1390,7 @@ def test_a_new_plan_that_does_not_pay_leaves_a_faster_timed_plan_to_be_taken(mon
     # The kept plan is priced (a measured slope), as a change that does not pay needs.
     assert new.pace.measured_slope
     monkeypatch.setattr(planner, "change_pays", lambda kept, new, min_gain_s: False)
-    assert auto._plan_again(lay, quantized, 0.0).key() == free.key()
+    assert auto._decide([lay])[lay].key() == free.key()
     assert auto.went_back == 1
 
 

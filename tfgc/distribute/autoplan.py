@@ -75,11 +75,12 @@ RESTORED_LINK_FACTOR = 3.0
 # them all).
 MAX_LAYOUTS = 4
 # A plan's timed step weighs (``_Layout.steps``: the pace's line and the plans gone
-# back to) for this many intervals of timed steps after it ran; then it is forgotten,
-# so a plan that once ran slow may be tried again where the planner predicts it
-# faster, and a line drawn through steps of long ago (another data pipeline, another
-# load on the hosts) does not price plans today. A plan running now is timed again at
-# every interval's end.
+# back to) at the end of the interval it was timed in and of this many intervals
+# after it (an interval: one whose steps were timed at its end, ``AutoPlanner._timed``);
+# then it is forgotten, so a plan that once ran slow may be tried again where the
+# planner predicts it faster, and a line drawn through steps of long ago (another data
+# pipeline, another load on the hosts) does not price plans today. A plan running now
+# is timed again at every interval's end.
 TIMED_INTERVALS_KEPT = 8
 
 
@@ -138,11 +139,13 @@ class _Layout:
         # compute (``planner.Pace.beside``).
         self.steps = {}
         self.others_s = 0.0
-        # By key of ``steps``: the other layouts' plans beside it when it was timed
-        # (their keys, sorted; "" alone), whose runs its step holds too; and the
-        # interval (``AutoPlanner.intervals``) it was timed at.
+        # By key of ``steps``: the plans of the other layouts that trained in the same
+        # steps when it was timed (their keys, sorted; "" alone), whose runs its step
+        # holds too; and the interval (``AutoPlanner.intervals``) it was timed at.
         self.beside = {}
         self.timed_at = {}
+        # The planner's choice when it last planned again (``_plan_again``).
+        self.proposed = None
         # By place among the embedding tables: this worker's rows of the last step (a
         # local int32 variable: distinct rows, rows with repeats; zeros: not counted),
         # and every worker's most as last gathered (``AutoPlanner._count_rows``).
@@ -196,13 +199,16 @@ class AutoPlanner:
         self._numbers = itertools.count()
         # How many times the figures were measured (a restored plan measures only the
         # link), how many restored plans the link measured then made afresh, and how
-        # many times a layout went back to a plan that ran faster (``_plan_again``).
+        # many times the plans went back to plans that ran faster (``_decide``).
         self.measurements = 0
         self.relinked = 0
         self.went_back = 0
         # The intervals whose steps were timed (``_timed``), this worker's count: a
         # timed step's age (``TIMED_INTERVALS_KEPT``).
         self.intervals = 0
+        # ``intervals`` when the restored record was taken: the ages of its steps count
+        # back from it, for every layout's part however late it is planned.
+        self._record_intervals = 0
         self.reset()
 
     def reset(self):
@@ -366,7 +372,7 @@ class AutoPlanner:
             self._saved = None
             part = self._saved_layouts.pop(_layout_key(gradients), None)
             if part is not None:  # restored with the figures this generation took
-                labels, rows_label = self._take_part(lay, part, self.intervals)
+                labels, rows_label = self._take_part(lay, part, self._record_intervals)
         else:
             figures, labels, rows_label = self._restored_figures(lay)
             moved = figures is not None and self._moved_link(lay, figures)
@@ -521,6 +527,7 @@ class AutoPlanner:
         self._saved_layouts = parts
         logging.info("tfgc: compressor='auto': the plan's figures restored from the "
                      "checkpoint (%s)", figures.describe())
+        self._record_intervals = self.intervals
         return (figures,) + self._take_part(lay, part, self.intervals)
 
     @staticmethod
@@ -569,7 +576,7 @@ class AutoPlanner:
                      figures.describe_link())
         self.relinked += 1
         for other in self._layouts.values():
-            other.steps, other.beside = {}, {}
+            other.steps, other.beside, other.timed_at = {}, {}, {}
         return new
 
     def _all_restored(self, text) -> bool:
@@ -681,12 +688,14 @@ class AutoPlanner:
         predicted = {lay: self._repriced(lay, lay.plan[1]).step_seconds() for lay in ran}
         if not (math.isfinite(step_s) and step_s > 0):
             return
+        if not ran:
+            return
         total = sum(predicted.values())
         self.intervals += 1
         for lay in ran:
             lay.others_s = total - predicted[lay]
             lay.steps[lay.plan[1].key()] = (total, step_s, step_se_s)
-            lay.beside[lay.plan[1].key()] = self._beside(lay)
+            lay.beside[lay.plan[1].key()] = self._beside(lay, ran)
             lay.timed_at[lay.plan[1].key()] = self.intervals
         for lay in self._layouts.values():
             self._forget_old(lay)
@@ -696,7 +705,7 @@ class AutoPlanner:
         forgotten."""
         for key in [k for k in lay.steps
                     if self.intervals - lay.timed_at.get(k, self.intervals)
-                    >= TIMED_INTERVALS_KEPT]:
+                    > TIMED_INTERVALS_KEPT]:
             del lay.steps[key]
             lay.beside.pop(key, None)
             lay.timed_at.pop(key, None)
@@ -1124,7 +1133,7 @@ class AutoPlanner:
         self._low_rank = low_rank
         return changed
 
-    def _plan_again(self, lay, current, min_gain_s: float = 0.0):
+    def _plan_again(self, lay, current, min_gain_s: float = 0.0, ran=None):
         """The plan for ``lay`` from the current figures, regimes and errors: one that
         differs from ``current``, unless ``current`` still keeps within the regimes and
         budgets and the new one is predicted to save less than ``min_gain_s`` a step,
@@ -1141,13 +1150,16 @@ class AutoPlanner:
         begins), the cheapest of the timed plans they allow is taken over the new one
         where it ran faster than the new one is predicted to. On a given link
         (``link_gbps``) the steps run on another network than the one planned for, so
-        only the pace's line reads them. Its callers have counted the tables' rows."""
+        only the pace's line reads them. ``ran``: the layouts that trained in the
+        interval (None: those planned now), whose plans beside ``lay``'s the timed
+        steps must have run. The planner's choice is kept as ``lay.proposed``. Its
+        callers have counted the tables' rows."""
         figures = self._figures[1]
-        plan = self._planned(lay, figures)
+        plan = lay.proposed = self._planned(lay, figures)
         timed = {}
         if (self._pin is None and not self._ops.compressor.link_gbps
                 and plan.pace is not None and len(lay.steps) > 1):
-            timed = self._timed_plans(lay, figures, current)
+            timed = self._timed_plans(lay, figures, current, ran)
             kept = timed.get(current.key(), (None,))[0]
             # Weighed by the steps where the current plan was timed and is priced now,
             # or where the regimes or budgets now rule it out (a plan must be left).
@@ -1155,7 +1167,7 @@ class AutoPlanner:
                                     is None):
                 taken = planner.prefer_timed(plan, kept, timed, min_gain_s)
                 if taken is not None:
-                    return self._went_back(taken, kept, plan)
+                    return taken
         if plan.key() == current.key():
             return plan
         kept = None
@@ -1175,22 +1187,25 @@ class AutoPlanner:
         if kept.key() in timed:
             # The new plan was predicted to beat every plan timed but does not pay for
             # a change: a plan timed faster than the current one still may.
-            return self._went_back(planner.prefer_timed(kept, kept, timed, min_gain_s),
-                                   kept, plan)
+            return planner.prefer_timed(kept, kept, timed, min_gain_s)
         return kept
 
-    def _beside(self, lay):
-        """The plans of the layouts beside ``lay`` now (``_Layout.beside``)."""
-        return ";".join(sorted(other.plan[1].key() for other in self._active()
+    def _beside(self, lay, ran=None):
+        """The plans of the layouts beside ``lay`` in ``ran`` (the layouts that
+        trained in the steps; None: those planned now), by their keys
+        (``_Layout.beside``)."""
+        return ";".join(sorted(other.plan[1].key()
+                               for other in (self._active() if ran is None else ran)
                                if other is not lay))
 
-    def _timed_plans(self, lay, figures, current):
+    def _timed_plans(self, lay, figures, current, ran=None):
         """The plans ``lay`` ran and timed (its ``steps``, restored ones included)
-        beside the plans the other layouts run now (a step holds every layout's runs)
-        that the current regimes and budgets still allow, each priced now with its
-        timed step, by key (``planner.prefer_timed``'s ``timed``); {} where
-        ``current`` was not timed beside them."""
-        now = self._beside(lay)
+        beside the plans the other layouts in ``ran`` run now (a step holds every
+        layout's runs; None: the layouts planned now) that the current regimes and
+        budgets still allow, each priced now with its timed step, by key
+        (``planner.prefer_timed``'s ``timed``); {} where ``current`` was not timed
+        beside them."""
+        now = self._beside(lay, ran)
         if lay.beside.get(current.key()) != now or current.key() not in lay.steps:
             return {}
         timed = {}
@@ -1216,11 +1231,21 @@ class AutoPlanner:
         """The plans to take for the layouts in ``ran`` (those that trained in the
         interval): each one's ``_plan_again``, then, where several ran (a step reduces
         each of them), the whole step's choice among the sets of plans that ran
-        together (``_joint_back``). Every worker calls it at the same point."""
-        plans = {lay: self._plan_again(lay, lay.plan[1], min_gain_s) for lay in ran}
-        if (len(ran) < 2 or self._pin is not None or self._ops.compressor.link_gbps):
-            return plans
-        return self._joint_back(ran, plans, min_gain_s)
+        together (``_joint_back``). Where a layout takes a plan that is neither its
+        current one nor the planner's choice, the step's plans went back to plans
+        timed faster: counted once (``went_back``) and said. Every worker calls it at
+        the same point."""
+        plans = {lay: self._plan_again(lay, lay.plan[1], min_gain_s, ran) for lay in ran}
+        if len(ran) > 1 and self._pin is None and not self._ops.compressor.link_gbps:
+            plans = self._joint_back(ran, plans, min_gain_s)
+        back = [lay for lay in ran
+                if plans[lay].key() not in (lay.plan[1].key(), lay.proposed.key())]
+        if back:
+            self.went_back += 1
+            logging.info("tfgc: compressor='auto' goes back to plans whose steps ran "
+                         "faster than the current ones: %s",
+                         " | ".join(plans[lay].key() for lay in back))
+        return plans
 
     def _joint_back(self, ran, plans, min_gain_s):
         """``plans`` for the layouts in ``ran``, or the plans that ran together in a
@@ -1231,13 +1256,14 @@ class AutoPlanner:
         the sets of plans that ran together do. Each is priced now with its whole
         step, moved along the line through the steps they timed together; the
         layouts' new plans are tried only where predicted to beat every set timed,
-        the current one included. Where the current set was not timed together, or
-        the regimes or budgets rule one of its plans out, ``plans`` stand."""
+        the current one included. Where fewer than two sets were timed together, the
+        current set not among them, or the regimes or budgets rule one of its plans
+        out, ``plans`` stand."""
         figures = self._figures[1]
         together, points = self._timed_together(ran, figures)
         pace = planner.pace_from(points, self._ops.compressor.low_rank_steps)
         current = "\n".join(lay.plan[1].key() for lay in ran)
-        if pace is None or current not in together:
+        if pace is None or current not in together or len(together) < 2:
             return plans
         timed = {key: (planner.Joint(chosen, pace), point)
                  for key, (chosen, point) in together.items()}
@@ -1246,11 +1272,10 @@ class AutoPlanner:
         taken = planner.prefer_timed(new, kept, timed, min_gain_s)
         if taken is None:
             return plans
-        if taken.key() not in (kept.key(), new.key()):
-            self.went_back += 1
-            logging.info("tfgc: compressor='auto' goes back to plans whose steps ran "
-                         "faster together than the current ones: %s",
-                         taken.key().replace("\n", " | "))
+        if taken.key() == kept.key() != new.key():
+            logging.info("tfgc: compressor='auto' keeps the plans of the sets a step "
+                         "reduces: their new plans are not predicted to beat the plans "
+                         "timed together")
         return dict(zip(ran, taken.plans))
 
     def _timed_together(self, ran, figures):
@@ -1284,15 +1309,6 @@ class AutoPlanner:
                 if all(plan is not None for plan in plans):
                     together.setdefault("\n".join(chosen), (plans, point))
         return together, list(points.values())
-
-    def _went_back(self, taken, kept, new):
-        """``taken``, counted and said where it is neither the current plan (``kept``;
-        None where ruled out) nor the planner's choice (``new``)."""
-        if taken.key() != new.key() and (kept is None or taken.key() != kept.key()):
-            self.went_back += 1
-            logging.info("tfgc: compressor='auto' goes back to a plan whose steps ran "
-                         "faster than the current one's: %s", taken.key())
-        return taken
 
     @property
     def norms(self):
