@@ -407,15 +407,12 @@ def drive(args, argv):
             return _common.run_cluster(command, args.workers, out, args.timeout, log)
         return sweep(args, argv, loopback)
     import network  # the shaped cluster's driver: signals, clean-up
-    from netns import Cluster, NetError, clean_leftovers, preflight
+    from netns import Cluster, NetError
 
     def shaped(args, argv, holder):
-        reason = preflight()
-        if reason:
-            network.say(f"gan_quality --rate needs a shaped cluster: {reason}")
-            return 1
-        holder["ready"] = True
-        clean_leftovers()
+        status = network.shaped_start(holder, "gan_quality --rate needs a shaped cluster", 1)
+        if status is not None:
+            return status
         runs = _common.scratch_dir("tfgc-gan-quality-shaped-")
 
         def run_shaped(command, out, log, k):

@@ -826,17 +826,28 @@ def driver_main(args, argv, drive=None):
     return status
 
 
-def _drive(args, argv, holder):
+def shaped_start(holder, unable, status=0):
+    """The start of a sweep on shaped links (this script's, and those of the drivers
+    that run under ``driver_main``): None once namespaces may be made (``holder``
+    ready, an earlier run's left over removed, each said), else ``status`` after
+    saying ``unable``, the reason appended, where this machine cannot make them."""
     reason = preflight()
     if reason:
-        say(f"network benchmark skipped: {reason}")
-        return 0
+        say(f"{unable}: {reason}")
+        return status
     holder["ready"] = True
     removed, kept = clean_leftovers()
     if removed:
         say(f"removed {len(removed)} namespace(s) left by an earlier run: {' '.join(removed)}")
     if kept:
         say(f"note: namespaces of another running sweep left alone: {' '.join(kept)}")
+    return None
+
+
+def _drive(args, argv, holder):
+    status = shaped_start(holder, "network benchmark skipped")
+    if status is not None:
+        return status
 
     runs = plan_runs(args)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -48,7 +48,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402  (also puts the repo root on sys.path)
 import network  # noqa: E402  (worker environment, supervision, signals)
-from netns import Cluster, NetError, clean_leftovers, preflight  # noqa: E402
+from netns import Cluster, NetError  # noqa: E402
 from network_report import rate_bps  # noqa: E402
 from scaling_report import ROW, gradient_shape  # noqa: E402
 
@@ -201,12 +201,9 @@ def _worker(args, prefix, phase):
 # Driver.
 
 def drive(args, argv, holder):
-    reason = preflight()
-    if reason:
-        network.say(f"scaling check skipped: {reason}")
-        return 0
-    holder["ready"] = True
-    clean_leftovers()
+    status = network.shaped_start(holder, "scaling check skipped")
+    if status is not None:
+        return status
     scratch = _common.scratch_dir("tfgc_scaling_")
     command = _common.command_line("scaling.py", argv)
     report = {"benchmark": "scaling", "command": command,

@@ -56,7 +56,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402  (also puts the repo root on sys.path)
 import network  # noqa: E402  (worker environment, supervision, signals, the wide MLP)
-from netns import Cluster, NetError, clean_leftovers, preflight  # noqa: E402
+from netns import Cluster, NetError  # noqa: E402
 from network_report import rate_bps, rate_label  # noqa: E402
 from tfgc.apps.plots import fmt_bytes, svg_plot  # noqa: E402  (stdlib only)
 
@@ -683,14 +683,9 @@ def write_plots(report, args):
 
 def _drive(args, argv, holder):
     say = network.say
-    reason = preflight()
-    if reason:
-        say(f"time-to-accuracy benchmark skipped: {reason}")
-        return 0
-    holder["ready"] = True
-    removed, _ = clean_leftovers()
-    if removed:
-        say(f"removed {len(removed)} namespace(s) left by an earlier run")
+    status = network.shaped_start(holder, "time-to-accuracy benchmark skipped")
+    if status is not None:
+        return status
     done = {}
     if args.resume and os.path.exists(args.out + ".json"):
         with open(args.out + ".json") as f:

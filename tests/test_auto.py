@@ -1143,12 +1143,23 @@ def test_a_joint_weighs_the_plans_of_a_step_as_one():
     assert step == pytest.approx((0.150 + 0.8 * 0.010) * (1 + 0.3 * joint.low_rank_share))
 
 
+TWO_SETS = (GRADIENTS[:3], GRADIENTS[3:])
+
+
+def _set_plans(fig, label=None):
+    """A plan for each of TWO_SETS under ``fig``: ``label`` on every gradient, or the
+    budget's choice (None)."""
+    return [planner.make_plan(g, fig, 0.05,
+                              only=None if label is None else {n: label for n, _, _ in g})
+            for g in TWO_SETS]
+
+
 def _two_sets_timed(auto, ops, fig, runs):
     """``auto``'s two layouts (GRADIENTS' first three, and the rest), nothing critical,
     each pair of plans of ``runs`` ((first set's plan, second's, median step) triples)
     run and timed together in turn (``_timed``), the last pair current."""
     # pylint: disable=protected-access
-    layouts = [auto._layout(tuple(GRADIENTS[:3])), auto._layout(tuple(GRADIENTS[3:]))]
+    layouts = [auto._layout(tuple(g)) for g in TWO_SETS]
     auto._figures = (ops.generation, fig)
     for lay in layouts:
         lay.critical = frozenset()
@@ -1168,9 +1179,8 @@ def test_two_sets_go_back_together_to_the_plans_that_ran_faster_together():
     # retracing once, then stay there; from a checkpoint's record too.
     ops, auto = _tracking_planner()
     fig = all_figures(1.0)
-    sets = (GRADIENTS[:3], GRADIENTS[3:])
-    old = [planner.make_plan(g, fig, 0.05, only={n: "fp32" for n, _, _ in g}) for g in sets]
-    new = [planner.make_plan(g, fig, 0.05) for g in sets]
+    sets = TWO_SETS
+    old, new = _set_plans(fig, "fp32"), _set_plans(fig)
     assert all(o.key() != n.key() for o, n in zip(old, new))
     # pylint: disable=protected-access
     layouts = _two_sets_timed(auto, ops, fig, [(*old, 0.100), (*new, 0.160)])
@@ -1208,7 +1218,7 @@ def test_a_sets_line_is_drawn_through_every_step_it_ran_in():
     # line goes through both (its pace measures a slope it could not alone).
     ops, auto = _tracking_planner()
     fig = all_figures(1.0)
-    sets = (GRADIENTS[:3], GRADIENTS[3:])
+    sets = TWO_SETS
     first = [planner.make_plan(sets[0], fig, 0.05, only={n: label for n, _, _ in sets[0]})
              for label in ("fp32", "bf16")]
     second = planner.make_plan(sets[1], fig, 0.05)
@@ -1233,8 +1243,8 @@ def test_a_step_another_set_did_not_run_in_is_not_one_of_its_steps():
     # unknown (None, NaN once read) are still one step each, whichever set keeps them.
     ops, auto = _tracking_planner()
     fig = all_figures(1.0)
-    sets = (GRADIENTS[:3], GRADIENTS[3:])
-    plans = [planner.make_plan(g, fig, 0.05) for g in sets]
+    sets = TWO_SETS
+    plans = _set_plans(fig)
     # pylint: disable=protected-access
     layouts = [auto._layout(tuple(g)) for g in sets]
     auto._figures = (ops.generation, fig)
@@ -1271,9 +1281,8 @@ def test_plans_ran_together_are_matched_by_set_and_left_out_where_ruled_out():
     # line through whole steps).
     ops, auto = _tracking_planner()
     fig = all_figures(1.0)
-    sets = (GRADIENTS[:3], GRADIENTS[3:])
-    bf16 = [planner.make_plan(g, fig, 0.05, only={n: "bf16" for n, _, _ in g}) for g in sets]
-    new = [planner.make_plan(g, fig, 0.05) for g in sets]
+    sets = TWO_SETS
+    bf16, new = _set_plans(fig, "bf16"), _set_plans(fig)
     # pylint: disable=protected-access
     layouts = _two_sets_timed(auto, ops, fig, [(bf16[0], new[1], 0.100),
                                                (new[0], new[1], 0.120)])
