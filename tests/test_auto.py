@@ -15,6 +15,7 @@
 
 import dataclasses
 import json
+import logging
 import math
 import time
 
@@ -996,6 +997,17 @@ def _timed_layout(ops, auto, fig, current, steps):
     return lay
 
 
+TWO_SETS = (GRADIENTS[:3], GRADIENTS[3:])
+
+
+def _set_plans(fig, label=None):
+    """A plan for each of TWO_SETS under ``fig``: ``label`` on every gradient, or the
+    budget's choice (None)."""
+    return [planner.make_plan(g, fig, 0.05,
+                              only=None if label is None else {n: label for n, _, _ in g})
+            for g in TWO_SETS]
+
+
 @pytest.mark.parametrize("given", [False, True])
 def test_the_planner_goes_back_to_a_plan_that_ran_faster_and_stays_there(given):
     # AutoPlanner._decide with the plans that ran kept (``_timed`` fills
@@ -1056,13 +1068,13 @@ def test_a_set_weighs_only_the_steps_timed_beside_the_other_sets_plans_of_now(
     ops, auto = _tracking_planner()
     fig = all_figures(1.0)
     low_rank = planner.LowRank(2, MEASURED)
-    first = GRADIENTS[:3]
+    first = TWO_SETS[0]
     # pylint: disable=protected-access
     lay = auto._layout(tuple(first))
     lay.critical, auto._low_rank = frozenset(), dict(MEASURED)
     auto._figures = (ops.generation, fig)
-    partner = auto._layout(tuple(GRADIENTS[3:]))  # the other set, and its plan now
-    partner.plan = (ops.generation, planner.make_plan(GRADIENTS[3:], fig, 0.05))
+    partner = auto._layout(tuple(TWO_SETS[1]))  # the other set, and its plan now
+    partner.plan = (ops.generation, planner.make_plan(TWO_SETS[1], fig, 0.05))
     beside = partner.plan[1].key()
     old = planner.make_plan(first, fig, 0.05, only={n: "bf16" for n, _, _ in first})
     current = planner.make_plan(first, fig, 0.05, low_rank=low_rank)
@@ -1089,7 +1101,7 @@ def test_a_set_weighs_only_the_steps_timed_beside_the_other_sets_plans_of_now(
     # The other set has changed plan since the current one was timed: nothing timed
     # beside its plan of now, so the line alone weighs.
     partner.plan = (ops.generation, planner.make_plan(
-        GRADIENTS[3:], fig, 0.05, only={n: "fp32" for n, _, _ in GRADIENTS[3:]}))
+        TWO_SETS[1], fig, 0.05, only={n: "fp32" for n, _, _ in TWO_SETS[1]}))
     assert partner.plan[1].key() != beside
     assert auto._timed_plans(lay, fig, current) == {}
 
@@ -1101,11 +1113,11 @@ def test_each_sets_timed_step_holds_both_plans_and_names_the_other_beside_it():
     ops, auto = _tracking_planner()
     fig = all_figures(1.0)
     # pylint: disable=protected-access
-    a, b = auto._layout(tuple(GRADIENTS[:3])), auto._layout(tuple(GRADIENTS[3:]))
+    a, b = auto._layout(tuple(TWO_SETS[0])), auto._layout(tuple(TWO_SETS[1]))
     auto._figures = (ops.generation, fig)
-    plans = {a: planner.make_plan(GRADIENTS[:3], fig, 0.05),
-             b: planner.make_plan(GRADIENTS[3:], fig, 0.05,
-                                  only={n: "bf16" for n, _, _ in GRADIENTS[3:]})}
+    plans = {a: planner.make_plan(TWO_SETS[0], fig, 0.05),
+             b: planner.make_plan(TWO_SETS[1], fig, 0.05,
+                                  only={n: "bf16" for n, _, _ in TWO_SETS[1]})}
     for lay, plan in plans.items():
         lay.plan = (ops.generation, plan)
     auto._timed([a, b], 0.120, 0.002)
@@ -1125,9 +1137,9 @@ def test_each_sets_timed_step_holds_both_plans_and_names_the_other_beside_it():
 def test_a_joint_weighs_the_plans_of_a_step_as_one():
     fig = all_figures(1.0)
     low_rank = planner.LowRank(2, MEASURED)
-    a = planner.make_plan(GRADIENTS[:3], fig, 0.05, low_rank=low_rank)
-    b = planner.make_plan(GRADIENTS[3:], fig, 0.05, low_rank=low_rank,
-                          only={n: "psgd2" for n, _, _ in GRADIENTS[3:]})
+    a = planner.make_plan(TWO_SETS[0], fig, 0.05, low_rank=low_rank)
+    b = planner.make_plan(TWO_SETS[1], fig, 0.05, low_rank=low_rank,
+                          only={n: "psgd2" for n, _, _ in TWO_SETS[1]})
     assert a.low_rank_share > 0 and b.low_rank_share > 0
     pace = planner.Pace(0.02, 0.8, 0.3)
     joint = planner.Joint((a, b), pace)
@@ -1141,17 +1153,6 @@ def test_a_joint_weighs_the_plans_of_a_step_as_one():
     # Timed, it is moved along the line as one plan.
     step, se = planner.timed_seconds(joint, (comm - 0.010, 0.150, 0.001))
     assert step == pytest.approx((0.150 + 0.8 * 0.010) * (1 + 0.3 * joint.low_rank_share))
-
-
-TWO_SETS = (GRADIENTS[:3], GRADIENTS[3:])
-
-
-def _set_plans(fig, label=None):
-    """A plan for each of TWO_SETS under ``fig``: ``label`` on every gradient, or the
-    budget's choice (None)."""
-    return [planner.make_plan(g, fig, 0.05,
-                              only=None if label is None else {n: label for n, _, _ in g})
-            for g in TWO_SETS]
 
 
 def _two_sets_timed(auto, ops, fig, runs):
@@ -1377,7 +1378,8 @@ def test_a_critical_regime_takes_a_timed_plan_it_allows_where_it_ran_faster(fp32
     assert auto.went_back == int(faster)
 
 
-def test_a_new_plan_that_does_not_pay_leaves_a_faster_timed_plan_to_be_taken(monkeypatch):
+def test_a_new_plan_that_does_not_pay_leaves_a_faster_timed_plan_to_be_taken(monkeypatch,
+                                                                            caplog):
     # The quantized plan, current, ran 200 ms and one of rank 2 on every matrix
     # 100 ms: a steep slope. The planner's new choice (less communication still) is
     # predicted below both, so it would be tried, but here a change is made not to
@@ -1399,8 +1401,16 @@ def test_a_new_plan_that_does_not_pay_leaves_a_faster_timed_plan_to_be_taken(mon
     # The kept plan is priced (a measured slope), as a change that does not pay needs.
     assert new.pace.measured_slope
     monkeypatch.setattr(planner, "change_pays", lambda kept, new, min_gain_s: False)
+    caplog.set_level(logging.INFO, logger="absl")
     assert auto._decide([lay])[lay].key() == free.key()
     assert auto.went_back == 1
+    # The log says what the new plan would save or lose, at the pace and at the worst
+    # pace the steps allow (a slope's end can make a saving a loss).
+    kept = auto._timed_plans(lay, fig, quantized)[quantized.key()][0]
+    least = planner.least_gain(kept, new)
+    worst = (f"save {least * 1e3:.3f} ms" if least >= 0 else f"lose {-least * 1e3:.3f} ms")
+    said = [r.getMessage() for r in caplog.records if "keeps its plan" in r.getMessage()]
+    assert len(said) == 1 and f"{worst} at the worst pace the steps allow" in said[0]
 
 
 TABLE_AFTER = 2  # the embedding table's index among TABLE_GRADIENTS

@@ -1178,14 +1178,16 @@ class AutoPlanner:
         if planner.change_pays(kept, plan, min_gain_s):
             return plan
         # Not taken: ``kept`` is not None here (``change_pays`` takes any plan over none).
-        least = planner.least_gain(kept, plan)
-        logging.info("tfgc: compressor='auto' keeps its plan: the new one would save "
-                     "%.3f ms a step at the measured pace and %s at the slope's end the "
-                     "steps allow that is worst for it, which does not cover a change "
-                     "(%.3f ms a step over the steps it would run)",
-                     (kept.paced_seconds() - plan.paced_seconds()) * 1e3,
-                     (f"{least * 1e3:.3f} ms" if least >= 0 else
-                      f"lose {-least * 1e3:.3f} ms"), min_gain_s * 1e3)
+        def saved(seconds):
+            return (f"save {seconds * 1e3:.3f} ms" if seconds >= 0
+                    else f"lose {-seconds * 1e3:.3f} ms")
+
+        logging.info("tfgc: compressor='auto' keeps its plan: the new one would %s a "
+                     "step at the measured pace and %s at the worst pace the steps "
+                     "allow, which does not cover a change (%.3f ms a step over the "
+                     "steps it would run)",
+                     saved(kept.paced_seconds() - plan.paced_seconds()),
+                     saved(planner.least_gain(kept, plan)), min_gain_s * 1e3)
         if kept.key() in timed:
             # The new plan was predicted to beat every plan timed but does not pay for
             # a change: a plan timed faster than the current one still may.
