@@ -285,8 +285,9 @@ def worker_main(args):
     if rank == 0:
         plans = ([p.table() for p in strategy.compression_plans()]
                  if hasattr(strategy, "compression_plans") else [])
-        # How often auto went back to plans whose steps ran faster.
-        auto = getattr(getattr(strategy, "cross_device_ops", None), "_auto", None)
+        # How often auto went back to plans whose steps ran faster (None: not auto).
+        auto = (getattr(getattr(strategy, "cross_device_ops", None), "_auto", None)
+                if args.setting.split(":")[0] == "auto" else None)
         # The median step after the first interval (auto's measurements and traces).
         _common.write_json(args.json, {"setting": args.setting, "seed": seed,
                                        "curve": curve, "plans": plans,
