@@ -686,9 +686,7 @@ class AutoPlanner:
         the others' part as compute. It counts their tables' rows (``_repriced``),
         which the plans made next read. Every worker calls it at the same point."""
         predicted = {lay: self._repriced(lay, lay.plan[1]).step_seconds() for lay in ran}
-        if not (math.isfinite(step_s) and step_s > 0):
-            return
-        if not ran:
+        if not ran or not (math.isfinite(step_s) and step_s > 0):
             return
         total = sum(predicted.values())
         self.intervals += 1
@@ -1295,15 +1293,16 @@ class AutoPlanner:
         rebuilt, together, points = {}, {}, {}
         for lay in ran:
             for key, point in lay.steps.items():
-                keys = [key] + _BESIDE_SPLIT.split(lay.beside.get(key) or "")
-                keys = [k for k in keys if k]
+                if key not in lay.beside:
+                    continue
+                keys = [k for k in [key] + _BESIDE_SPLIT.split(lay.beside[key]) if k]
                 chosen = []
                 for other in ran:
                     found = [k for k in keys if _names_fit(k, other.gradients)]
                     if len(found) != 1:
                         break
                     chosen.append(found[0])
-                if len(chosen) != len(ran) or len(keys) != len(ran) or key not in lay.beside:
+                if len(chosen) != len(ran) or len(keys) != len(ran):
                     continue
                 points[_point_key(point)] = point
                 for other, k in zip(ran, chosen):

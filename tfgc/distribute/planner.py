@@ -1191,12 +1191,8 @@ class Joint:
     def low_rank_share(self) -> float:
         return max((plan.low_rank_share for plan in self.plans), default=0.0)
 
-    def paced_seconds(self, pace: Optional[Pace] = None) -> float:
-        """As ``Plan.paced_seconds``, under ``pace`` or its own."""
-        pace = pace or self.pace
-        if pace is None:
-            return self.step_seconds()
-        return pace.seconds(self.step_seconds(), self.low_rank_share)
+    # Weighed as a plan is, from the step, share and pace above.
+    paced_seconds = Plan.paced_seconds
 
 
 def _size(nbytes: int) -> str:
