@@ -15,7 +15,9 @@ the same noise. With ``--rate R`` (root: ``netns.py``, as ``network.py``) the wo
 behind links shaped to R instead: the steps of a fixed setting do not depend on the
 link, but ``compressor="auto"``'s plans do, so a setting run there is reported as
 ``SETTING@R`` beside the loopback runs it resumes (``--resume``), and each run keeps
-its median step, for the time it took.
+its median step; where two settings or more ran on the same link, the report gives
+the time each took to the reference's quality at each quarter of the run, on worker
+0's clock (its evaluations left out).
 
 Quality is the Frechet distance (FD) between the features of 5,000 generated samples
 (a fixed noise batch) and those of the 10,000 test images: the features are the last
@@ -258,7 +260,7 @@ def worker_main(args):
         gan, _ = model_zoo.build_model(keras, "gan")
         gan.compile(optimizer=keras.optimizers.Adam(ADAM[0], beta_1=ADAM[1]))
     probe = tf.random.stateless_normal([SAMPLES, model_zoo.GAN_NOISE], seed=[10007, 1])
-    curve, began, durations = [], [], []
+    curve, began, durations, evaluating = [], [], [], [0.0]
 
     class Evaluate(keras.callbacks.Callback):
         def on_train_batch_begin(self, batch, logs=None):
@@ -270,10 +272,13 @@ def worker_main(args):
             if step == 1:
                 began.append(time.perf_counter())
             if rank == 0 and (step % args.eval_every == 0 or step == args.steps):
+                start = time.perf_counter()
                 samples = gan.generator(probe, training=False).numpy()
                 fd = frechet_distance(moments(features(samples)), real)
+                evaluating[0] += time.perf_counter() - start
+                # The clock since the end of step 1, and the evaluations' part of it.
                 curve.append([step, fd, float(logs["d_loss"]), float(logs["g_loss"]),
-                              time.perf_counter() - began[0]])
+                              time.perf_counter() - began[0], evaluating[0]])
                 print(f"[gan_quality] {args.setting} seed {seed} step {step}: FD {fd:.2f}",
                       flush=True)
 
@@ -367,6 +372,8 @@ def render(report):
             cells = [runs.get((setting, seed), {}).get("median_step_ms") for seed in seeds]
             lines.append(f"| `{setting}` | " + " | ".join(
                 "" if c is None else f"{c:.1f}" for c in cells) + " |")
+    for rate in dict.fromkeys(r["rate"] for r in report["runs"] if r.get("rate")):
+        lines += _time_to_quality(rate, settings, reference, seeds, runs, report["steps"])
     lines += ["", "FD at each evaluation (mean over seeds):", ""]
     steps = sorted({p[0] for r in report["runs"] for p in r["curve"]})
     lines.append("| step | " + " | ".join(f"`{s}`" for s in settings) + " |")
@@ -379,6 +386,69 @@ def render(report):
             cells.append(f"{statistics.fmean(values):.1f}" if values else "")
         lines.append(f"| {step} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def clock_at(curve, step):
+    """Worker 0's training seconds at ``step`` along ``curve``: each evaluation's 5th
+    field (seconds since the end of the first step) less its 6th (the evaluations'
+    seconds so far) where the run counted them, interpolated linearly between
+    evaluations from (step 1, 0 s); None where the curve has no clock or ends before
+    ``step``."""
+    previous = (1.0, 0.0)
+    for point in curve:
+        if len(point) < 5:
+            return None
+        s = float(point[0])
+        t = float(point[4]) - (float(point[5]) if len(point) > 5 else 0.0)
+        if step <= s:
+            s0, t0 = previous
+            return t if s <= s0 else t0 + (t - t0) * (step - s0) / (s - s0)
+        previous = (s, t)
+    return None
+
+
+def _time_to_quality(rate, settings, reference, seeds, runs, steps):
+    """The report's lines for the settings run on links shaped to ``rate``: the time
+    each took to the FD the reference's mean curve had at each quarter of the run (the
+    step its own mean curve first reached it, on each seed's clock, ``clock_at``,
+    averaged over the seeds), over the seeds on which all of them ran with a clock, and
+    that time over the least at the level. [] where fewer than two settings ran there
+    on a common seed."""
+    here = [s for s in settings if s.endswith(f"@{rate}")]
+
+    def clocked(setting, seed):
+        curve = runs.get((setting, seed), {}).get("curve")
+        return bool(curve) and clock_at(curve, curve[-1][0]) is not None
+
+    paired = [seed for seed in seeds if runs.get((reference, seed), {}).get("curve")
+              and all(clocked(s, seed) for s in here)]
+    if len(here) < 2 or not paired:
+        return []
+    reference_mean = mean_curve([runs[(reference, seed)]["curve"] for seed in paired])
+    means = {s: mean_curve([runs[(s, seed)]["curve"] for seed in paired]) for s in here}
+    if not reference_mean or not all(means.values()):
+        return []  # the seeds' evaluations at no common step
+    levels = quarter_levels(reference_mean, steps)
+    lines = ["", f"Time to quality on links shaped to {rate} (seeds "
+             f"{', '.join(map(str, paired))}): seconds of training, on worker 0's clock "
+             "from the end of the first step (the evaluations left out where the run "
+             "counted them), at the step a setting's mean curve first reached the FD "
+             f"`{reference}`'s had at each quarter of the run, in the seeds' mean; in "
+             "brackets, over the least at that level.", "",
+             "| FD (`" + reference + "` at step) | " + " | ".join(f"`{s}`" for s in here)
+             + " |", "|---|" + "--:|" * len(here)]
+    for step, level in levels:
+        seconds = {}
+        for s in here:
+            reached = steps_to_reach(means[s], level)
+            if reached is not None:
+                seconds[s] = statistics.fmean(clock_at(runs[(s, seed)]["curve"], reached)
+                                              for seed in paired)
+        least = min(seconds.values(), default=None)
+        cells = [f"not by {means[s][-1][0]}" if s not in seconds
+                 else f"{seconds[s]:.0f} ({seconds[s] / least:.2f})" for s in here]
+        lines.append(f"| {level:.1f} ({step}) | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _earlier(args):

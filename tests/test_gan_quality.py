@@ -155,3 +155,75 @@ def test_the_report_gives_each_runs_median_step_where_it_was_timed():
     assert "`none` |" not in text.split("Median step")[1].split("FD at")[0]
     without = gq.render(dict(report, runs=report["runs"][:2], settings=["none", "auto"]))
     assert "Median step" not in without
+
+
+def test_the_clock_at_a_step_is_interpolated_and_leaves_the_evaluations_out():
+    # [step, FD, d_loss, g_loss, seconds since step 1, evaluations' seconds so far]
+    curve = [[101, 80.0, 0, 0, 12.0, 2.0], [201, 60.0, 0, 0, 24.0, 4.0]]
+    assert gq.clock_at(curve, 1) == 0.0
+    assert gq.clock_at(curve, 51) == 5.0          # halfway to 10 s at step 101
+    assert gq.clock_at(curve, 151) == 15.0        # between 10 and 20 s
+    assert gq.clock_at(curve, 201) == 20.0
+    assert gq.clock_at(curve, 202) is None         # past the curve's end
+    # Runs from before the evaluations were counted: the clock as it is.
+    assert gq.clock_at([[101, 80.0, 0, 0, 12.0]], 101) == 12.0
+    # Runs from before the clock: none.
+    assert gq.clock_at([[101, 80.0]], 101) is None
+
+
+def test_the_time_to_quality_on_a_link_is_each_seeds_clock_at_the_mean_curves_step():
+    def run(setting, seed, fds, seconds_a_step, rate=None, retrace=0.0):
+        # Evaluations at steps 101, 201, 301, 401; 1 s of evaluation each; a retrace's
+        # seconds after step 101 (not in the median step).
+        curve = [[1 + 100 * k, fd, 0, 0, 100 * k * seconds_a_step + k
+                  + (retrace if k > 1 else 0.0), float(k)]
+                 for k, fd in zip((1, 2, 3, 4), fds)]
+        return {"setting": setting, "seed": seed, "curve": curve, "rate": rate,
+                "median_step_ms": 1e3 * seconds_a_step}
+
+    ref0, ref1 = [80.0, 60.0, 40.0, 30.0], [100.0, 80.0, 60.0, 40.0]  # mean 90, 70, 50, 35
+    report = {"settings": ["none", "auto@1gbit", "powersgd@1gbit", "auto@10gbit",
+                           "qsgd@10gbit", "qsgd@100mbit"],
+              "reference": "none", "seeds": [0, 1], "feature_accuracy": 0.87,
+              "command": "c", "started": "s", "cpu_count": 2, "wall_s": 60,
+              "complete": True, "workers": 2, "steps": 400, "eval_every": 100,
+              "runs": [run("none", 0, ref0, 0.1), run("none", 1, ref1, 0.1),
+                       # The reference's levels a step of 100 late, at 0.05 s a step.
+                       run("auto@1gbit", 0, [100.0, 80.0, 60.0, 40.0], 0.05, "1gbit", 2.0),
+                       run("auto@1gbit", 1, [120.0, 100.0, 80.0, 60.0], 0.05, "1gbit"),
+                       # The reference's own curve at 0.1 s a step.
+                       run("powersgd@1gbit", 0, ref0, 0.1, "1gbit"),
+                       # Seed 1 has no clock: left out of the pairing, seed 0 alone.
+                       dict(run("powersgd@1gbit", 1, ref1, 0.1, "1gbit"),
+                            curve=[[101, 100.0], [201, 80.0], [301, 60.0], [401, 40.0]]),
+                       run("auto@10gbit", 0, ref0, 0.02, "10gbit"),
+                       run("auto@10gbit", 1, ref1, 0.03, "10gbit"),
+                       run("qsgd@10gbit", 0, ref0, 0.04, "10gbit"),
+                       run("qsgd@10gbit", 1, ref1, 0.04, "10gbit"),
+                       run("qsgd@100mbit", 0, ref0, 0.5, "100mbit")]}
+    text = gq.render(report)
+    one = text.split("Time to quality on links shaped to 1gbit (seeds 0)")[1].split("\n\n")[1]
+    ten = text.split("Time to quality on links shaped to 10gbit (seeds 0, 1)")[1].split(
+        "\n\n")[1]
+    # Seed 0 alone at 1 Gbit/s: the levels are none's seed-0 curve (80 at 101, 60 at
+    # 201, 40 at 301, 30 at 401). auto reaches 80 at step 201 (200 steps of 0.05 s and
+    # its 2 s retrace: 12 s), powersgd at 101 (10 s); 60 at 301 (17 s) and 201 (20 s).
+    # auto never reaches 30.
+    assert "| `auto@1gbit` | `powersgd@1gbit` |" in one and "10gbit" not in one
+    assert "| 80.0 (101) | 12 (1.20) | 10 (1.00) |" in one
+    assert "| 60.0 (201) | 17 (1.00) | 20 (1.18) |" in one
+    assert "| 30.0 (401) | not by 401 | 40 (1.00) |" in one
+    # Both seeds at 10 Gbit/s: the levels are the mean curve's (90, 70, 50, 35), both
+    # settings reach 35 at step 401, auto on clocks of 8 and 12 s, qsgd of 16.
+    assert "| `auto@10gbit` | `qsgd@10gbit` |" in ten and "1gbit`" not in ten
+    assert "| 35.0 (401) | 10 (1.00) | 16 (1.60) |" in ten
+    # A setting alone on its link: nothing to compare it with.
+    assert "shaped to 100mbit" not in text
+    # No level that none of them reaches divides by nothing.
+    late = dict(report, runs=[r if r["setting"] != "qsgd@10gbit" else
+                              dict(r, curve=[p[:1] + [500.0] + p[2:] for p in r["curve"]])
+                              for r in report["runs"]
+                              if r["setting"] != "auto@10gbit"] + [
+        dict(r, curve=[p[:1] + [500.0] + p[2:] for p in r["curve"]])
+        for r in report["runs"] if r["setting"] == "auto@10gbit"])
+    assert "| 35.0 (401) | not by 401 | not by 401 |" in gq.render(late)
