@@ -1587,6 +1587,27 @@ def test_a_table_planned_alone_goes_as_the_fastest_of_quantized_and_float32_rows
                                    rows_label=label, **kwargs).tables[0].label == label
 
 
+def test_the_plans_all_float32_figure_holds_the_tables_rows_as_the_stock_gather():
+    # The plan table's "all float32" line: the planned gradients on one all-reduce, and
+    # a table sent as rows as the stock gather sends its rows (every occurrence's
+    # float32 values and int32 index, from each of the other workers), with its latency.
+    gradients = [("table", (50000, 64), "float32"), ("head", (512, 512), "float32")]
+    fig = all_figures(0.1)
+    plan = planner.plan_tables(gradients, {0: (800, 3200)}, fig, 0.05, dense=frozenset())
+    assert plan.rows_tables and [e.name for e in plan.entries] == ["head"]
+    link, n = fig.link(), fig.num_workers
+    got = plan.predicted()
+    assert got["fp32_wire_s"] == pytest.approx(
+        link.wire("allreduce", n, 512 * 512 * 4) + (n - 1) * 3200 * (64 * 4 + 4) * link.beta)
+    assert got["fp32_latency_s"] == pytest.approx(
+        link.latency("allreduce", n) + link.latency("allgather", n))
+    # The table sent dense: among the all-reduce's bytes, no gather.
+    dense = planner.plan_tables(gradients, {0: (800, 3200)}, fig, 0.05, dense=frozenset({0}))
+    assert not dense.rows_tables
+    assert dense.predicted()["fp32_wire_s"] == pytest.approx(
+        link.wire("allreduce", n, (50000 * 64 + 512 * 512) * 4))
+
+
 def test_rows_are_priced_as_one_encoding_and_one_decoding_of_all_their_blocks():
     # The traced step encodes a table's blocks in one loop and decodes every worker's
     # in another: each priced as one call on all its elements, not a call per block
@@ -1751,8 +1772,9 @@ def test_the_plan_callback_times_settled_steps_and_prices_a_change_exactly(monke
     measured = []
     measure = cdo.measure_low_rank
     monkeypatch.setattr(cdo, "measure_low_rank",
-                        lambda step_s=None, step_se_s=None:
-                        measured.append((step_s, step_se_s)) or measure(step_s, step_se_s))
+                        lambda step_s=None, step_se_s=None, steps_left=None:
+                        measured.append((step_s, step_se_s, steps_left))
+                        or measure(step_s, step_se_s, steps_left))
     callback = tfgc.keras.AutoPlanCallback(strategy, every_steps=50, link_margin=None)
     assert callback.SETTLE_STEPS == 1 and callback.LOW_RANK_AFTER == 2
     # The trace, a settling step, three of the plan's, then (after a change) its
@@ -1761,8 +1783,8 @@ def test_the_plan_callback_times_settled_steps_and_prices_a_change_exactly(monke
            change_after=4)
     # Measured once, after the second of the plan's steps, at the lesser of the two,
     # with the error of two steps of their spread (1.4826 times the median absolute
-    # deviation, 0.1 s).
-    assert measured == [(pytest.approx(0.8), pytest.approx(1.4826 * 0.1))]
+    # deviation, 0.1 s), and the fit's steps after it (five of nine).
+    assert measured == [(pytest.approx(0.8), pytest.approx(1.4826 * 0.1), 5)]
     assert list(callback._plan_steps) == pytest.approx([0.9, 1.1])  # pylint: disable=protected-access
     # The retrace's and the settling step's excess over the median of the ordinary
     # steps (1.0, 0.8 and 1.2, priced once the settling step ended; the trace's and the
@@ -1805,7 +1827,8 @@ def test_the_first_low_rank_measurement_is_the_interval_end_when_they_meet(monke
     cdo = strategy.cross_device_ops
     measured = []
     monkeypatch.setattr(cdo, "measure_low_rank",
-                        lambda step_s=None, step_se_s=None: measured.append(step_s))
+                        lambda step_s=None, step_se_s=None, steps_left=None:
+                        measured.append(step_s))
     callback = tfgc.keras.AutoPlanCallback(strategy, every_steps=4, link_margin=None)
     # The fourth step is both the second of the plan's timed steps and the interval's
     # end, whose adapt measures the low-rank errors: no second measurement, then or
@@ -1945,6 +1968,117 @@ def test_low_rank_timings_of_two_ranks_and_sizes_give_every_rank_and_size(monkey
     assert planner._low_rank_words(3) == words and not timed  # kept for the process
 
 
+def test_what_timing_the_measured_candidates_would_cost_is_known_beforehand(monkeypatch,
+                                                                            tmp_path):
+    # Stand-in timings on a fake clock that each advances by what its calls trace and
+    # run: 30 ms a vector, 20 ms more a low-rank one (a larger graph), over the calls
+    # ``_cpu_seconds`` makes (the overhead's two, copies and twice as many, with the
+    # least size; one of the copies otherwise, once per candidate and process).
+    now, overheads = [0.0], set()
+
+    def seconds(candidate, n, num_workers, shape=None):
+        copies = planner._copies(candidate)
+        vectors = 2 * copies  # encoding and decoding
+        if n == planner.CPU_SIZES[0]:
+            vectors = 0 if candidate in overheads else 2 * 3 * copies
+            overheads.add(candidate)
+        now[0] += vectors * (0.05 if candidate.rank else 0.03)
+        return 1e-4, 2e-4
+
+    monkeypatch.setattr(planner, "_cpu_seconds", seconds)
+    monkeypatch.setattr(planner, "time", type("Clock", (), {
+        "perf_counter": staticmethod(lambda: now[0])}))
+    monkeypatch.setenv(planner.CPU_CACHE_ENV, str(tmp_path / "cpu.json"))
+
+    def new_process():
+        monkeypatch.setattr(planner, "_CPU_WORDS", {})
+        monkeypatch.setattr(planner, "_COPY_SECONDS", {})
+        overheads.clear()
+
+    new_process()
+    assert planner.measured_timing_s(4) is None  # nothing timed on this machine yet
+    planner._cpu_words(planner.CANDIDATES[1:], 4)
+    assert planner._COPY_SECONDS[4] == pytest.approx(0.03)
+    # Known from the quantizers' timing: the measured candidates' copies at its cost a
+    # copy, within what their larger graphs add (the low-rank ones' share of the copies).
+    estimate = planner.measured_timing_s(4)
+    began = now[0]
+    planner._low_rank_words(4)
+    planner._cpu_words(planner.SPARSE, 4)
+    took = now[0] - began
+    low_rank = planner._measured_keys(4)[0][2]
+    assert estimate == pytest.approx(took - 0.02 * low_rank)
+    assert 0.5 * took < estimate < took
+    assert planner.measured_timing_s(4) == 0.0  # timed: nothing left to time
+    # The next job on this machine: nothing left to time, all on disk; with the
+    # measured candidates' timings gone (a cache of an older tfgc), what a copy cost in
+    # the machine's last timing (top-k's, 30 ms) prices them.
+    new_process()
+    assert planner.measured_timing_s(4) == 0.0
+    path = tmp_path / "cpu.json"
+    cache = json.loads(path.read_text())
+    for key, _, _ in planner._measured_keys(4):
+        del cache[planner._disk_key(key)]
+    path.write_text(json.dumps(cache))
+    new_process()
+    assert planner.measured_timing_s(4) == pytest.approx(
+        0.03 * sum(copies for _, _, copies in planner._measured_keys(4)))
+    # Without the disk, a new process knows nothing of this machine.
+    monkeypatch.setenv(planner.CPU_CACHE_ENV, "0")
+    new_process()
+    assert planner.measured_timing_s(4) is None
+    # Whether a timing may pay: unknown steps or seconds time them.
+    assert planner.timing_pays(1e-3, 1000, 1.0) and not planner.timing_pays(1e-3, 999, 1.0)
+    for steps_left, timing_s in ((None, 1e9), (float("nan"), 1e9), (1, None), (1, math.nan)):
+        assert planner.timing_pays(0.0, steps_left, timing_s)
+
+
+def test_candidates_whose_timing_cannot_pay_are_left_untimed_until_it_can(monkeypatch):
+    ops, auto = _tracking_planner()
+    fig = figures(link_gbps=1.0)  # the quantizers timed, not the measured candidates
+    timed_fig = with_top_k(all_figures(1.0))
+    assert not planner.measured(fig) and not planner.measured(all_figures(1.0))
+    assert planner.measured(timed_fig)
+    current = planner.make_plan(GRADIENTS, fig, 0.05)
+    lay = _timed_layout(ops, auto, fig, current, [])
+    lay.matrices = [0, 1, 2]  # embed, fc1, fc2
+    timed = []
+    monkeypatch.setattr(planner, "measure_low_rank", lambda o, f: timed.append(f) or f)
+    monkeypatch.setattr(auto, "_measure_low_rank", lambda lay: {})
+    # At most what the matrices cost now, at the most the pace scales the predicted
+    # communication by (none measured yet); on a measured link, no more than the step
+    # (a given link is not the one the step ran on).
+    cost = sum(e.cpu_s + e.wire_s for e in current.entries if e.name in ("embed", "fc1", "fc2"))
+    saving = cost * planner.PACE_SCALE[1]
+    assert 0 < cost < predicted_seconds(current)
+    assert auto._saving_bound([lay], 10.0) == pytest.approx(saving)
+    assert auto._saving_bound([lay], saving / 2) == pytest.approx(saving)
+    auto._figures = (ops.generation, dataclasses.replace(fig, link_gbps=0.0))
+    assert auto._saving_bound([lay], saving / 2) == pytest.approx(saving / 2)
+    assert auto._saving_bound([lay], 10.0) == pytest.approx(saving)
+    auto._figures = (ops.generation, fig)
+    # A measured pace scales the predicted communication as the steps did.
+    lay.plan = (ops.generation, dataclasses.replace(current, pace=planner.Pace(0.01, 0.5)))
+    assert auto._saving_bound([lay], 10.0) == pytest.approx(cost * 0.5)
+    lay.plan = (ops.generation, current)
+    steps = 100
+    assert not auto._measured([lay], 10.0, steps, 1.01 * saving * steps)
+    assert not timed and ops.low_rank_untimed() == auto.untimed
+    assert "untimed" in auto.untimed and f"{steps} steps left" in auto.untimed
+    # Timing that pays, or whose steps or seconds are unknown: timed (and said no more).
+    for steps_left, timing_s in ((steps, 0.99 * saving * steps), (math.nan, 1e9),
+                                 (steps, math.nan)):
+        timed.clear()
+        auto._measured([lay], 10.0, steps_left, timing_s)
+        assert timed and auto.untimed is None
+    # Figures with their timings: nothing to time, whatever is left.
+    lay.plan = (ops.generation, planner.make_plan(GRADIENTS, timed_fig, 0.05))
+    auto._figures = (ops.generation, timed_fig)
+    timed.clear()
+    auto._measured([lay], 10.0, 0, 1e9)
+    assert timed and auto.untimed is None
+
+
 def test_cpu_timings_are_kept_on_disk_for_the_next_job_on_this_machine(monkeypatch, tmp_path):
     # Stand-in codecs whose seconds grow with the elements; a new process is a cleared
     # ``_CPU_WORDS``.
@@ -2079,7 +2213,8 @@ def test_each_candidates_error_stays_within_the_bound_the_budget_uses(label, kin
 # -- settings ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("spec", ["auto", "auto:low_rank=0", "auto:low_rank=8",
-                                  "auto:error=0.07,link_gbps=1.5,low_rank_steps=0.5"])
+                                  "auto:error=0.07,link_gbps=1.5,low_rank_steps=0.5",
+                                  "auto:link_gbps=10,latency_ms=0.02"])
 def test_the_settings_round_trip_through_their_spec_and_config(spec):
     # Every argument comes back as given, low_rank included (kept as budget_rank): the
     # workers compare serialized settings, and logs and results print them.
@@ -2093,12 +2228,15 @@ def test_the_settings_round_trip_through_their_spec_and_config(spec):
     assert auto.low_rank is None  # not a compressor that sends low-rank factors itself
     assert get_compressor(registry.describe(auto)) == auto
     others = [get_compressor(f"auto:low_rank={r}") for r in (0, 1, 2, 4, 8)]
-    assert sum(other == auto for other in others) == (1 if auto.error == 0.05 else 0)
+    assert sum(other == auto for other in others) == (
+        1 if auto.error == 0.05 and not auto.link_gbps else 0)
 
 
 @pytest.mark.parametrize("spec, argument", [
     ("auto:error=-1", "error"), ("auto:link_gbps=-2", "link_gbps"),
-    ("auto:latency_ms=0", "latency_ms"), ("auto:error=fast", "error"),
+    ("auto:link_gbps=1,latency_ms=0", "latency_ms"), ("auto:error=fast", "error"),
+    # A latency is the given link's: without one, the probe measures it.
+    ("auto:latency_ms=5", "latency_ms"),
     ("auto:budget=1", "budget"), ("auto:low_rank=3", "low_rank"),
     ("auto:low_rank=-1", "low_rank"), ("auto:low_rank_steps=-0.1", "low_rank_steps"),
     ("auto:low_rank_steps=inf", "low_rank_steps")])
@@ -2136,6 +2274,11 @@ def test_the_plan_callback_refuses_what_it_cannot_use():
             strategy.cross_device_ops.adapt(step_s=0.05, step_se_s=step_se_s)
         with pytest.raises(ValueError, match="`step_se_s`"):
             strategy.cross_device_ops.measure_low_rank(step_s=0.05, step_se_s=step_se_s)
+    for steps_left in (-1, "many", True):
+        with pytest.raises(ValueError, match="`steps_left`"):
+            strategy.cross_device_ops.adapt(steps_left=steps_left)
+        with pytest.raises(ValueError, match="`steps_left`"):
+            strategy.cross_device_ops.measure_low_rank(steps_left=steps_left)
     # Tracked, but nothing planned (a model whose gradients the policy all sends dense):
     # an interval ends with no regime, rather than stopping the fit.
     strategy.cross_device_ops.track_regimes()

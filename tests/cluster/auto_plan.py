@@ -241,8 +241,10 @@ def low_rank(strategy, rank, num_workers, out_dir):
 
     callback = tfgc.keras.AutoPlanCallback(strategy, threshold=1e9, link_margin=None,
                                            every_steps=LOW_RANK_EVERY)
+    # Three epochs of a long training: the low-rank candidates' timing pays over the
+    # steps it has left (``planner.timing_pays``), as it would not over a fit of 18.
     losses = brief_fit(strategy, rank, num_workers, out_dir, steps_per_epoch=6, epochs=3,
-                       callbacks=[callback, Record()], name="low_rank")
+                       callbacks=[callback, Record()], name="low_rank", planned_epochs=100)
     with open(os.path.join(out_dir, f"low_rank.w{rank}.json"), "w") as f:
         json.dump({"first": first[0][0], "first_at": first[0][1], "intervals": intervals,
                    "losses": losses,

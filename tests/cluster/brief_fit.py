@@ -11,9 +11,12 @@ import numpy as np
 
 
 def brief_fit(strategy, rank, num_workers, out_dir, steps_per_epoch, epochs=2, callbacks=(),
-              name="fit", before_fit=None):
+              name="fit", before_fit=None, planned_epochs=None):
     """Returns the per-epoch training losses; the weights go to OUT_DIR/<name>.w<rank>.npz.
-    ``before_fit(model)``, if given, runs on the compiled model before it trains."""
+    ``before_fit(model)``, if given, runs on the compiled model before it trains.
+    ``planned_epochs``: the epochs the fit is given (Keras' ``params``), of which it
+    trains ``epochs`` and stops: a long training's first steps, as callbacks that weigh
+    the steps left of the fit (``AutoPlanCallback``) see them."""
     import tf_keras as keras
 
     from tfgc.apps import data as data_lib
@@ -27,7 +30,16 @@ def brief_fit(strategy, rank, num_workers, out_dir, steps_per_epoch, epochs=2, c
                     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     if before_fit is not None:
         before_fit(net)
-    history = net.fit(data_lib.make_tf_dataset(x, y, 32, repeat=True), epochs=epochs,
-                      steps_per_epoch=steps_per_epoch, verbose=0, callbacks=list(callbacks))
+    callbacks = list(callbacks)
+    if planned_epochs is not None:
+        class Stop(keras.callbacks.Callback):
+            def on_epoch_end(self, epoch, logs=None):
+                if epoch + 1 >= epochs:
+                    self.model.stop_training = True
+
+        callbacks.append(Stop())
+    history = net.fit(data_lib.make_tf_dataset(x, y, 32, repeat=True),
+                      epochs=planned_epochs or epochs, steps_per_epoch=steps_per_epoch,
+                      verbose=0, callbacks=callbacks)
     np.savez(os.path.join(out_dir, f"{name}.w{rank}.npz"), *[w.numpy() for w in net.weights])
     return [float(v) for v in history.history["loss"]]

@@ -168,9 +168,16 @@ def main(out_dir):
             plans.append(None if plan is None else
                          [[e.name, e.label, bool(e.critical)] for e in plan.entries])
 
+    class Stop(keras.callbacks.Callback):
+        # The first AUTO_STEPS of a long training: the low-rank candidates' timing pays
+        # over the steps it has left, as it would not over a fit of AUTO_STEPS.
+        def on_train_batch_end(self, batch, logs=None):
+            if batch + 1 >= AUTO_STEPS:
+                self.model.stop_training = True
+
     auto_callback = tfgc.keras.AutoPlanCallback(strategy, every_steps=AUTO_EVERY)
-    history = model.fit(train, epochs=1, steps_per_epoch=AUTO_STEPS, verbose=0,
-                        callbacks=[auto_callback, Plans()])
+    history = model.fit(train, epochs=1, steps_per_epoch=100 * AUTO_STEPS, verbose=0,
+                        callbacks=[auto_callback, Plans(), Stop()])
     save(out_dir, "auto", rank,
          {"loss": [float(v) for v in history.history["loss"]], "plans": plans,
           "intervals": [[epoch, list(critical), replanned]

@@ -227,6 +227,9 @@ class AutoPlanner:
         # A plan set by hand (``pin``): one label for every gradient, or labels by
         # gradient name (the others float32); None: the planner's own.
         self._pin = None
+        # Why the low-rank and top-k candidates were left untimed at the last chance to
+        # time them (``_measured``), or None.
+        self.untimed = None
 
     def _active(self):
         """The layouts whose plans belong to the current generation (planned in it, or
@@ -1041,11 +1044,12 @@ class AutoPlanner:
                        retrace=True)
 
     def adapt(self, threshold: float, min_gain_s: float = 0.0, step_s=None,
-              step_se_s=None) -> frozenset:
+              step_se_s=None, steps_left=None) -> frozenset:
         """See ``CompressedAllReduce.adapt``."""
         check_number("threshold", threshold, 0, strict=True)
         check_number("min_gain_s", min_gain_s, 0)
         _check_step(step_s, step_se_s)
+        _check_steps_left(steps_left)
         if not self._tracked:
             raise ValueError("adapt() needs track_regimes() and a step under "
                              "compressor='auto' first")
@@ -1066,8 +1070,9 @@ class AutoPlanner:
                 for total in lay.sums.values():
                     total.assign(tf.zeros_like(total))
                 lay.restart_counts()
-        first = self._first_floats(values + [min_gain_s, _or_nan(step_s), _or_nan(step_se_s)])
-        min_gain_s, step_s, step_se_s = (float(v) for v in first[-3:])
+        first = self._first_floats(values + [min_gain_s, _or_nan(step_s), _or_nan(step_se_s)]
+                                   + self._timing_words(steps_left))
+        min_gain_s, step_s, step_se_s = (float(v) for v in first[-5:-2])
         ran = [lay for lay in active if first[starts[lay] + len(lay.gradients)]]
         self._timed(ran, step_s, step_se_s)
         for lay in ran:
@@ -1077,7 +1082,7 @@ class AutoPlanner:
                                      planner.critical_layers(lay.norms, now, threshold))
             lay.norms = now
         if self._ops.compressor.budget_rank and ran:
-            self._measured(ran)
+            self._measured(ran, step_s, *first[-2:])
         # Planned again every time: the regimes, the low-rank errors or the steps timed
         # (the pace) may have moved, and a new plan is taken only where it pays. A
         # layout that no step summed in the interval (a model not trained in it) is
@@ -1093,27 +1098,77 @@ class AutoPlanner:
             (frozenset(g[0] for g in lay.gradients) if lay.critical == "all" else lay.critical)
             for lay in trained))
 
-    def measure_low_rank(self, step_s=None, step_se_s=None) -> bool:
+    def measure_low_rank(self, step_s=None, step_se_s=None, steps_left=None) -> bool:
         """See ``CompressedAllReduce.measure_low_rank``."""
         _check_step(step_s, step_se_s)
+        _check_steps_left(steps_left)
         active = self._active()
         if not self._tracked or not active or not self._ops.compressor.budget_rank:
             return False
         # Worker 0's count of the steps each layout summed: those that train now.
         with tf.init_scope():
             summed = [lay.summed_steps() for lay in active]
-        first = self._first_floats(summed + [_or_nan(step_s), _or_nan(step_se_s)])
-        step_s, step_se_s = float(first[-2]), float(first[-1])
-        ran = [lay for lay, count in zip(active, first[:-2]) if count]
+        first = self._first_floats(summed + [_or_nan(step_s), _or_nan(step_se_s)]
+                                   + self._timing_words(steps_left))
+        step_s, step_se_s = float(first[-4]), float(first[-3])
+        ran = [lay for lay, count in zip(active, first[:-4]) if count]
         self._timed(ran, step_s, step_se_s)
-        if not ran or not self._measured(ran):
+        if not ran or not self._measured(ran, step_s, *first[-2:]):
             return False
         return self._take(self._decide(ran), self._figures[1])
 
-    def _measured(self, layouts) -> bool:
+    def _timing_words(self, steps_left):
+        """The steps left (NaN: unknown) and the seconds timing the measured candidates
+        would take on this worker (``planner.measured_timing_s``; NaN: unknown), for
+        ``_first_floats``: worker 0's decide whether they are timed."""
+        figures = self._figures[1]
+        timing_s = 0.0 if planner.measured(figures) else \
+            planner.measured_timing_s(figures.num_workers)
+        return [_or_nan(steps_left), _or_nan(timing_s)]
+
+    def _saving_bound(self, layouts, step_s) -> float:
+        """At most what the measured candidates could save a step: what the gradients
+        they may take (the matrices) cost in the current plans, CPU and wire, scaled as
+        the steps that ran measured the plans' communication (where not measured yet,
+        the most ``planner.Pace`` allows), and no more than the step measured (on a
+        measured link: a given one, ``Auto.link_gbps``, is not the one the steps ran
+        on, and its savings are the ones planned for)."""
+        total = 0.0
+        for lay in layouts:
+            plan = lay.plan[1]
+            names = {lay.gradients[j][0] for j in set(lay.matrices) | set(lay.row_matrices)}
+            cost = sum(e.cpu_s + e.wire_s for e in plan.entries if e.name in names) \
+                + sum(t.cpu_s + t.wire_s for t in plan.rows_tables if t.name in names)
+            total += cost * (plan.pace.scale if plan.pace is not None else planner.PACE_SCALE[1])
+        measured = math.isfinite(step_s) and step_s > 0 and not self._figures[1].link_gbps
+        return min(total, step_s) if measured else total
+
+    def _measured(self, layouts, step_s=float("nan"), steps_left=float("nan"),
+                  timing_s=float("nan")) -> bool:
         """Measures the low-rank errors of ``layouts`` again (and, the first time, the
-        low-rank candidates' CPU cost); whether they changed."""
-        figures = planner.measure_low_rank(self._ops, self._figures[1])
+        low-rank candidates' CPU cost); whether they changed. Where their CPU cost is
+        not measured yet and timing it (``timing_s`` seconds) cannot pay over the
+        ``steps_left`` steps left of the fit (``planner.timing_pays``), neither is
+        measured: they could not be planned in time to win back what they cost. Worker
+        0's ``steps_left`` and ``timing_s``."""
+        figures = self._figures[1]
+        if not planner.measured(figures):
+            saving_s = self._saving_bound(layouts, step_s)
+            if not planner.timing_pays(saving_s, steps_left, timing_s):
+                note = (f"tfgc: compressor='auto' left the low-rank and top-k candidates "
+                        f"untimed: they could save at most {saving_s * 1e3:.2f} ms a step, "
+                        f"{saving_s * steps_left:.1f} s over the {steps_left:.0f} steps left "
+                        f"of the fit, and timing them would take about {timing_s:.1f} s "
+                        "(a longer fit times them, and keeps their timings for later jobs)")
+                if self.untimed is None:  # said once, not at every interval's end
+                    logging.info("%s", note)
+                self.untimed = note
+                if self._capture is not None:
+                    with tf.init_scope():
+                        self._capture.assign(False)  # until the next ``capture``
+                return False
+        self.untimed = None
+        figures = planner.measure_low_rank(self._ops, figures)
         if figures is not self._figures[1]:
             logging.info("tfgc: compressor='auto' measured the low-rank candidates: %s",
                          figures.describe())
@@ -1416,6 +1471,11 @@ def _check_step(step_s, step_se_s=None):
         check_positive_float("step_s", step_s)
     if step_se_s is not None and check_number("step_se_s", step_se_s, 0) == float("inf"):
         raise ValueError(f"`step_se_s` must be finite, got {step_se_s!r}")
+
+
+def _check_steps_left(steps_left):
+    if steps_left is not None:
+        check_number("steps_left", steps_left, 0, also=" or None")
 
 
 def _or_nan(step_s):

@@ -778,7 +778,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         self._auto_planner("track_regimes").track_regimes()
 
     def adapt(self, threshold: float = 0.5, min_gain_s: float = 0.0, step_s=None,
-              step_se_s=None) -> frozenset:
+              step_se_s=None, steps_left=None) -> frozenset:
         """Under ``compressor="auto"`` after ``track_regimes``: ends an interval. The norm
         of each planned gradient's sum over the interval is compared with the previous
         interval's (``planner.critical_layers``: a change of ``threshold`` or more, or
@@ -793,22 +793,40 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         timed), which weighs the low-rank error's extra steps against the time a step
         saves (``planner.Pace``), and ``step_se_s`` its standard error (None: unknown,
         taken as ``planner.PACE_PRIOR`` of the step), which weighs the plan's step in
-        the pace and bounds its slope. The norms, ``min_gain_s`` and the step are
-        worker 0's (all-gathered), so every worker decides the same; every worker must
-        call it at the same point. Returns the names in a critical regime now, of the
-        models the interval trained: one whose every step was skipped for a non-finite
-        gradient keeps the regimes it had."""
-        return self._auto_planner("adapt").adapt(threshold, min_gain_s, step_s, step_se_s)
+        the pace and bounds its slope. ``steps_left``: the steps left of training
+        (None: unknown), over which timing the low-rank and top-k candidates must be
+        able to pay for itself before it is done (as for ``measure_low_rank``). The
+        norms, ``min_gain_s``, the step and ``steps_left`` are worker 0's
+        (all-gathered), so every worker decides the same; every worker must call it at
+        the same point. Returns the names in a critical regime now, of the models the
+        interval trained: one whose every step was skipped for a non-finite gradient
+        keeps the regimes it had."""
+        return self._auto_planner("adapt").adapt(threshold, min_gain_s, step_s, step_se_s,
+                                                 steps_left)
 
-    def measure_low_rank(self, step_s=None, step_se_s=None) -> bool:
+    def measure_low_rank(self, step_s=None, step_se_s=None, steps_left=None) -> bool:
         """Under ``compressor="auto"`` with regimes tracked and ``low_rank`` on: measures
         every matrix's low-rank error now (on the last step's gradients, as ``adapt``
         does at an interval's end) and plans again; True when the plan changed.
         ``step_s`` and ``step_se_s`` as for ``adapt`` (worker 0's).
+        The first time, it also times the low-rank and top-k candidates' CPU cost
+        (seconds with a cold cache: ``planner.measured_timing_s``), unless what the
+        matrices cost a step now, over ``steps_left`` steps (worker 0's; None: unknown),
+        is less than the timing would take (``planner.timing_pays``): then neither
+        is measured, those candidates are not planned, and ``low_rank_untimed`` says why
+        (``adapt`` asks again at every interval's end).
         ``tfgc.keras.AutoPlanCallback`` calls it once the first plan's steps have been
         timed, so that low rank need not wait for an interval. Eager; every worker must
         call it at the same point."""
-        return self._auto_planner("measure_low_rank").measure_low_rank(step_s, step_se_s)
+        return self._auto_planner("measure_low_rank").measure_low_rank(step_s, step_se_s,
+                                                                       steps_left)
+
+    def low_rank_untimed(self):
+        """Under ``compressor="auto"``: why the low-rank and top-k candidates were left
+        untimed, and so unplanned, the last time ``measure_low_rank`` or ``adapt`` could
+        have timed them (a line, as logged then), or None where they were timed, or not
+        asked for yet."""
+        return self._auto_planner("low_rank_untimed").untimed
 
     def pin_plan(self, choice) -> bool:
         """Under ``compressor="auto"``: sends the gradients as ``choice`` says from the

@@ -378,24 +378,101 @@ def _read_cpu_cache() -> dict:
     return cache if isinstance(cache, dict) else {}
 
 
-def _cached_words(key, length: int, measure) -> List[int]:
-    """``_CPU_WORDS[key]``: this process's, else the disk's (``length`` words), else
-    ``measure()``'s, which are then kept in both."""
+def _use_disk() -> bool:
+    return os.environ.get(CPU_CACHE_ENV, "1").strip() != "0"
+
+
+def _valid_words(words, length: int) -> bool:
+    return isinstance(words, list) and len(words) == length and all(
+        isinstance(w, int) and not isinstance(w, bool) and 0 <= w < 2 ** 31 for w in words)
+
+
+def _kept_words(key, length: int) -> Optional[List[int]]:
+    """``key``'s words as this process or the disk keeps them (``length`` of them), or
+    None where neither does."""
     if key in _CPU_WORDS:
         return _CPU_WORDS[key]
-    use_disk = os.environ.get(CPU_CACHE_ENV, "1").strip() != "0"
-    disk_key = _disk_key(key) if use_disk else None
-    words = _read_cpu_cache().get(disk_key) if use_disk else None
-    if isinstance(words, list) and len(words) == length and all(
-            isinstance(w, int) and not isinstance(w, bool) and 0 <= w < 2 ** 31 for w in words):
+    if not _use_disk():
+        return None
+    words = _read_cpu_cache().get(_disk_key(key))
+    return words if _valid_words(words, length) else None
+
+
+# What timing a codec copy (``timing_copies``) cost on this machine: the last timing of
+# this process (its cluster size's), which is kept on disk as well under this key's
+# labels, so a later job that finds the quantizers' timings on disk still knows it.
+_COPY_SECONDS: Dict[int, float] = {}
+_COPY_KEY = ("seconds per timed copy",)
+
+
+def _cached_words(key, length: int, measure, copies: int = 0) -> List[int]:
+    """``_CPU_WORDS[key]``: this process's, else the disk's (``length`` words), else
+    ``measure()``'s, which are then kept in both; ``measure`` times ``copies`` codec
+    copies (``timing_copies``), and what each cost is kept too (``_COPY_SECONDS``)."""
+    if key in _CPU_WORDS:
+        return _CPU_WORDS[key]
+    words = _kept_words(key, length)
+    if words is not None:
         logging.info("tfgc: compressor='auto': CPU timings of %s from %s", ", ".join(key[1]),
                      cpu_cache_path())
     else:
+        began = time.perf_counter()
         words = measure()
-        if use_disk:
-            _write_cpu_cache(disk_key, words)
+        if copies:
+            _COPY_SECONDS[key[0]] = (time.perf_counter() - began) / copies
+        if _use_disk():
+            _write_cpu_cache(_disk_key(key), words)
+            if copies:
+                _write_cpu_cache(_disk_key((key[0], _COPY_KEY)),
+                                 [_microseconds(_COPY_SECONDS[key[0]])])
     _CPU_WORDS[key] = words
     return words
+
+
+def timing_copies(candidate: "Candidate", sizes: Sequence[int]) -> int:
+    """The vectors a timing of ``candidate`` on ``sizes`` traces and runs, encoding and
+    decoding: its call overhead's two calls (``_least_calls``: the copies and twice as
+    many, the first of them the least size's timing), then a call of the copies per
+    other size. Most of a timing's seconds go to tracing them (``LOW_RANK_COPIES``)."""
+    copies = _copies(candidate)
+    return 2 * (3 * copies + copies * sum(1 for n in sizes if n != CPU_SIZES[0]))
+
+
+def _measured_keys(num_workers: int):
+    """The measured candidates' timings (``measure_low_rank``): the key, words and
+    copies of each kind, the low-rank ones first."""
+    ranks, sizes = LOW_RANK_TIMED
+    return (((num_workers, ("low rank",)), 2 * len(CPU_SIZES) * len(LOW_RANK),
+             sum(timing_copies(BY_LABEL[f"psgd{r}"], sizes) for r in ranks)),
+            ((num_workers, tuple(c.label for c in SPARSE)), 2 * len(CPU_SIZES) * len(SPARSE),
+             sum(timing_copies(c, CPU_SIZES) for c in SPARSE)))
+
+
+def measured_timing_s(num_workers: int) -> Optional[float]:
+    """The seconds ``measure_low_rank`` would spend timing the measured candidates on
+    this worker now: none where this process or the disk keeps their timings, else the
+    copies it would time at what a copy cost in the last timing on this machine (with 4
+    workers on 2 cores, 34 ms a copy for the quantizers and 36 ms for these: 4.0 s in
+    all, the CNN's first job); None where no timing on this machine says."""
+    left = sum(copies for key, length, copies in _measured_keys(num_workers)
+               if _kept_words(key, length) is None)
+    if not left:
+        return 0.0
+    per_copy = _COPY_SECONDS.get(num_workers)
+    if per_copy is None and _use_disk():
+        kept = _read_cpu_cache().get(_disk_key((num_workers, _COPY_KEY)))
+        per_copy = kept[0] / 1e6 if _valid_words(kept, 1) else None
+    return None if per_copy is None else left * per_copy
+
+
+def timing_pays(saving_s: float, steps_left, timing_s) -> bool:
+    """Whether timing the measured candidates may pay: ``saving_s`` (at most what they
+    could save a step: what the gradients they may take cost now) over ``steps_left``
+    steps at least ``timing_s`` (``measured_timing_s``). Unknown (None or NaN) steps or
+    seconds: they are timed. A timing is kept on disk for later jobs, so one that a
+    short job leaves out is taken by the first long enough for it to pay."""
+    unknown = [v for v in (steps_left, timing_s) if v is None or not math.isfinite(v)]
+    return bool(unknown) or saving_s * max(steps_left, 0.0) >= timing_s
 
 
 def _write_cpu_cache(disk_key: str, words: List[int]):
@@ -430,14 +507,15 @@ def _cpu_words(candidates, num_workers: int) -> List[int]:
                                                                     num_workers))
         return words
 
-    return _cached_words(key, 2 * len(CPU_SIZES) * len(candidates), measure)
+    return _cached_words(key, 2 * len(CPU_SIZES) * len(candidates), measure,
+                         sum(timing_copies(c, CPU_SIZES) for c in candidates))
 
 
 def _low_rank_words(num_workers: int) -> List[int]:
     """The low-rank candidates' words, as ``_cpu_words(LOW_RANK, num_workers)`` lays
     them out, from the codecs of ``LOW_RANK_TIMED`` alone: each size's time on the line
     through the two timed sizes, each rank's on the line through the two timed ranks."""
-    key = (num_workers, ("low rank",))
+    key = _measured_keys(num_workers)[0][0]
 
     def measure():
         ranks, sizes = LOW_RANK_TIMED
@@ -455,7 +533,8 @@ def _low_rank_words(num_workers: int) -> List[int]:
         return [_microseconds(seconds(c.rank, n, k))
                 for c in LOW_RANK for n in CPU_SIZES for k in (0, 1)]
 
-    return _cached_words(key, 2 * len(CPU_SIZES) * len(LOW_RANK), measure)
+    return _cached_words(key, 2 * len(CPU_SIZES) * len(LOW_RANK), measure,
+                         _measured_keys(num_workers)[0][2])
 
 
 def measure(cross_device_ops, link_gbps: float, latency_ms: float) -> "Figures":
@@ -473,6 +552,11 @@ def measure(cross_device_ops, link_gbps: float, latency_ms: float) -> "Figures":
         words = list(_link_us(cross_device_ops, link_gbps)) + _cpu_words(CANDIDATES[1:], n)
         agreed = _slowest(cross_device_ops, words)
     return Figures.from_words(agreed, n, link_gbps, latency_ms)
+
+
+def measured(figures: "Figures") -> bool:
+    """Whether ``figures`` hold the measured candidates' CPU timings."""
+    return all(c.label in figures.encode_us for c in MEASURED)
 
 
 def measure_low_rank(cross_device_ops, figures: "Figures") -> "Figures":
@@ -1095,7 +1179,8 @@ class Plan:
     def predicted(self) -> Dict[str, float]:
         """Seconds per step the model predicts for the planned gradients: the plan's
         (CPU, wire, and the latency of each compressed group's collectives, one bucket
-        each) and the wire and latency of all of them as float32."""
+        each) and the wire and latency of all of them as float32 (the embedding tables
+        sent as rows: the stock gather's, float32 rows)."""
         groups = {e.label: e.path for e in self.entries if e.label != "fp32"}
         rows = self.rows_tables
         plan = {"cpu_s": sum(e.cpu_s for e in self.entries) + sum(t.cpu_s for t in self.tables),
@@ -1104,9 +1189,14 @@ class Plan:
                                  for path in groups.values())
                 # The rows: their counts, then the blocks (two all-gathers).
                 + (2 * self.link.latency("allgather", self.num_workers) if rows else 0.0)}
+        # All as float32: the entries on one all-reduce, and the tables sent as rows as
+        # the stock gather sends them (every occurrence's values and index).
         fp32 = sum(e.dense_bytes for e in self.entries)
-        return {**plan, "fp32_wire_s": self.link.wire("allreduce", self.num_workers, fp32),
-                "fp32_latency_s": self.link.latency("allreduce", self.num_workers)}
+        stock_rows = sum(rows_table(t, None, self.figures).wire_s for t in rows)
+        return {**plan,
+                "fp32_wire_s": self.link.wire("allreduce", self.num_workers, fp32) + stock_rows,
+                "fp32_latency_s": self.link.latency("allreduce", self.num_workers)
+                + (self.link.latency("allgather", self.num_workers) if rows else 0.0)}
 
     def step_seconds(self) -> float:
         """The predicted seconds per step of the planned gradients: CPU, wire, latency."""

@@ -288,7 +288,10 @@ class AutoPlanCallback(keras.callbacks.Callback):
     step (the median of its settled steps, the least of them while fewer than three)
     and that step's standard error, from which the planner weighs the steps a
     low-rank plan adds against the time it saves (``Auto.low_rank_steps``), and takes
-    a change only where it pays for every slope the steps' noise allows.
+    a change only where it pays for every slope the steps' noise allows. It passes the
+    steps left of the fit as well: the first measurement times the low-rank and top-k
+    codecs (seconds, on a machine whose cache lacks them) only where what the matrices
+    cost a step could, over those steps, pay for it (``planner.timing_pays``).
 
     A new plan takes effect at the next step (a new train function, as a compressor
     switch). That step's retrace costs seconds, so the callback times it and the steps
@@ -450,7 +453,8 @@ class AutoPlanCallback(keras.callbacks.Callback):
             # this step ends an interval, whose ``adapt`` measures them anyway.
             self._measured = True
             began = time.perf_counter()
-            self._strategy.cross_device_ops.measure_low_rank(**self._plan_step())
+            self._strategy.cross_device_ops.measure_low_rank(
+                steps_left=self._steps_left(self._per_call), **self._plan_step())
             self.measure_s = time.perf_counter() - began
         self._steps += self._per_call
         self._fit_steps += self._per_call
@@ -527,15 +531,19 @@ class AutoPlanCallback(keras.callbacks.Callback):
             return self._every_steps
         return max(1, ((self.params or {}).get("steps") or 1) * self._every)
 
+    def _steps_left(self, running=0):
+        """The steps left of the fit after those counted and ``running`` more (Keras'
+        ``epochs`` times ``steps``), or None where Keras does not know them."""
+        params = self.params or {}
+        if not (params.get("steps") and params.get("epochs")):
+            return None
+        return max(params["steps"] * params["epochs"] - self._fit_steps - running, 0)
+
     def _payback_steps(self):
         """The steps over which a change of plan must pay for itself: what is left of the
         fit (Keras' ``epochs`` times ``steps``), or an interval where that is unknown or
         shorter."""
-        params = self.params or {}
-        left = 0
-        if params.get("steps") and params.get("epochs"):
-            left = params["steps"] * params["epochs"] - self._fit_steps
-        return max(self._interval_steps(), left)
+        return max(self._interval_steps(), self._steps_left() or 0)
 
     def on_epoch_end(self, epoch, logs=None):
         if self._every_steps is None and (epoch + 1) % self._every == 0:
@@ -550,7 +558,7 @@ class AutoPlanCallback(keras.callbacks.Callback):
         if self._threshold is not None:
             critical = cdo.adapt(self._threshold,
                                  min_gain_s=self.change_s / self._payback_steps(),
-                                 **self._plan_step())
+                                 steps_left=self._steps_left(), **self._plan_step())
             self._measured = True  # the low-rank errors too, where they are candidates
         adapted = time.perf_counter()
         due = self._margin is not None and (
