@@ -1590,7 +1590,8 @@ def test_a_table_planned_alone_goes_as_the_fastest_of_quantized_and_float32_rows
 def test_the_plans_all_float32_figure_holds_the_tables_rows_as_the_stock_gather():
     # The plan table's "all float32" line: the planned gradients on one all-reduce, and
     # a table sent as rows as the stock gather sends its rows (every occurrence's
-    # float32 values and int32 index, from each of the other workers), with its latency.
+    # float32 values and int32 index, from each of the other workers), with the
+    # latency of two all-gathers, as the plan's own rows are priced.
     gradients = [("table", (50000, 64), "float32"), ("head", (512, 512), "float32")]
     fig = all_figures(0.1)
     plan = planner.plan_tables(gradients, {0: (800, 3200)}, fig, 0.05, dense=frozenset())
@@ -1600,7 +1601,7 @@ def test_the_plans_all_float32_figure_holds_the_tables_rows_as_the_stock_gather(
     assert got["fp32_wire_s"] == pytest.approx(
         link.wire("allreduce", n, 512 * 512 * 4) + (n - 1) * 3200 * (64 * 4 + 4) * link.beta)
     assert got["fp32_latency_s"] == pytest.approx(
-        link.latency("allreduce", n) + link.latency("allgather", n))
+        link.latency("allreduce", n) + 2 * link.latency("allgather", n))
     # The table sent dense: among the all-reduce's bytes, no gather.
     dense = planner.plan_tables(gradients, {0: (800, 3200)}, fig, 0.05, dense=frozenset({0}))
     assert not dense.rows_tables
@@ -1953,6 +1954,7 @@ def test_low_rank_timings_of_two_ranks_and_sizes_give_every_rank_and_size(monkey
 
     monkeypatch.setattr(planner, "_cpu_seconds", seconds)
     monkeypatch.setattr(planner, "_CPU_WORDS", {})
+    monkeypatch.setattr(planner, "_COPY_SECONDS", {})
     words = planner._low_rank_words(3)
     ranks, sizes = planner.LOW_RANK_TIMED
     assert sorted(timed) == sorted((r, n) for r in ranks for n in sizes)
@@ -1969,23 +1971,17 @@ def test_low_rank_timings_of_two_ranks_and_sizes_give_every_rank_and_size(monkey
 
 
 def test_what_timing_the_measured_candidates_would_cost_is_known_beforehand(monkeypatch,
-                                                                            tmp_path):
-    # Stand-in timings on a fake clock that each advances by what its calls trace and
-    # run: 30 ms a vector, 20 ms more a low-rank one (a larger graph), over the calls
-    # ``_cpu_seconds`` makes (the overhead's two, copies and twice as many, with the
-    # least size; one of the copies otherwise, once per candidate and process).
-    now, overheads = [0.0], set()
+                                                                            tmp_path, request):
+    # Stand-in timed calls on a fake clock that each advances by the vectors it traces
+    # and runs, encoding and decoding: 30 ms a vector, 50 ms a low-rank one (a larger
+    # graph). What ``_cpu_seconds`` and ``_least_calls`` make of them is theirs.
+    now = [0.0]
 
-    def seconds(candidate, n, num_workers, shape=None):
-        copies = planner._copies(candidate)
-        vectors = 2 * copies  # encoding and decoding
-        if n == planner.CPU_SIZES[0]:
-            vectors = 0 if candidate in overheads else 2 * 3 * copies
-            overheads.add(candidate)
-        now[0] += vectors * (0.05 if candidate.rank else 0.03)
-        return 1e-4, 2e-4
+    def call_seconds(candidate, n, num_workers, copies, shape=None, repeats=planner.REPEATS):
+        now[0] += 2 * copies * (0.05 if candidate.rank else 0.03)
+        return 4e-4 + copies * 1e-5, 3e-4 + copies * 2e-5
 
-    monkeypatch.setattr(planner, "_cpu_seconds", seconds)
+    monkeypatch.setattr(planner, "_call_seconds", call_seconds)
     monkeypatch.setattr(planner, "time", type("Clock", (), {
         "perf_counter": staticmethod(lambda: now[0])}))
     monkeypatch.setenv(planner.CPU_CACHE_ENV, str(tmp_path / "cpu.json"))
@@ -1993,8 +1989,9 @@ def test_what_timing_the_measured_candidates_would_cost_is_known_beforehand(monk
     def new_process():
         monkeypatch.setattr(planner, "_CPU_WORDS", {})
         monkeypatch.setattr(planner, "_COPY_SECONDS", {})
-        overheads.clear()
+        planner._least_calls.cache_clear()
 
+    request.addfinalizer(planner._least_calls.cache_clear)  # the stand-in's, forgotten
     new_process()
     assert planner.measured_timing_s(4) is None  # nothing timed on this machine yet
     planner._cpu_words(planner.CANDIDATES[1:], 4)
@@ -2021,8 +2018,11 @@ def test_what_timing_the_measured_candidates_would_cost_is_known_beforehand(monk
         del cache[planner._disk_key(key)]
     path.write_text(json.dumps(cache))
     new_process()
-    assert planner.measured_timing_s(4) == pytest.approx(
-        0.03 * sum(copies for _, _, copies in planner._measured_keys(4)))
+    (_, _, low_rank), (_, _, top_k) = planner._measured_keys(4)
+    assert planner.measured_timing_s(4) == pytest.approx(0.03 * (low_rank + top_k))
+    # Figures that hold some of them (a record of an older plan): the others alone.
+    assert planner.measured_timing_s(4, all_figures(1.0)) == pytest.approx(0.03 * top_k)
+    assert planner.measured_timing_s(4, figures()) == pytest.approx(0.03 * (low_rank + top_k))
     # Without the disk, a new process knows nothing of this machine.
     monkeypatch.setenv(planner.CPU_CACHE_ENV, "0")
     new_process()
@@ -2079,6 +2079,40 @@ def test_candidates_whose_timing_cannot_pay_are_left_untimed_until_it_can(monkey
     assert timed and auto.untimed is None
 
 
+def test_the_steps_left_and_the_timings_cost_decide_whether_low_rank_is_timed(monkeypatch,
+                                                                             tmp_path):
+    # Through ``measure_low_rank``: every worker's words gathered (worker 0's steps,
+    # the most seconds), then the decision, on a machine whose cache lacks the measured
+    # candidates and whose last timing cost a second a copy.
+    ops, auto = _tracking_planner()
+    fig = figures(link_gbps=1.0)
+    lay = _timed_layout(ops, auto, fig, planner.make_plan(GRADIENTS, fig, 0.05), [])
+    lay.matrices = [0, 1, 2]
+    lay.summed = tf.Variable(1.0)  # worker 0 summed a step of it: it trains
+    monkeypatch.setenv(planner.CPU_CACHE_ENV, str(tmp_path / "cpu.json"))
+    monkeypatch.setattr(planner, "_CPU_WORDS", {})
+    monkeypatch.setattr(planner, "_COPY_SECONDS", {4: 1.0})
+    timed = []
+    monkeypatch.setattr(planner, "measure_low_rank", lambda o, f: timed.append(f) or f)
+    monkeypatch.setattr(auto, "_measure_low_rank", lambda lay: {})
+    cost = planner.measured_timing_s(4)
+    steps = cost / auto._saving_bound([lay], 10.0)  # the fewest over which it pays
+    assert cost == sum(c for _, _, c in planner._measured_keys(4)) and steps > 10
+    # Keras' counts may be NumPy's.
+    assert ops.measure_low_rank(step_s=10.0, steps_left=np.int64(0.9 * steps)) is False
+    assert not timed and "untimed" in ops.low_rank_untimed()
+    # An interval's end asks again (and restarts the step counts: another step).
+    assert ops.adapt(0.5, step_s=10.0, steps_left=int(0.9 * steps)) is not None
+    assert not timed and ops.low_rank_untimed()
+    lay.summed.assign(1.0)
+    ops.measure_low_rank(step_s=10.0, steps_left=int(1.1 * steps))
+    assert timed and ops.low_rank_untimed() is None
+    timed.clear()
+    lay.summed.assign(1.0)
+    ops.measure_low_rank(step_s=10.0)  # the fit's length unknown: timed
+    assert timed
+
+
 def test_cpu_timings_are_kept_on_disk_for_the_next_job_on_this_machine(monkeypatch, tmp_path):
     # Stand-in codecs whose seconds grow with the elements; a new process is a cleared
     # ``_CPU_WORDS``.
@@ -2094,6 +2128,7 @@ def test_cpu_timings_are_kept_on_disk_for_the_next_job_on_this_machine(monkeypat
 
     def new_process():
         monkeypatch.setattr(planner, "_CPU_WORDS", {})
+        monkeypatch.setattr(planner, "_COPY_SECONDS", {})
         timed.clear()
 
     new_process()
@@ -2274,7 +2309,7 @@ def test_the_plan_callback_refuses_what_it_cannot_use():
             strategy.cross_device_ops.adapt(step_s=0.05, step_se_s=step_se_s)
         with pytest.raises(ValueError, match="`step_se_s`"):
             strategy.cross_device_ops.measure_low_rank(step_s=0.05, step_se_s=step_se_s)
-    for steps_left in (-1, "many", True):
+    for steps_left in (-1, "many", True, float("nan")):
         with pytest.raises(ValueError, match="`steps_left`"):
             strategy.cross_device_ops.adapt(steps_left=steps_left)
         with pytest.raises(ValueError, match="`steps_left`"):

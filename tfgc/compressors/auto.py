@@ -58,8 +58,9 @@ class Auto(Compressor):
       link_gbps: the link rate in Gbit/s to plan for instead of measuring it (0: measure
         with the probe). With it, ``latency_ms`` is the link's latency.
       latency_ms: with ``link_gbps``, the latency of one hop (a message that waits for
-        the previous one: a ring all-reduce on N workers takes 2(N-1) of them); None:
-        0.1 ms. Without ``link_gbps`` the probe measures it, and giving it is an error.
+        the previous one: a ring all-reduce on N workers takes 2(N-1) of them). Without
+        ``link_gbps`` the probe measures it, and another value than the default is an
+        error.
       low_rank: the PowerSGD rank (1, 2, 4 or 8) whose measured error on every matrix,
         summed, is the budget of the low-rank candidates; 0: no gradient goes
         low-rank. Default 2, PowerSGD's rank that matched SGD's accuracy on CIFAR-10
@@ -82,18 +83,15 @@ class Auto(Compressor):
     # object is never asked to compress.
     plans_per_tensor = True
 
-    # The hop's latency planned for with ``link_gbps`` where none is given.
-    LATENCY_MS = 0.1
-
-    def __init__(self, error: float = 0.05, link_gbps: float = 0.0, latency_ms=None,
+    def __init__(self, error: float = 0.05, link_gbps: float = 0.0, latency_ms: float = 0.1,
                  low_rank: int = 2, low_rank_steps: float = 0.3):
         self.error = float(check_number("error", error, 0))
         self.link_gbps = float(check_number("link_gbps", link_gbps, 0, also=" (0: measure)"))
-        if latency_ms is not None and not self.link_gbps:
+        self.latency_ms = check_positive_float("latency_ms", latency_ms)
+        if self.latency_ms != 0.1 and not self.link_gbps:
+            # Not the default: a latency meant for a link the probe measures instead.
             raise ValueError(f"`latency_ms` ({latency_ms!r}) is the latency of a given link: "
                              "give `link_gbps` too, or neither (the probe measures both)")
-        self.latency_ms = self.LATENCY_MS if latency_ms is None else \
-            check_positive_float("latency_ms", latency_ms)
         if isinstance(low_rank, bool) or low_rank not in (0, 1, 2, 4, 8):
             raise ValueError(f"`low_rank` must be 0 (none), 1, 2, 4 or 8, got {low_rank!r}")
         # Not ``low_rank``: that attribute (None here) says whether a compressor itself
@@ -106,8 +104,6 @@ class Auto(Compressor):
     def get_config(self):
         config = super().get_config()
         config["low_rank"] = self.budget_rank  # kept as ``budget_rank`` (see __init__)
-        if not self.link_gbps:
-            del config["latency_ms"]  # measured by the probe, not given
         return config
 
     def compress(self, x, state, ctx):

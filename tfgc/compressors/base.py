@@ -21,6 +21,7 @@ Every compressor declares how payloads from different workers combine:
 import abc
 import dataclasses
 import inspect
+import numbers
 from typing import Any, Dict, List, Sequence, Tuple
 
 import tensorflow as tf
@@ -345,9 +346,10 @@ def check_int(name: str, value: int, minimum: int, maximum: int = None) -> int:
 
 
 def check_number(name: str, value, minimum: float, strict: bool = False, also: str = ""):
-    """Validates a real number (not a bool) above ``minimum`` (``strict``) or at least it;
-    ``also`` ends the message (" or None", " (0: measure)")."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+    """Validates a real number (not a bool; NumPy's count, as Keras' counts may be)
+    above ``minimum`` (``strict``) or at least it; ``also`` ends the message
+    (" or None", " (0: measure)")."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
             value > minimum if strict else value >= minimum):
         bound = f"> {minimum:g}" if strict else f">= {minimum:g}"
         raise ValueError(f"`{name}` must be a number {bound}{also}, got {value!r}")

@@ -204,7 +204,9 @@ class AutoPlanner:
         self.relinked = 0
         self.went_back = 0
         # The intervals whose steps were timed (``_timed``), this worker's count: a
-        # timed step's age (``TIMED_INTERVALS_KEPT``).
+        # timed step's age (``TIMED_INTERVALS_KEPT``). The first low-rank measurement
+        # times the first plan's steps too, so under ``AutoPlanCallback`` it reads one
+        # more than the intervals ended (``AutoPlanCallback.history`` counts those).
         self.intervals = 0
         # ``intervals`` when the restored record was taken: the ages of its steps count
         # back from it, for every layout's part however late it is planned.
@@ -654,10 +656,16 @@ class AutoPlanner:
         most = np.max(self._ops.gather_words(words.tolist()), axis=0)
         lay.rows = {p: (int(most[2 * p]), int(most[2 * p + 1])) for p in places}
 
-    def _first_floats(self, values):
-        """Worker 0's ``values`` (float32, sent as the bits of words), on every worker."""
+    def _first_floats(self, values, most=0):
+        """Worker 0's ``values`` (float32, sent as the bits of words), on every worker;
+        the last ``most`` of them the most of every worker's instead (NaN where any
+        worker's is)."""
         bits = np.asarray(values, np.float32).view(np.int32)
-        return self._ops.gather_words(bits)[0].astype(np.int32).view(np.float32)
+        rows = np.asarray(self._ops.gather_words(bits)).astype(np.int32).view(np.float32)
+        first = np.array(rows[0])
+        if most:
+            first[-most:] = np.max(rows[:, -most:], axis=0)
+        return first
 
     def _repriced(self, lay, current):
         """``current`` priced with the rows the last step counted, where it has tables
@@ -1071,7 +1079,7 @@ class AutoPlanner:
                     total.assign(tf.zeros_like(total))
                 lay.restart_counts()
         first = self._first_floats(values + [min_gain_s, _or_nan(step_s), _or_nan(step_se_s)]
-                                   + self._timing_words(steps_left))
+                                   + self._timing_words(steps_left), most=1)
         min_gain_s, step_s, step_se_s = (float(v) for v in first[-5:-2])
         ran = [lay for lay in active if first[starts[lay] + len(lay.gradients)]]
         self._timed(ran, step_s, step_se_s)
@@ -1109,7 +1117,7 @@ class AutoPlanner:
         with tf.init_scope():
             summed = [lay.summed_steps() for lay in active]
         first = self._first_floats(summed + [_or_nan(step_s), _or_nan(step_se_s)]
-                                   + self._timing_words(steps_left))
+                                   + self._timing_words(steps_left), most=1)
         step_s, step_se_s = float(first[-4]), float(first[-3])
         ran = [lay for lay, count in zip(active, first[:-4]) if count]
         self._timed(ran, step_s, step_se_s)
@@ -1120,17 +1128,20 @@ class AutoPlanner:
     def _timing_words(self, steps_left):
         """The steps left (NaN: unknown) and the seconds timing the measured candidates
         would take on this worker (``planner.measured_timing_s``; NaN: unknown), for
-        ``_first_floats``: worker 0's decide whether they are timed."""
+        ``_first_floats``: worker 0's steps and the most seconds of any worker (all
+        wait for the slowest) decide whether they are timed."""
         figures = self._figures[1]
-        timing_s = 0.0 if planner.measured(figures) else \
-            planner.measured_timing_s(figures.num_workers)
+        timing_s = 0.0
+        if self._ops.compressor.budget_rank and not planner.measured(figures):
+            timing_s = planner.measured_timing_s(figures.num_workers, figures)
         return [_or_nan(steps_left), _or_nan(timing_s)]
 
     def _saving_bound(self, layouts, step_s) -> float:
         """At most what the measured candidates could save a step: what the gradients
         they may take (the matrices) cost in the current plans, CPU and wire, scaled as
-        the steps that ran measured the plans' communication (where not measured yet,
-        the most ``planner.Pace`` allows), and no more than the step measured (on a
+        the steps that ran measured the plans' communication (the steepest slope their
+        noise allows; where not measured yet, the most ``planner.Pace`` allows), and no
+        more than the step measured (on a
         measured link: a given one, ``Auto.link_gbps``, is not the one the steps ran
         on, and its savings are the ones planned for)."""
         total = 0.0
@@ -1139,7 +1150,10 @@ class AutoPlanner:
             names = {lay.gradients[j][0] for j in set(lay.matrices) | set(lay.row_matrices)}
             cost = sum(e.cpu_s + e.wire_s for e in plan.entries if e.name in names) \
                 + sum(t.cpu_s + t.wire_s for t in plan.rows_tables if t.name in names)
-            total += cost * (plan.pace.scale if plan.pace is not None else planner.PACE_SCALE[1])
+            pace = plan.pace
+            scale = planner.PACE_SCALE[1] if pace is None else \
+                max(p.scale for p in (pace,) + tuple(pace.others))
+            total += cost * scale
         measured = math.isfinite(step_s) and step_s > 0 and not self._figures[1].link_gbps
         return min(total, step_s) if measured else total
 

@@ -448,14 +448,20 @@ def _measured_keys(num_workers: int):
              sum(timing_copies(c, CPU_SIZES) for c in SPARSE)))
 
 
-def measured_timing_s(num_workers: int) -> Optional[float]:
-    """The seconds ``measure_low_rank`` would spend timing the measured candidates on
-    this worker now: none where this process or the disk keeps their timings, else the
-    copies it would time at what a copy cost in the last timing on this machine (with 4
-    workers on 2 cores, 34 ms a copy for the quantizers and 36 ms for these: 4.0 s in
-    all, the CNN's first job); None where no timing on this machine says."""
-    left = sum(copies for key, length, copies in _measured_keys(num_workers)
-               if _kept_words(key, length) is None)
+def measured_timing_s(num_workers: int, figures: Optional["Figures"] = None
+                      ) -> Optional[float]:
+    """The seconds ``measure_low_rank`` would spend timing the measured candidates that
+    ``figures`` lack (all where None) on this worker now: none where this process or
+    the disk keeps their timings, else the copies it would time at what a copy cost in
+    the last timing on this machine; None where no timing on this machine says. (The
+    CNN's first job, 4 workers on 2 cores: about 34 ms a copy for the quantizers, from
+    a first step 10.9 s longer than a later job's, and 36 ms for these, 4.0 s in all;
+    one idle process: 15 ms against 16 ms.)"""
+    lacking = [figures is None or not all(c.label in figures.encode_us for c in kind)
+               for kind in (LOW_RANK, SPARSE)]
+    left = sum(copies for lack, (key, length, copies) in zip(lacking,
+                                                             _measured_keys(num_workers))
+               if lack and _kept_words(key, length) is None)
     if not left:
         return 0.0
     per_copy = _COPY_SECONDS.get(num_workers)
@@ -1190,13 +1196,14 @@ class Plan:
                 # The rows: their counts, then the blocks (two all-gathers).
                 + (2 * self.link.latency("allgather", self.num_workers) if rows else 0.0)}
         # All as float32: the entries on one all-reduce, and the tables sent as rows as
-        # the stock gather sends them (every occurrence's values and index).
+        # the stock gather sends them (every occurrence's values and index, in two
+        # all-gathers, as the plan's own rows are priced).
         fp32 = sum(e.dense_bytes for e in self.entries)
         stock_rows = sum(rows_table(t, None, self.figures).wire_s for t in rows)
         return {**plan,
                 "fp32_wire_s": self.link.wire("allreduce", self.num_workers, fp32) + stock_rows,
                 "fp32_latency_s": self.link.latency("allreduce", self.num_workers)
-                + (self.link.latency("allgather", self.num_workers) if rows else 0.0)}
+                + (2 * self.link.latency("allgather", self.num_workers) if rows else 0.0)}
 
     def step_seconds(self) -> float:
         """The predicted seconds per step of the planned gradients: CPU, wire, latency."""

@@ -366,6 +366,7 @@ class AutoPlanCallback(keras.callbacks.Callback):
         self._steps = 0
         self._fit_steps = 0  # steps of the current fit
         self._epoch = 0
+        self._first_epoch = None  # the current fit's first epoch
         self._measured = False
         # Recent steps' seconds, and what the last change of plan cost (``_time_step``).
         self._durations = collections.deque(maxlen=64)
@@ -398,12 +399,15 @@ class AutoPlanCallback(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self._measured = False
         self._fit_steps = 0
+        self._first_epoch = None
         self._restart_timing(self._strategy.cross_device_ops.generation)
         if self._threshold is not None:
             self._strategy.cross_device_ops.track_regimes()
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
+        if self._first_epoch is None:
+            self._first_epoch = epoch
 
     def on_train_batch_begin(self, batch, logs=None):
         self._began = time.perf_counter()
@@ -533,11 +537,15 @@ class AutoPlanCallback(keras.callbacks.Callback):
 
     def _steps_left(self, running=0):
         """The steps left of the fit after those counted and ``running`` more (Keras'
-        ``epochs`` times ``steps``), or None where Keras does not know them."""
+        ``epochs`` from the fit's first, times ``steps``), or None where Keras does not
+        know them."""
         params = self.params or {}
         if not (params.get("steps") and params.get("epochs")):
             return None
-        return max(params["steps"] * params["epochs"] - self._fit_steps - running, 0)
+        # A resumed fit (``initial_epoch``, ``BackupAndRestore``) starts at a later
+        # epoch; ``epochs`` is the last.
+        epochs = int(params["epochs"]) - (self._first_epoch or 0)
+        return max(int(params["steps"]) * epochs - self._fit_steps - running, 0)
 
     def _payback_steps(self):
         """The steps over which a change of plan must pay for itself: what is left of the
