@@ -1823,6 +1823,22 @@ def test_a_plans_step_error_comes_from_its_own_steps_once_it_has_enough(monkeypa
         fresh.SPREAD_PRIOR * 2.0)
 
 
+def test_the_steps_left_count_from_the_fits_first_epoch():
+    # A fit resumed at epoch 3 of 5 (``initial_epoch``, BackupAndRestore) has two
+    # epochs left, not five; Keras' counts may be NumPy's; unknown lengths are None.
+    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
+    callback = tfgc.keras.AutoPlanCallback(strategy, every_steps=4, link_margin=None)
+    callback.set_params({"epochs": 5, "steps": np.int64(10), "verbose": 0})
+    callback.on_train_begin()
+    callback.on_epoch_begin(3)
+    assert callback._steps_left() == 20 and callback._steps_left(running=3) == 17  # pylint: disable=protected-access
+    assert isinstance(callback._steps_left(), int)  # pylint: disable=protected-access
+    callback.on_epoch_begin(4)  # later epochs count from the fit's first
+    assert callback._steps_left() == 20  # pylint: disable=protected-access
+    callback.set_params({"epochs": 5, "steps": None, "verbose": 0})
+    assert callback._steps_left() is None  # pylint: disable=protected-access
+
+
 def test_the_first_low_rank_measurement_is_the_interval_end_when_they_meet(monkeypatch):
     strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
     cdo = strategy.cross_device_ops

@@ -1141,9 +1141,8 @@ class AutoPlanner:
         they may take (the matrices) cost in the current plans, CPU and wire, scaled as
         the steps that ran measured the plans' communication (the steepest slope their
         noise allows; where not measured yet, the most ``planner.Pace`` allows), and no
-        more than the step measured (on a
-        measured link: a given one, ``Auto.link_gbps``, is not the one the steps ran
-        on, and its savings are the ones planned for)."""
+        more than the step measured (on a measured link: a given one, ``Auto.link_gbps``,
+        is not the one the steps ran on, and its savings are the ones planned for)."""
         total = 0.0
         for lay in layouts:
             plan = lay.plan[1]
