@@ -2116,10 +2116,12 @@ def test_the_steps_left_and_the_timings_cost_decide_whether_low_rank_is_timed(mo
     assert cost == sum(c for _, _, c in planner._measured_keys(4)) and steps > 10
     # Keras' counts may be NumPy's.
     assert ops.measure_low_rank(step_s=10.0, steps_left=np.int64(0.9 * steps)) is False
-    assert not timed and "untimed" in ops.low_rank_untimed()
-    # An interval's end asks again (and restarts the step counts: another step).
-    assert ops.adapt(0.5, step_s=10.0, steps_left=int(0.9 * steps)) is not None
-    assert not timed and ops.low_rank_untimed()
+    note = ops.low_rank_untimed()
+    assert not timed and "untimed" in note
+    # An interval's end asks again (and restarts the step counts: another step); the
+    # line logged the first time stays.
+    assert ops.adapt(0.5, step_s=10.0, steps_left=int(0.8 * steps)) is not None
+    assert not timed and ops.low_rank_untimed() == note
     lay.summed.assign(1.0)
     ops.measure_low_rank(step_s=10.0, steps_left=int(1.1 * steps))
     assert timed and ops.low_rank_untimed() is None
@@ -2313,6 +2315,8 @@ def test_the_plan_callback_refuses_what_it_cannot_use():
                              ({"link_share": 1.5}, "link_share")]:
         with pytest.raises(ValueError, match=f"`{argument}`"):
             tfgc.keras.AutoPlanCallback(strategy, **kwargs)
+    # Counts as NumPy's, as a script may compute them.
+    assert tfgc.keras.AutoPlanCallback(strategy, every_steps=np.int64(20))._every_steps == 20  # pylint: disable=protected-access
     with pytest.raises(ValueError, match="needs track_regimes"):
         strategy.cross_device_ops.adapt()
     for step_s in (0.0, -1.0, float("inf"), "fast"):

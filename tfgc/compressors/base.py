@@ -337,12 +337,14 @@ def check_ratio(name: str, value: float) -> float:
 
 
 def check_int(name: str, value: int, minimum: int, maximum: int = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    """Validates an integer (not a bool; NumPy's too) within the bounds; returns it as
+    Python's."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"`{name}` must be an integer, got {value!r}")
     if value < minimum or (maximum is not None and value > maximum):
         bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
         raise ValueError(f"`{name}` must be {bound}, got {value!r}")
-    return value
+    return int(value)
 
 
 def check_number(name: str, value, minimum: float, strict: bool = False, also: str = ""):

@@ -229,8 +229,8 @@ class AutoPlanner:
         # A plan set by hand (``pin``): one label for every gradient, or labels by
         # gradient name (the others float32); None: the planner's own.
         self._pin = None
-        # Why the low-rank and top-k candidates were left untimed at the last chance to
-        # time them (``_measured``), or None.
+        # Why the low-rank and top-k candidates were left untimed (``_measured``: the
+        # line logged the first time), or None once they are timed.
         self.untimed = None
 
     def _active(self):
@@ -1175,7 +1175,7 @@ class AutoPlanner:
                         "(a longer fit times them, and keeps their timings for later jobs)")
                 if self.untimed is None:  # said once, not at every interval's end
                     logging.info("%s", note)
-                self.untimed = note
+                    self.untimed = note
                 if self._capture is not None:
                     with tf.init_scope():
                         self._capture.assign(False)  # until the next ``capture``

@@ -822,10 +822,10 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                                                                        steps_left)
 
     def low_rank_untimed(self):
-        """Under ``compressor="auto"``: why the low-rank and top-k candidates were left
-        untimed, and so unplanned, the last time ``measure_low_rank`` or ``adapt`` could
-        have timed them (a line, as logged then), or None where they were timed, or not
-        asked for yet."""
+        """Under ``compressor="auto"``: why the low-rank and top-k candidates are left
+        untimed, and so unplanned (the line logged when ``measure_low_rank`` or
+        ``adapt`` first left them so; each interval's end asks again), or None where
+        they were timed, or not asked for yet."""
         return self._auto_planner("low_rank_untimed").untimed
 
     def pin_plan(self, choice) -> bool:

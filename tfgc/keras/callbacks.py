@@ -349,12 +349,12 @@ class AutoPlanCallback(keras.callbacks.Callback):
             check_number("threshold", threshold, 0, strict=True, also=" or None")
         if link_margin is not None:
             check_number("link_margin", link_margin, 0, also=" or None")
-        check_int("every_epochs", every_epochs, 1)
+        every_epochs = check_int("every_epochs", every_epochs, 1)
         check_number("link_share", link_share, 0, strict=True)
         if link_share > 1:
             raise ValueError(f"`link_share` must be at most 1, got {link_share!r}")
         if every_steps is not None:
-            check_int("every_steps", every_steps, 1)
+            every_steps = check_int("every_steps", every_steps, 1)
         self._strategy = strategy
         self._threshold = threshold
         self._margin = link_margin
