@@ -387,14 +387,14 @@ def _valid_words(words, length: int) -> bool:
         isinstance(w, int) and not isinstance(w, bool) and 0 <= w < 2 ** 31 for w in words)
 
 
-def _kept_words(key, length: int) -> Optional[List[int]]:
+def _kept_words(key, length: int, cache: Optional[dict] = None) -> Optional[List[int]]:
     """``key``'s words as this process or the disk keeps them (``length`` of them), or
-    None where neither does."""
+    None where neither does; ``cache``: the disk's entries, where already read."""
     if key in _CPU_WORDS:
         return _CPU_WORDS[key]
     if not _use_disk():
         return None
-    words = _read_cpu_cache().get(_disk_key(key))
+    words = (_read_cpu_cache() if cache is None else cache).get(_disk_key(key))
     return words if _valid_words(words, length) else None
 
 
@@ -421,10 +421,10 @@ def _cached_words(key, length: int, measure, copies: int = 0) -> List[int]:
         if copies:
             _COPY_SECONDS[key[0]] = (time.perf_counter() - began) / copies
         if _use_disk():
-            _write_cpu_cache(_disk_key(key), words)
+            entries = {_disk_key(key): words}
             if copies:
-                _write_cpu_cache(_disk_key((key[0], _COPY_KEY)),
-                                 [_microseconds(_COPY_SECONDS[key[0]])])
+                entries[_disk_key((key[0], _COPY_KEY))] = [_microseconds(_COPY_SECONDS[key[0]])]
+            _write_cpu_cache(entries)
     _CPU_WORDS[key] = words
     return words
 
@@ -457,16 +457,16 @@ def measured_timing_s(num_workers: int, figures: Optional["Figures"] = None
     CNN's first job, 4 workers on 2 cores: about 34 ms a copy for the quantizers, from
     a first step 10.9 s longer than a later job's, and 36 ms for these, 4.0 s in all;
     one idle process: 15 ms against 16 ms.)"""
-    lacking = [figures is None or not all(c.label in figures.encode_us for c in kind)
-               for kind in (LOW_RANK, SPARSE)]
-    left = sum(copies for lack, (key, length, copies) in zip(lacking,
+    cache = _read_cpu_cache() if _use_disk() else {}
+    left = sum(copies for kind, (key, length, copies) in zip((LOW_RANK, SPARSE),
                                                              _measured_keys(num_workers))
-               if lack and _kept_words(key, length) is None)
+               if (figures is None or not _timed_in(figures, kind))
+               and _kept_words(key, length, cache) is None)
     if not left:
         return 0.0
     per_copy = _COPY_SECONDS.get(num_workers)
-    if per_copy is None and _use_disk():
-        kept = _read_cpu_cache().get(_disk_key((num_workers, _COPY_KEY)))
+    if per_copy is None:
+        kept = cache.get(_disk_key((num_workers, _COPY_KEY)))
         per_copy = kept[0] / 1e6 if _valid_words(kept, 1) else None
     return None if per_copy is None else left * per_copy
 
@@ -481,14 +481,15 @@ def timing_pays(saving_s: float, steps_left, timing_s) -> bool:
     return bool(unknown) or saving_s * max(steps_left, 0.0) >= timing_s
 
 
-def _write_cpu_cache(disk_key: str, words: List[int]):
-    """Adds an entry to the disk's timings (atomically: a reader never sees half a file;
-    another process's write in between may lose its entry, which it measures again)."""
+def _write_cpu_cache(entries: Dict[str, List[int]]):
+    """Adds ``entries`` (words by disk key) to the disk's timings, in one write
+    (atomically: a reader never sees half a file; another process's write in between
+    may lose its entries, which it measures again)."""
     path = cpu_cache_path()
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         cache = _read_cpu_cache()
-        cache[disk_key] = list(words)
+        cache.update({key: list(words) for key, words in entries.items()})
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".cpu.", suffix=".json")
         try:
             with os.fdopen(fd, "w") as f:
@@ -521,7 +522,7 @@ def _low_rank_words(num_workers: int) -> List[int]:
     """The low-rank candidates' words, as ``_cpu_words(LOW_RANK, num_workers)`` lays
     them out, from the codecs of ``LOW_RANK_TIMED`` alone: each size's time on the line
     through the two timed sizes, each rank's on the line through the two timed ranks."""
-    key = _measured_keys(num_workers)[0][0]
+    key, length, copies = _measured_keys(num_workers)[0]
 
     def measure():
         ranks, sizes = LOW_RANK_TIMED
@@ -539,8 +540,7 @@ def _low_rank_words(num_workers: int) -> List[int]:
         return [_microseconds(seconds(c.rank, n, k))
                 for c in LOW_RANK for n in CPU_SIZES for k in (0, 1)]
 
-    return _cached_words(key, 2 * len(CPU_SIZES) * len(LOW_RANK), measure,
-                         _measured_keys(num_workers)[0][2])
+    return _cached_words(key, length, measure, copies)
 
 
 def measure(cross_device_ops, link_gbps: float, latency_ms: float) -> "Figures":
@@ -560,9 +560,14 @@ def measure(cross_device_ops, link_gbps: float, latency_ms: float) -> "Figures":
     return Figures.from_words(agreed, n, link_gbps, latency_ms)
 
 
+def _timed_in(figures: "Figures", candidates) -> bool:
+    """Whether ``figures`` hold every one of ``candidates``' CPU timings."""
+    return all(c.label in figures.encode_us for c in candidates)
+
+
 def measured(figures: "Figures") -> bool:
     """Whether ``figures`` hold the measured candidates' CPU timings."""
-    return all(c.label in figures.encode_us for c in MEASURED)
+    return _timed_in(figures, MEASURED)
 
 
 def measure_low_rank(cross_device_ops, figures: "Figures") -> "Figures":
@@ -570,9 +575,9 @@ def measure_low_rank(cross_device_ops, figures: "Figures") -> "Figures":
     the low-rank ones, then top-k), where it has none yet. Eager; every worker must
     call it at the same point."""
     words = []
-    if not all(c.label in figures.encode_us for c in LOW_RANK):
+    if not _timed_in(figures, LOW_RANK):
         words += _low_rank_words(figures.num_workers)
-    if not all(c.label in figures.encode_us for c in SPARSE):
+    if not _timed_in(figures, SPARSE):
         words += _cpu_words(SPARSE, figures.num_workers)
     if not words:
         return figures
