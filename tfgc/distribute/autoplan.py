@@ -151,6 +151,11 @@ class _Layout:
         # and every worker's most as last gathered (``AutoPlanner._count_rows``).
         self.counts, self.rows = {}, {}
 
+    def matrix_places(self):
+        """The places of its matrices that the low-rank candidates may take: the
+        planned gradients', then the tables' sent as rows not among them."""
+        return list(self.matrices) + [k for k in self.row_matrices if k not in self.matrices]
+
     def start_regimes(self):
         """No interval summed yet: every gradient critical until two intervals compare."""
         self.sums, self.critical, self.norms = {}, "all", {}
@@ -887,7 +892,7 @@ class AutoPlanner:
         input whatever ran, as the budget's reference is. (The gradient kept is the one
         the step sends: on the first step after a plan moved a gradient off error
         feedback, it holds the residual carried over.)"""
-        places = list(lay.matrices) + [k for k in lay.row_matrices if k not in lay.matrices]
+        places = lay.matrix_places()
         if not places:
             return {}
         keys = list(planner.RANKS) + [c.label for c in planner.SPARSE]
@@ -1146,7 +1151,7 @@ class AutoPlanner:
         total = 0.0
         for lay in layouts:
             plan = lay.plan[1]
-            names = {lay.gradients[j][0] for j in set(lay.matrices) | set(lay.row_matrices)}
+            names = {lay.gradients[j][0] for j in lay.matrix_places()}
             cost = sum(e.cpu_s + e.wire_s for e in plan.entries if e.name in names) \
                 + sum(t.cpu_s + t.wire_s for t in plan.rows_tables if t.name in names)
             pace = plan.pace
