@@ -311,6 +311,22 @@ def test_accordions_rule_marks_a_layer_whose_norm_moved_by_half():
     assert planner.critical_layers({}, {"a": 1.0}, 0.5) == {"a"}
 
 
+def test_accordions_rule_at_a_decay_asks_the_learning_rate_to_fall_by_the_threshold():
+    assert planner.learning_rate_fell(0.1, 0.01, 0.5)  # a step decay
+    assert planner.learning_rate_fell(0.1, 0.05, 0.5)  # by exactly the threshold
+    assert not planner.learning_rate_fell(0.1, 0.051, 0.5)
+    assert not planner.learning_rate_fell(0.1, 0.2, 0.5)  # a warm-up's rise
+    assert planner.learning_rate_fell(0.1, 0.0, 0.5)
+    for before, now in [(None, 0.01), (0.1, None), (0.0, 0.0), (float("nan"), 0.01),
+                        (0.1, float("nan")), (float("inf"), 0.1)]:
+        assert not planner.learning_rate_fell(before, now, 0.5)
+    # A cosine decay over 8 intervals falls by half or more only over its last three
+    # (ends at 6/8 and 7/8 and the end: 53 %, 74 %, 100 %); 38 % at 5/8.
+    rates = [0.5 * (1 + math.cos(math.pi * k / 8)) for k in range(9)]
+    fell = [k for k in range(1, 9) if planner.learning_rate_fell(rates[k - 1], rates[k], 0.5)]
+    assert fell == [6, 7, 8]
+
+
 def test_figures_round_trip_through_the_words_the_workers_gather():
     compressing = len(planner.CANDIDATES) - 1
     words = list(range(1, len(planner.LINK_SIZES) + 2 * len(planner.CPU_SIZES) * compressing + 1))
@@ -2372,6 +2388,82 @@ def test_the_plan_callback_ends_an_interval_every_so_many_steps():
     # The first interval has no previous one: every planned gradient critical.
     names = [e.name for e in strategy.compression_plan().entries]
     assert callback.history[0][1] == sorted(names)
+
+
+def test_a_learning_rate_that_falls_by_the_threshold_makes_every_gradient_critical():
+    # The same 8 rows every step at a small rate: the interval sums' norms barely move,
+    # so after the first interval only the learning rate's fall makes a regime.
+    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
+    cdo = strategy.cross_device_ops
+    cdo.track_regimes()
+    model = small_model(strategy)
+    x, y = (np.tile(a, (2, 1)) for a in small_data(8))
+    names = None
+    for rate, want in [(0.1, "all"), (0.1, "none"), (0.06, "none"), (0.03, "all"),
+                       (None, "none"), (0.01, "none"), (0.1, "none"), (0.0, "all")]:
+        model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+        names = names or frozenset(e.name for e in strategy.compression_plan().entries)
+        # 0.1 -> 0.06 fell by 40 %, 0.06 -> 0.03 by half; None leaves the rate unknown,
+        # so the next one has nothing to compare with; a rise is not a fall.
+        assert cdo.adapt(0.5, learning_rate=rate) == (names if want == "all" else frozenset())
+    # The last rate is kept with the regimes, and read back from a checkpoint's record.
+    part = cdo._auto.snapshot()["layouts"][0]  # pylint: disable=protected-access
+    assert part["learning_rate"] == 0.0
+    lay, = cdo._auto._layouts.values()  # pylint: disable=protected-access
+    lay.learning_rate = None
+    autoplan.AutoPlanner._take_part(lay, json.loads(json.dumps(part)))  # pylint: disable=protected-access
+    assert lay.learning_rate == 0.0
+    del part["learning_rate"]  # a record from before the rate was kept: unknown
+    autoplan.AutoPlanner._take_part(lay, part)  # pylint: disable=protected-access
+    assert lay.learning_rate is None
+    for bad in (-0.1, float("nan"), "fast", True):
+        with pytest.raises(ValueError, match="`learning_rate`"):
+            cdo.adapt(0.5, learning_rate=bad)
+
+
+@pytest.mark.parametrize("watch", [True, False])
+def test_the_plan_callback_reads_the_optimizers_scheduled_rate(watch):
+    # A step decay after step 10, intervals of 5 steps: the interval that ends at step
+    # 15 follows the decay, and only a watching callback makes every gradient critical.
+    # The same rows every step keep the norms still, so nothing else does.
+    import tf_keras as keras
+    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
+    with strategy.scope():
+        model = keras.Sequential([keras.layers.Dense(64, input_shape=(40,), name="a"),
+                                  keras.layers.Dense(4, name="b")])
+        schedule = keras.optimizers.schedules.PiecewiseConstantDecay([10], [0.01, 0.001])
+        model.compile(optimizer=keras.optimizers.SGD(schedule), loss="mse")
+    callback = tfgc.keras.AutoPlanCallback(strategy, every_steps=5, link_margin=None,
+                                           watch_learning_rate=watch)
+    model.fit(*small_data(8), batch_size=8, epochs=20, shuffle=False, verbose=0,
+              callbacks=[callback])
+    names = sorted(e.name for e in strategy.compression_plan().entries)
+    assert [critical for _, critical, _ in callback.history] == \
+        [names, [], names if watch else [], []]
+
+
+def test_the_plan_callback_reads_the_rate_of_optimizers_users_bring():
+    import tf_keras as keras
+    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
+    callback = tfgc.keras.AutoPlanCallback(strategy)
+    schedule = keras.optimizers.schedules.CosineDecay(0.1, 100)
+    for optimizer, want in [
+            (keras.optimizers.SGD(0.2), 0.2),
+            (keras.optimizers.SGD(schedule), 0.1),
+            (keras.optimizers.legacy.SGD(schedule), 0.1),
+            (keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD(schedule)), 0.1),
+            (None, None)]:
+        model = keras.Sequential([keras.layers.Dense(2, input_shape=(3,))])
+        model.optimizer = optimizer
+        callback.set_model(model)
+        rate = callback._learning_rate()  # pylint: disable=protected-access
+        assert rate == pytest.approx(want) if want is not None else rate is None
+    with pytest.raises(ValueError, match="`watch_learning_rate`"):
+        tfgc.keras.AutoPlanCallback(strategy, watch_learning_rate="yes")
+    off = tfgc.keras.AutoPlanCallback(strategy, watch_learning_rate=False)
+    off.set_model(model)
+    model.optimizer = keras.optimizers.SGD(0.2)
+    assert off._learning_rate() is None  # pylint: disable=protected-access
 
 
 def test_an_interval_whose_every_step_was_skipped_keeps_the_regimes_it_had():

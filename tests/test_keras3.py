@@ -186,6 +186,30 @@ def test_the_auto_plan_callback_runs_under_keras3(keras3_run):
     assert results[0]["loss"][0] == results[0]["loss"][0]  # finite
 
 
+@pytest.mark.parametrize("loss_scaled", [False, True])
+def test_the_auto_plan_callback_reads_a_keras3_optimizers_scheduled_rate(loss_scaled):
+    # As tests/test_auto.py's tf-keras case: a step decay after step 10, intervals of 5
+    # steps, the same rows every step; the interval after the decay makes every
+    # planned gradient critical, through Keras 3's optimizer (and its loss scaling).
+    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((40,)), keras.layers.Dense(64),
+                                  keras.layers.Dense(4)])
+        schedule = keras.optimizers.schedules.PiecewiseConstantDecay([10], [0.01, 0.001])
+        optimizer = keras.optimizers.SGD(schedule)
+        if loss_scaled:
+            optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+        model.compile(optimizer=optimizer, loss="mse")
+    callback = tfgc.keras.AutoPlanCallback(strategy, every_steps=5, link_margin=None)
+    rng = np.random.default_rng(0)
+    model.fit(rng.normal(size=(8, 40)).astype(np.float32),
+              rng.normal(size=(8, 4)).astype(np.float32), batch_size=8, epochs=20,
+              shuffle=False, verbose=0, callbacks=[callback])
+    names = sorted(e.name for e in strategy.compression_plan().entries)
+    assert names
+    assert [critical for _, critical, _ in callback.history] == [names, [], names, []]
+
+
 def test_mixed_precision_skips_a_step_that_overflows_on_one_worker_everywhere(keras3_run):
     # Keras 3's LossScaleOptimizer checks each worker's own gradients before the
     # all-reduce: without tfgc's agreement the worker that overflowed skipped the

@@ -124,6 +124,9 @@ class _Layout:
         # steps that reached it, those skipped for a non-finite gradient included.
         self.critical, self.norms, self.sums, self.summed = frozenset(), {}, None, None
         self.reached = None
+        # The learning rate at the last interval's end (worker 0's; None: unknown),
+        # which ``planner.learning_rate_fell`` compares the next one with.
+        self.learning_rate = None
         if tracked:
             self.start_regimes()
         # With regimes tracked and low-rank candidates on: by place, each matrix's last
@@ -159,6 +162,7 @@ class _Layout:
     def start_regimes(self):
         """No interval summed yet: every gradient critical until two intervals compare."""
         self.sums, self.critical, self.norms = {}, "all", {}
+        self.learning_rate = None
 
     def current(self, generation):
         """Its plan in ``generation``, or None."""
@@ -482,6 +486,7 @@ class AutoPlanner:
                 "gradients": json.loads(json.dumps(lay.gradients)),
                 "critical": critical if critical == "all" else sorted(critical),
                 "norms": {str(k): v for k, v in lay.norms.items()},
+                "learning_rate": lay.learning_rate,
                 # Each timed step: key, communication, step, its error, the plans
                 # beside it, and how many intervals ago it was timed.
                 "steps": [[key, comm, step, se if math.isfinite(se) else None,
@@ -551,6 +556,9 @@ class AutoPlanner:
             critical = part["critical"]
             lay.critical = critical if critical == "all" else frozenset(critical)
             lay.norms = {int(k): v for k, v in part["norms"].items()}
+            rate = part.get("learning_rate")  # records before it: unknown
+            lay.learning_rate = float(rate) if isinstance(rate, (int, float)) \
+                and not isinstance(rate, bool) else None
             lay.steps = steps_from_record(part.get("steps") or [])
             # Rows written before the plans beside were kept have none: unknown.
             lay.beside = {row[0]: row[4] for row in part.get("steps") or []
@@ -1057,12 +1065,14 @@ class AutoPlanner:
                        retrace=True)
 
     def adapt(self, threshold: float, min_gain_s: float = 0.0, step_s=None,
-              step_se_s=None, steps_left=None) -> frozenset:
+              step_se_s=None, steps_left=None, learning_rate=None) -> frozenset:
         """See ``CompressedAllReduce.adapt``."""
         check_number("threshold", threshold, 0, strict=True)
         check_number("min_gain_s", min_gain_s, 0)
         _check_step(step_s, step_se_s)
         _check_steps_left(steps_left)
+        if learning_rate is not None:
+            check_number("learning_rate", learning_rate, 0, also=" or None")
         if not self._tracked:
             raise ValueError("adapt() needs track_regimes() and a step under "
                              "compressor='auto' first")
@@ -1083,9 +1093,11 @@ class AutoPlanner:
                 for total in lay.sums.values():
                     total.assign(tf.zeros_like(total))
                 lay.restart_counts()
-        first = self._first_floats(values + [min_gain_s, _or_nan(step_s), _or_nan(step_se_s)]
+        first = self._first_floats(values + [min_gain_s, _or_nan(step_s), _or_nan(step_se_s),
+                                             _or_nan(learning_rate)]
                                    + self._timing_words(steps_left), most=1)
-        min_gain_s, step_s, step_se_s = (float(v) for v in first[-5:-2])
+        min_gain_s, step_s, step_se_s, rate = (float(v) for v in first[-6:-2])
+        rate = rate if math.isfinite(rate) else None
         ran = [lay for lay in active if first[starts[lay] + len(lay.gradients)]]
         self._timed(ran, step_s, step_se_s)
         for lay in ran:
@@ -1093,7 +1105,18 @@ class AutoPlanner:
             now = {j: float(v) for j, v in enumerate(first[start:start + len(lay.gradients)])}
             lay.critical = frozenset(lay.gradients[j][0] for j in
                                      planner.critical_layers(lay.norms, now, threshold))
+            if planner.learning_rate_fell(lay.learning_rate, rate, threshold):
+                # ACCORDION's rule at a decay: the next interval compresses less, every
+                # gradient of the model as if its norm had moved.
+                logging.info("tfgc: compressor='auto': the learning rate fell from %.3g to "
+                             "%.3g over the interval (by %.0f%%, at least the threshold's "
+                             "%.0f%%): every gradient is critical for the next",
+                             lay.learning_rate, rate,
+                             100 * (lay.learning_rate - rate) / lay.learning_rate,
+                             100 * threshold)
+                lay.critical = frozenset(g[0] for g in lay.gradients)
             lay.norms = now
+            lay.learning_rate = rate
         if self._ops.compressor.budget_rank and ran:
             self._measured(ran, step_s, *first[-2:])
         # Planned again every time: the regimes, the low-rank errors or the steps timed

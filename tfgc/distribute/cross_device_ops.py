@@ -778,7 +778,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         self._auto_planner("track_regimes").track_regimes()
 
     def adapt(self, threshold: float = 0.5, min_gain_s: float = 0.0, step_s=None,
-              step_se_s=None, steps_left=None) -> frozenset:
+              step_se_s=None, steps_left=None, learning_rate=None) -> frozenset:
         """Under ``compressor="auto"`` after ``track_regimes``: ends an interval. The norm
         of each planned gradient's sum over the interval is compared with the previous
         interval's (``planner.critical_layers``: a change of ``threshold`` or more, or
@@ -795,14 +795,17 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         taken as ``planner.PACE_PRIOR`` of the step), which weighs the plan's step in
         the pace and bounds its slope. ``steps_left``: the steps left of training
         (None: unknown), over which timing the low-rank and top-k candidates must be
-        able to pay for itself before it is done (as for ``measure_low_rank``). The
-        norms, ``min_gain_s``, the step and ``steps_left`` are worker 0's
-        (all-gathered), so every worker decides the same; every worker must call it at
-        the same point. Returns the names in a critical regime now, of the models the
+        able to pay for itself before it is done (as for ``measure_low_rank``).
+        ``learning_rate``: the optimizer's rate now (None: unknown); where it fell by
+        ``threshold`` or more since the previous interval's end
+        (``planner.learning_rate_fell``: ACCORDION's rule at a decay), every gradient
+        of the model is critical for the next interval. The norms, ``min_gain_s``, the
+        step, ``steps_left`` and the rate are worker 0's (all-gathered), so every
+        worker decides the same; every worker must call it at the same point. Returns the names in a critical regime now, of the models the
         interval trained: one whose every step was skipped for a non-finite gradient
         keeps the regimes it had."""
         return self._auto_planner("adapt").adapt(threshold, min_gain_s, step_s, step_se_s,
-                                                 steps_left)
+                                                 steps_left, learning_rate)
 
     def measure_low_rank(self, step_s=None, step_se_s=None, steps_left=None) -> bool:
         """Under ``compressor="auto"`` with regimes tracked and ``low_rank`` on: measures

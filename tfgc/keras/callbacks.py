@@ -273,6 +273,10 @@ class AutoPlanCallback(keras.callbacks.Callback):
     * ends an interval (``CompressedAllReduce.adapt``): a gradient stays critical when
       the norm of its sum over the interval changed by ``threshold`` or more since the
       previous interval, and leaves that regime (back to the budget's plan) otherwise;
+      and every gradient is critical for the next interval where the optimizer's
+      learning rate fell by ``threshold`` or more since the previous interval's end
+      (ACCORDION's rule at a decay; with a cosine schedule, its last few intervals,
+      where a low-rank plan taken late cost MobileNetV2 its accuracy);
     * measures the link again (``CompressedAllReduce.replan``) and plans again when the
       float32 all-reduce it predicts moved by more than ``link_margin``. A measurement
       takes the link for a moment (a third of a second at 100 Mbit/s), so it is made
@@ -310,6 +314,10 @@ class AutoPlanCallback(keras.callbacks.Callback):
         ``compressor="auto"``.
       threshold: ACCORDION's relative change of the norm (0.5, as in its paper's code);
         None: no regimes, the budget's plan throughout.
+      watch_learning_rate: whether a fall of the learning rate by ``threshold`` makes
+        every gradient critical (the model's ``optimizer``, its rate after the
+        interval's last step; a model without one, such as a GAN with an optimizer per
+        network, has only the norms' test).
       link_margin: the relative change of the link that plans again; None: the link is
         measured once.
       link_share: the share of training time the link's measurements may take.
@@ -337,7 +345,7 @@ class AutoPlanCallback(keras.callbacks.Callback):
     SPREAD_PRIOR = planner.PACE_PRIOR
 
     def __init__(self, strategy, threshold=0.5, link_margin=0.25, every_epochs: int = 1,
-                 every_steps=None, link_share: float = 0.02):
+                 every_steps=None, link_share: float = 0.02, watch_learning_rate: bool = True):
         super().__init__()
         if not hasattr(strategy, "compression_plan"):
             raise ValueError("`strategy` must be a tfgc.CompressedMultiWorkerMirroredStrategy, "
@@ -355,7 +363,11 @@ class AutoPlanCallback(keras.callbacks.Callback):
             raise ValueError(f"`link_share` must be at most 1, got {link_share!r}")
         if every_steps is not None:
             every_steps = check_int("every_steps", every_steps, 1)
+        if not isinstance(watch_learning_rate, (bool, np.bool_)):
+            raise ValueError("`watch_learning_rate` must be True or False, got "
+                             f"{watch_learning_rate!r}")
         self._strategy = strategy
+        self._watch_rate = bool(watch_learning_rate)
         self._threshold = threshold
         self._margin = link_margin
         self._link_share = link_share
@@ -553,6 +565,22 @@ class AutoPlanCallback(keras.callbacks.Callback):
         shorter."""
         return max(self._interval_steps(), self._steps_left() or 0)
 
+    def _learning_rate(self):
+        """The model's optimizer's learning rate now (a schedule's at the optimizer's
+        steps), or None where it has none, it cannot be read as a number, or
+        ``watch_learning_rate`` is off."""
+        optimizer = getattr(self.model, "optimizer", None) if self._watch_rate else None
+        if optimizer is None:
+            return None
+        try:
+            rate = optimizer.learning_rate
+            if not hasattr(rate, "numpy") and callable(rate):  # a schedule itself
+                rate = rate(optimizer.iterations)
+            rate = float(np.asarray(rate.numpy() if hasattr(rate, "numpy") else rate))
+        except (AttributeError, TypeError, ValueError):
+            return None
+        return rate if math.isfinite(rate) and rate >= 0 else None
+
     def on_epoch_end(self, epoch, logs=None):
         if self._every_steps is None and (epoch + 1) % self._every == 0:
             self._end_interval(epoch, logs)
@@ -566,7 +594,8 @@ class AutoPlanCallback(keras.callbacks.Callback):
         if self._threshold is not None:
             critical = cdo.adapt(self._threshold,
                                  min_gain_s=self.change_s / self._payback_steps(),
-                                 steps_left=self._steps_left(), **self._plan_step())
+                                 steps_left=self._steps_left(),
+                                 learning_rate=self._learning_rate(), **self._plan_step())
             self._measured = True  # the low-rank errors too, where they are candidates
         adapted = time.perf_counter()
         due = self._margin is not None and (
