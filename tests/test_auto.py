@@ -487,6 +487,36 @@ def test_a_gradient_whose_energy_few_entries_hold_goes_top_k_on_a_slow_link():
         GRADIENTS, fig, 0.05, low_rank=older).entries}
 
 
+def test_a_held_gradient_goes_no_lossier_than_the_plan_that_ran():
+    # After a learning-rate decay every gradient is critical and held: low rank only
+    # where the plan that ran sent it so, at its rank or more; never top-k.
+    low_rank = planner.LowRank(2, MEASURED)
+    fig = all_figures(0.01)
+    names = [name for name, _, _ in GRADIENTS]
+    critical = planner.make_plan(GRADIENTS, fig, 0.05, critical=set(names), low_rank=low_rank)
+    went = {e.name: e.label for e in critical.entries}
+    ranks = {name: planner.BY_LABEL[label].rank for name, label in went.items()}
+    assert any(r is not None for r in ranks.values())  # the slow link took low rank
+    # Held at what ran: the same plan.
+    same = planner.make_plan(GRADIENTS, fig, 0.05, critical=set(names), low_rank=low_rank,
+                             held=ranks)
+    assert same.key() == critical.key()
+    # Held where nothing ran low-rank: none goes low-rank now, and every quantizer
+    # keeps within the critical bound.
+    none = planner.make_plan(GRADIENTS, fig, 0.05, critical=set(names), low_rank=low_rank,
+                             held={name: None for name in names})
+    assert all(e.candidate.rank is None and e.candidate.error_key is None
+               and e.error <= planner.CRITICAL_BOUND for e in none.entries)
+    # Held at rank 8 on one matrix: rank 8 there or no low rank, never less.
+    one = next(name for name, r in ranks.items() if r is not None)
+    eight = planner.make_plan(GRADIENTS, fig, 0.05, critical=set(names), low_rank=low_rank,
+                              held={one: 8})
+    assert {e.name: e.label for e in eight.entries}[one] in ("psgd8", "bf16", "fp32")
+    # A running plan below its held rank is ruled out (``only``).
+    assert planner.make_plan(GRADIENTS, fig, 0.05, critical=set(names), low_rank=low_rank,
+                             only=dict(went, **{one: "psgd4"}), held={one: 8}) is None
+
+
 @pytest.mark.parametrize("rank", [1, 2, 4, 8])
 def test_the_low_rank_budget_holds_at_every_default_rank(rank):
     low_rank = planner.LowRank(rank, MEASURED)
@@ -2406,16 +2436,26 @@ def test_a_learning_rate_that_falls_by_the_threshold_makes_every_gradient_critic
         # 0.1 -> 0.06 fell by 40 %, 0.06 -> 0.03 by half; None leaves the rate unknown,
         # so the next one has nothing to compare with; a rise is not a fall.
         assert cdo.adapt(0.5, learning_rate=rate) == (names if want == "all" else frozenset())
-    # The last rate is kept with the regimes, and read back from a checkpoint's record.
+    # After the fall, each gradient is held at what it went as (one worker: float32, no
+    # low rank); the last rate and the holds are kept with the regimes, and read back
+    # from a checkpoint's record.
+    lay, = cdo._auto._layouts.values()  # pylint: disable=protected-access
+    assert lay.held == {g[0]: None for g in lay.gradients}
     part = cdo._auto.snapshot()["layouts"][0]  # pylint: disable=protected-access
     assert part["learning_rate"] == 0.0
-    lay, = cdo._auto._layouts.values()  # pylint: disable=protected-access
-    lay.learning_rate = None
+    lay.learning_rate, lay.held = None, {}
     autoplan.AutoPlanner._take_part(lay, json.loads(json.dumps(part)))  # pylint: disable=protected-access
-    assert lay.learning_rate == 0.0
-    del part["learning_rate"]  # a record from before the rate was kept: unknown
+    assert lay.learning_rate == 0.0 and lay.held == {g[0]: None for g in lay.gradients}
+    part["held"] = {"a/kernel:0": 8}
     autoplan.AutoPlanner._take_part(lay, part)  # pylint: disable=protected-access
-    assert lay.learning_rate is None
+    assert lay.held == {"a/kernel:0": 8}
+    del part["learning_rate"], part["held"]  # a record from before they were kept
+    autoplan.AutoPlanner._take_part(lay, part)  # pylint: disable=protected-access
+    assert lay.learning_rate is None and lay.held == {}
+    # The next interval without a fall holds nothing.
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    cdo.adapt(0.5, learning_rate=0.0)
+    assert lay.held == {}
     for bad in (-0.1, float("nan"), "fast", True):
         with pytest.raises(ValueError, match="`learning_rate`"):
             cdo.adapt(0.5, learning_rate=bad)

@@ -125,8 +125,10 @@ class _Layout:
         self.critical, self.norms, self.sums, self.summed = frozenset(), {}, None, None
         self.reached = None
         # The learning rate at the last interval's end (worker 0's; None: unknown),
-        # which ``planner.learning_rate_fell`` compares the next one with.
-        self.learning_rate = None
+        # which ``planner.learning_rate_fell`` compares the next one with; and after a
+        # fall, by name, the least rank each gradient may go low-rank at (None: not at
+        # all): no lossier than the plan that ran (``planner.make_plan``'s ``held``).
+        self.learning_rate, self.held = None, {}
         if tracked:
             self.start_regimes()
         # With regimes tracked and low-rank candidates on: by place, each matrix's last
@@ -162,7 +164,7 @@ class _Layout:
     def start_regimes(self):
         """No interval summed yet: every gradient critical until two intervals compare."""
         self.sums, self.critical, self.norms = {}, "all", {}
-        self.learning_rate = None
+        self.learning_rate, self.held = None, {}
 
     def current(self, generation):
         """Its plan in ``generation``, or None."""
@@ -487,6 +489,7 @@ class AutoPlanner:
                 "critical": critical if critical == "all" else sorted(critical),
                 "norms": {str(k): v for k, v in lay.norms.items()},
                 "learning_rate": lay.learning_rate,
+                "held": dict(sorted(lay.held.items())),
                 # Each timed step: key, communication, step, its error, the plans
                 # beside it, and how many intervals ago it was timed.
                 "steps": [[key, comm, step, se if math.isfinite(se) else None,
@@ -559,6 +562,8 @@ class AutoPlanner:
             rate = part.get("learning_rate")  # records before it: unknown
             lay.learning_rate = float(rate) if isinstance(rate, (int, float)) \
                 and not isinstance(rate, bool) else None
+            lay.held = {str(k): (int(v) if isinstance(v, int) else None)
+                        for k, v in (part.get("held") or {}).items()}
             lay.steps = steps_from_record(part.get("steps") or [])
             # Rows written before the plans beside were kept have none: unknown.
             lay.beside = {row[0]: row[4] for row in part.get("steps") or []
@@ -640,7 +645,7 @@ class AutoPlanner:
         return planner.plan_tables([tuple(g[:3]) for g in gradients], tables, figures,
                                    auto.error, dense=dense, rows_label=rows_label,
                                    critical=critical, low_rank=low_rank, only=only, pace=pace,
-                                   forced=self._pin is not None)
+                                   forced=self._pin is not None, held=dict(lay.held))
 
     def _points(self, lay):
         """The whole steps ``lay`` ran in that were timed (``planner.pace_from``'s
@@ -1105,16 +1110,22 @@ class AutoPlanner:
             now = {j: float(v) for j, v in enumerate(first[start:start + len(lay.gradients)])}
             lay.critical = frozenset(lay.gradients[j][0] for j in
                                      planner.critical_layers(lay.norms, now, threshold))
+            lay.held = {}
             if planner.learning_rate_fell(lay.learning_rate, rate, threshold):
                 # ACCORDION's rule at a decay: the next interval compresses less, every
-                # gradient of the model as if its norm had moved.
+                # gradient of the model as if its norm had moved, and none goes lossier
+                # than it went (low rank only where it ran, at its rank or more).
                 logging.info("tfgc: compressor='auto': the learning rate fell from %.3g to "
                              "%.3g over the interval (by %.0f%%, at least the threshold's "
-                             "%.0f%%): every gradient is critical for the next",
-                             lay.learning_rate, rate,
+                             "%.0f%%): every gradient is critical for the next, and none "
+                             "goes lossier than it went", lay.learning_rate, rate,
                              100 * (lay.learning_rate - rate) / lay.learning_rate,
                              100 * threshold)
                 lay.critical = frozenset(g[0] for g in lay.gradients)
+                ran_plan = lay.plan[1] if lay.plan is not None else None
+                sent = {e.name: e.label for e in ran_plan.entries} if ran_plan else {}
+                lay.held = {g[0]: planner.BY_LABEL[sent[g[0]]].rank if g[0] in sent
+                            else None for g in lay.gradients}
             lay.norms = now
             lay.learning_rate = rate
         if self._ops.compressor.budget_rank and ran:

@@ -1539,7 +1539,8 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
               only: Optional[Dict[str, str]] = None,
               pace: Optional[Pace] = None,
               capped: Optional[Dict[str, float]] = None,
-              forced: bool = False) -> Optional[Plan]:
+              forced: bool = False,
+              held: Optional[Dict[str, Optional[int]]] = None) -> Optional[Plan]:
     """The plan for ``gradients`` (name, static shape, dtype name), in their order.
 
     Every candidate's cost and error for every gradient, then the Lagrangian choice
@@ -1567,6 +1568,12 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
     quantizers of at most that bound (or low rank): the dense embedding tables
     (``plan_tables``).
 
+    ``held`` (name -> a rank, or None): gradients that may not go lossier than the plan
+    that ran (after a learning-rate decay, ``AutoPlanner.adapt``; they are in
+    ``critical`` too): low rank only where that plan sent them low rank, at its rank or
+    more, and top-k not at all. A late switch into low rank (its query and residual
+    start cold while the rate falls) cost MobileNetV2 its accuracy.
+
     ``forced`` (with ``only``, which then names every gradient): the choice as given,
     whatever the regimes and budgets say (``AutoPlanner.pin``: a plan set by hand), each
     entry's reason "pinned"; a gradient whose label does not take its shape or dtype
@@ -1575,6 +1582,7 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
     None where ``figures`` lack those timings.
     """
     capped = capped or {}
+    held = held or {}
     w = figures.num_workers
     link = figures.link()
     total = sum(int(np.prod(shape, dtype=np.int64)) for name, shape, _ in gradients
@@ -1622,7 +1630,9 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
                 if low_rank is None or name not in low_rank.errors \
                         or candidate.label not in figures.encode_us \
                         or (name in critical and (candidate.rank is None
-                                                  or candidate.rank < low_rank.critical_rank)):
+                                                  or candidate.rank < low_rank.critical_rank)) \
+                        or (name in held and (held[name] is None or candidate.rank is None
+                                              or candidate.rank < held[name])):
                     continue
                 sq, rel = low_rank.errors[name]
                 bound = rel.get(candidate.error_key)
