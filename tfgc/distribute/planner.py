@@ -1571,8 +1571,8 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
     ``held`` (name -> a rank, or None): gradients that may not go lossier than the plan
     that ran (after a learning-rate decay, ``AutoPlanner.adapt``; they are in
     ``critical`` too): low rank only where that plan sent them low rank, at its rank or
-    more, and top-k not at all. A late switch into low rank (its query and residual
-    start cold while the rate falls) cost MobileNetV2 its accuracy.
+    more, and top-k not at all: ACCORDION compresses less after a decay, and a critical
+    regime alone bounds what each gradient loses, not whether it loses more than it did.
 
     ``forced`` (with ``only``, which then names every gradient): the choice as given,
     whatever the regimes and budgets say (``AutoPlanner.pin``: a plan set by hand), each

@@ -273,10 +273,10 @@ class AutoPlanCallback(keras.callbacks.Callback):
     * ends an interval (``CompressedAllReduce.adapt``): a gradient stays critical when
       the norm of its sum over the interval changed by ``threshold`` or more since the
       previous interval, and leaves that regime (back to the budget's plan) otherwise;
-      and every gradient is critical for the next interval where the optimizer's
-      learning rate fell by ``threshold`` or more since the previous interval's end
-      (ACCORDION's rule at a decay; with a cosine schedule, its last few intervals,
-      where a low-rank plan taken late cost MobileNetV2 its accuracy);
+      and every gradient is critical for the next interval, and goes no lossier than
+      it went, where the optimizer's learning rate fell by ``threshold`` or more since
+      the previous interval's end (ACCORDION's rule at a decay; a cosine schedule's last
+      few intervals);
     * measures the link again (``CompressedAllReduce.replan``) and plans again when the
       float32 all-reduce it predicts moved by more than ``link_margin``. A measurement
       takes the link for a moment (a third of a second at 100 Mbit/s), so it is made
@@ -316,8 +316,7 @@ class AutoPlanCallback(keras.callbacks.Callback):
         None: no regimes, the budget's plan throughout.
       watch_learning_rate: whether a fall of the learning rate by ``threshold`` makes
         every gradient critical (the model's ``optimizer``, its rate after the
-        interval's last step; a model without one, such as a GAN with an optimizer per
-        network, has only the norms' test).
+        interval's last step; a model without one has only the norms' test).
       link_margin: the relative change of the link that plans again; None: the link is
         measured once.
       link_share: the share of training time the link's measurements may take.
