@@ -488,33 +488,50 @@ def test_a_gradient_whose_energy_few_entries_hold_goes_top_k_on_a_slow_link():
 
 
 def test_a_held_gradient_goes_no_lossier_than_the_plan_that_ran():
-    # After a learning-rate decay every gradient is critical and held: low rank only
-    # where the plan that ran sent it so, at its rank or more; never top-k.
+    # After a learning-rate decay every gradient is critical and held at the label it
+    # went as: a quantizer within that one's bound, low rank only where it went low
+    # rank, at that rank or more, top-k only where it went top-k.
     low_rank = planner.LowRank(2, MEASURED)
     fig = all_figures(0.01)
-    names = [name for name, _, _ in GRADIENTS]
-    critical = planner.make_plan(GRADIENTS, fig, 0.05, critical=set(names), low_rank=low_rank)
+    names = {name for name, _, _ in GRADIENTS}
+    critical = planner.make_plan(GRADIENTS, fig, 0.05, critical=names, low_rank=low_rank)
     went = {e.name: e.label for e in critical.entries}
-    ranks = {name: planner.BY_LABEL[label].rank for name, label in went.items()}
-    assert any(r is not None for r in ranks.values())  # the slow link took low rank
+    four = [name for name, label in went.items() if label == "psgd4"]
+    assert four  # the slow link took rank 4, the critical rank, somewhere
     # Held at what ran: the same plan.
-    same = planner.make_plan(GRADIENTS, fig, 0.05, critical=set(names), low_rank=low_rank,
-                             held=ranks)
+    same = planner.make_plan(GRADIENTS, fig, 0.05, critical=names, low_rank=low_rank,
+                             held=went)
     assert same.key() == critical.key()
-    # Held where nothing ran low-rank: none goes low-rank now, and every quantizer
-    # keeps within the critical bound.
-    none = planner.make_plan(GRADIENTS, fig, 0.05, critical=set(names), low_rank=low_rank,
-                             held={name: None for name in names})
-    assert all(e.candidate.rank is None and e.candidate.error_key is None
-               and e.error <= planner.CRITICAL_BOUND for e in none.entries)
-    # Held at rank 8 on one matrix: rank 8 there or no low rank, never less.
-    one = next(name for name, r in ranks.items() if r is not None)
-    eight = planner.make_plan(GRADIENTS, fig, 0.05, critical=set(names), low_rank=low_rank,
-                              held={one: 8})
-    assert {e.name: e.label for e in eight.entries}[one] in ("psgd8", "bf16", "fp32")
-    # A running plan below its held rank is ruled out (``only``).
-    assert planner.make_plan(GRADIENTS, fig, 0.05, critical=set(names), low_rank=low_rank,
-                             only=dict(went, **{one: "psgd4"}), held={one: 8}) is None
+    # Held where everything went float32: float32 again, on this slow link too.
+    dense = planner.make_plan(GRADIENTS, fig, 0.05, critical=names, low_rank=low_rank,
+                              held={name: "fp32" for name in names})
+    assert {e.label for e in dense.entries} == {"fp32"}
+    # Held at bf16: nothing lossier than bf16, and no low rank.
+    bf16 = planner.make_plan(GRADIENTS, fig, 0.05, critical=names, low_rank=low_rank,
+                             held={name: "bf16" for name in names})
+    assert {e.label for e in bf16.entries} <= {"fp32", "bf16"}
+    # Held at rank 8 where rank 4 would be taken: rank 8 there or no low rank.
+    eight = planner.make_plan(GRADIENTS, fig, 0.05, critical=names, low_rank=low_rank,
+                              held=dict(went, **{four[0]: "psgd8"}))
+    assert {e.name: e.label for e in eight.entries}[four[0]] in ("psgd8", "bf16", "fp32")
+    # A running plan below its held rank is ruled out (``only``); at it, priced.
+    assert planner.make_plan(GRADIENTS, fig, 0.05, critical=names, low_rank=low_rank,
+                             only=went, held=dict(went, **{four[0]: "psgd8"})) is None
+    assert planner.make_plan(GRADIENTS, fig, 0.05, critical=names, low_rank=low_rank,
+                             only=went, held=went) is not None
+    # A label the planner does not know holds the gradient to quantizers of the
+    # critical bound (as a record from another version might name).
+    other = planner.make_plan(GRADIENTS, fig, 0.05, critical=names, low_rank=low_rank,
+                              held={four[0]: "psgd99"})
+    assert {e.name: e.label for e in other.entries}[four[0]] in ("bf16", "fp32")
+    no_lossier = planner._no_lossier  # pylint: disable=protected-access
+    label = planner.BY_LABEL
+    assert no_lossier(label["topk1"], label["topk1"])
+    assert no_lossier(label["psgd4"], label["psgd8"])
+    assert not no_lossier(label["psgd4"], label["psgd2"])
+    assert not no_lossier(label["psgd4"], label["topk1"])
+    assert not no_lossier(label["topk1"], label["psgd8"])
+    assert not no_lossier(label["bf16"], label["psgd8"]) and not no_lossier(None, label["psgd8"])
 
 
 @pytest.mark.parametrize("rank", [1, 2, 4, 8])
@@ -2433,29 +2450,38 @@ def test_a_learning_rate_that_falls_by_the_threshold_makes_every_gradient_critic
                        (None, "none"), (0.01, "none"), (0.1, "none"), (0.0, "all")]:
         model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
         names = names or frozenset(e.name for e in strategy.compression_plan().entries)
+        assert names
         # 0.1 -> 0.06 fell by 40 %, 0.06 -> 0.03 by half; None leaves the rate unknown,
         # so the next one has nothing to compare with; a rise is not a fall.
         assert cdo.adapt(0.5, learning_rate=rate) == (names if want == "all" else frozenset())
-    # After the fall, each gradient is held at what it went as (one worker: float32, no
-    # low rank); the last rate and the holds are kept with the regimes, and read back
-    # from a checkpoint's record.
+    # After the fall, each gradient is held at what it went as (one worker: float32);
+    # the last rate and the holds are kept with the regimes, and read back from a
+    # checkpoint's record.
     lay, = cdo._auto._layouts.values()  # pylint: disable=protected-access
-    assert lay.held == {g[0]: None for g in lay.gradients}
+    assert lay.held == {"a/kernel:0": "fp32"}
     part = cdo._auto.snapshot()["layouts"][0]  # pylint: disable=protected-access
-    assert part["learning_rate"] == 0.0
+    assert part["learning_rate"] == 0.0 and part["held"] == {"a/kernel:0": "fp32"}
     lay.learning_rate, lay.held = None, {}
     autoplan.AutoPlanner._take_part(lay, json.loads(json.dumps(part)))  # pylint: disable=protected-access
-    assert lay.learning_rate == 0.0 and lay.held == {g[0]: None for g in lay.gradients}
-    part["held"] = {"a/kernel:0": 8}
+    assert lay.learning_rate == 0.0 and lay.held == {"a/kernel:0": "fp32"}
+    part["held"] = {"a/kernel:0": "psgd8", "b/kernel:0": "psgd99", "c": 8}
     autoplan.AutoPlanner._take_part(lay, part)  # pylint: disable=protected-access
-    assert lay.held == {"a/kernel:0": 8}
+    assert lay.held == {"a/kernel:0": "psgd8"}  # labels this version does not know: none
     del part["learning_rate"], part["held"]  # a record from before they were kept
     autoplan.AutoPlanner._take_part(lay, part)  # pylint: disable=protected-access
     assert lay.learning_rate is None and lay.held == {}
-    # The next interval without a fall holds nothing.
+    # The next interval without a fall holds nothing; after a fall under a low-rank
+    # plan (pinned here: one worker plans float32), the hold is that plan's label.
     model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
     cdo.adapt(0.5, learning_rate=0.0)
     assert lay.held == {}
+    cdo.adapt(0.5, learning_rate=0.1)  # no step since: the layout did not train
+    assert cdo.pin_plan({"a/kernel:0": "psgd2"})
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    cdo.adapt(0.5, learning_rate=0.5)
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    assert cdo.adapt(0.5, learning_rate=0.1) == names
+    assert lay.held == {"a/kernel:0": "psgd2"}
     for bad in (-0.1, float("nan"), "fast", True):
         with pytest.raises(ValueError, match="`learning_rate`"):
             cdo.adapt(0.5, learning_rate=bad)
@@ -2478,26 +2504,50 @@ def test_the_plan_callback_reads_the_optimizers_scheduled_rate(watch):
     model.fit(*small_data(8), batch_size=8, epochs=20, shuffle=False, verbose=0,
               callbacks=[callback])
     names = sorted(e.name for e in strategy.compression_plan().entries)
+    assert names
     assert [critical for _, critical, _ in callback.history] == \
         [names, [], names if watch else [], []]
 
 
-def test_the_plan_callback_reads_the_rate_of_optimizers_users_bring():
+def test_the_plan_callback_reads_the_rate_of_optimizers_users_bring(caplog):
+    # The rate the next step takes: after 3 steps, a schedule's value at step 3 (tf-keras'
+    # own ``learning_rate`` holds the last step's, at step 2), through loss scaling and
+    # the legacy optimizers too; a rate that cannot be read is None, said once.
     import tf_keras as keras
     strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
     callback = tfgc.keras.AutoPlanCallback(strategy)
-    schedule = keras.optimizers.schedules.CosineDecay(0.1, 100)
+    schedule = keras.optimizers.schedules.CosineDecay(0.1, 10)
+    x, y = np.ones((12, 3), np.float32), np.ones((12, 2), np.float32)
     for optimizer, want in [
             (keras.optimizers.SGD(0.2), 0.2),
-            (keras.optimizers.SGD(schedule), 0.1),
-            (keras.optimizers.legacy.SGD(schedule), 0.1),
-            (keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD(schedule)), 0.1),
-            (None, None)]:
+            (keras.optimizers.SGD(schedule), float(schedule(3))),
+            (keras.optimizers.legacy.SGD(schedule), float(schedule(3))),
+            (keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD(schedule)),
+             float(schedule(3)))]:
         model = keras.Sequential([keras.layers.Dense(2, input_shape=(3,))])
-        model.optimizer = optimizer
+        model.compile(optimizer=optimizer, loss="mse")
+        model.fit(x, y, batch_size=4, verbose=0)
         callback.set_model(model)
-        rate = callback._learning_rate()  # pylint: disable=protected-access
-        assert rate == pytest.approx(want) if want is not None else rate is None
+        assert callback._learning_rate() == pytest.approx(want), optimizer  # pylint: disable=protected-access
+
+    class Broken(keras.optimizers.schedules.LearningRateSchedule):
+        fail = False  # the optimizer reads it once when made
+
+        def __call__(self, step):
+            if self.fail:
+                raise RuntimeError("no rate here")
+            return 0.1
+
+    model.optimizer = None
+    assert callback._learning_rate() is None  # pylint: disable=protected-access
+    broken = Broken()
+    model.optimizer = keras.optimizers.SGD(broken)
+    broken.fail = True
+    with caplog.at_level(logging.WARNING):
+        assert callback._learning_rate() is None  # pylint: disable=protected-access
+        assert callback._learning_rate() is None  # pylint: disable=protected-access
+    assert sum("could not read the optimizer's learning rate" in r.getMessage()
+               for r in caplog.records) == 1
     with pytest.raises(ValueError, match="`watch_learning_rate`"):
         tfgc.keras.AutoPlanCallback(strategy, watch_learning_rate="yes")
     off = tfgc.keras.AutoPlanCallback(strategy, watch_learning_rate=False)

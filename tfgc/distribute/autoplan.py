@@ -126,8 +126,8 @@ class _Layout:
         self.reached = None
         # The learning rate at the last interval's end (worker 0's; None: unknown),
         # which ``planner.learning_rate_fell`` compares the next one with; and after a
-        # fall, by name, the least rank each gradient may go low-rank at (None: not at
-        # all): no lossier than the plan that ran (``planner.make_plan``'s ``held``).
+        # fall, by name, the label each gradient went as in the plan that ran, which
+        # the next plans may not be lossier than (``planner.make_plan``'s ``held``).
         self.learning_rate, self.held = None, {}
         if tracked:
             self.start_regimes()
@@ -562,8 +562,8 @@ class AutoPlanner:
             rate = part.get("learning_rate")  # records before it: unknown
             lay.learning_rate = float(rate) if isinstance(rate, (int, float)) \
                 and not isinstance(rate, bool) else None
-            lay.held = {str(k): (int(v) if isinstance(v, int) else None)
-                        for k, v in (part.get("held") or {}).items()}
+            lay.held = {str(k): v for k, v in (part.get("held") or {}).items()
+                        if isinstance(v, str) and v in planner.BY_LABEL}
             lay.steps = steps_from_record(part.get("steps") or [])
             # Rows written before the plans beside were kept have none: unknown.
             lay.beside = {row[0]: row[4] for row in part.get("steps") or []
@@ -1123,9 +1123,7 @@ class AutoPlanner:
                              100 * threshold)
                 lay.critical = frozenset(g[0] for g in lay.gradients)
                 ran_plan = lay.plan[1] if lay.plan is not None else None
-                sent = {e.name: e.label for e in ran_plan.entries} if ran_plan else {}
-                lay.held = {g[0]: planner.BY_LABEL[sent[g[0]]].rank if g[0] in sent
-                            else None for g in lay.gradients}
+                lay.held = {e.name: e.label for e in ran_plan.entries} if ran_plan else {}
             lay.norms = now
             lay.learning_rate = rate
         if self._ops.compressor.budget_rank and ran:

@@ -796,12 +796,14 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         the pace and bounds its slope. ``steps_left``: the steps left of training
         (None: unknown), over which timing the low-rank and top-k candidates must be
         able to pay for itself before it is done (as for ``measure_low_rank``).
-        ``learning_rate``: the optimizer's rate now (None: unknown); where it fell by
-        ``threshold`` or more since the previous interval's end
+        ``learning_rate``: the rate the optimizer gives its next step (None: unknown);
+        where it fell by ``threshold`` or more since the previous interval's end
         (``planner.learning_rate_fell``: ACCORDION's rule at a decay), every gradient
-        of the model is critical for the next interval. The norms, ``min_gain_s``, the
-        step, ``steps_left`` and the rate are worker 0's (all-gathered), so every
-        worker decides the same; every worker must call it at the same point. Returns the names in a critical regime now, of the models the
+        the interval trained is critical for the next interval and held: no lossier
+        than the plan that ran sent it (``planner.make_plan``'s ``held``). The norms,
+        ``min_gain_s``, the step, ``steps_left`` and the rate are worker 0's
+        (all-gathered), so every worker decides the same; every worker must call it at
+        the same point. Returns the names in a critical regime now, of the models the
         interval trained: one whose every step was skipped for a non-finite gradient
         keeps the regimes it had."""
         return self._auto_planner("adapt").adapt(threshold, min_gain_s, step_s, step_se_s,

@@ -661,6 +661,17 @@ def critical_layers(previous: Dict[str, float], current: Dict[str, float],
     return frozenset(out)
 
 
+def _no_lossier(went: Optional["Candidate"], candidate: "Candidate") -> bool:
+    """Whether ``candidate`` (low rank or top-k) loses no more than ``went``, the
+    candidate a held gradient went as (None: unknown, so none): low rank at its rank or
+    more where it went low rank, top-k where it went top-k."""
+    if went is None or went.error_key is None:
+        return False
+    if candidate.rank is None or went.rank is None:
+        return candidate.label == went.label
+    return candidate.rank >= went.rank
+
+
 def learning_rate_fell(before: Optional[float], now: Optional[float],
                        threshold: float) -> bool:
     """ACCORDION's second rule (Agarwal et al., MLSys 2021; its code switches every
@@ -1540,7 +1551,7 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
               pace: Optional[Pace] = None,
               capped: Optional[Dict[str, float]] = None,
               forced: bool = False,
-              held: Optional[Dict[str, Optional[int]]] = None) -> Optional[Plan]:
+              held: Optional[Dict[str, str]] = None) -> Optional[Plan]:
     """The plan for ``gradients`` (name, static shape, dtype name), in their order.
 
     Every candidate's cost and error for every gradient, then the Lagrangian choice
@@ -1568,11 +1579,13 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
     quantizers of at most that bound (or low rank): the dense embedding tables
     (``plan_tables``).
 
-    ``held`` (name -> a rank, or None): gradients that may not go lossier than the plan
-    that ran (after a learning-rate decay, ``AutoPlanner.adapt``; they are in
-    ``critical`` too): low rank only where that plan sent them low rank, at its rank or
-    more, and top-k not at all: ACCORDION compresses less after a decay, and a critical
-    regime alone bounds what each gradient loses, not whether it loses more than it did.
+    ``held`` (name -> the label it went as): gradients that may not go lossier than the
+    plan that ran (after a learning-rate decay, ``AutoPlanner.adapt``; they are in
+    ``critical`` too): a quantizer of at most the bound of the one it went as (of the
+    critical bound where it went low rank or top-k), low rank only where it went low
+    rank, at that rank or more, and top-k only where it went top-k. ACCORDION
+    compresses less after a decay; a critical regime alone bounds what each gradient
+    loses, not whether it loses more than it did.
 
     ``forced`` (with ``only``, which then names every gradient): the choice as given,
     whatever the regimes and budgets say (``AutoPlanner.pin``: a plan set by hand), each
@@ -1582,7 +1595,7 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
     None where ``figures`` lack those timings.
     """
     capped = capped or {}
-    held = held or {}
+    held = {name: BY_LABEL.get(label) for name, label in (held or {}).items()}
     w = figures.num_workers
     link = figures.link()
     total = sum(int(np.prod(shape, dtype=np.int64)) for name, shape, _ in gradients
@@ -1612,6 +1625,10 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
                 bound, lr = candidate.variance_bound(n), 0.0
                 if not forced and name in critical and bound > critical_bound:
                     continue
+                went = held.get(name)
+                if not forced and went is not None and went.error_key is None \
+                        and bound > went.variance_bound(n):
+                    continue
                 if not forced and name in capped and bound > capped[name]:
                     continue
             elif forced:
@@ -1631,8 +1648,7 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
                         or candidate.label not in figures.encode_us \
                         or (name in critical and (candidate.rank is None
                                                   or candidate.rank < low_rank.critical_rank)) \
-                        or (name in held and (held[name] is None or candidate.rank is None
-                                              or candidate.rank < held[name])):
+                        or (name in held and not _no_lossier(held[name], candidate)):
                     continue
                 sq, rel = low_rank.errors[name]
                 bound = rel.get(candidate.error_key)

@@ -9,6 +9,7 @@ from typing import Dict, List, Tuple
 import numpy as np
 import tensorflow as tf
 import tf_keras as keras
+from absl import logging
 
 from tfgc.compressors import serialize_config
 from tfgc.compressors.base import check_int, check_number
@@ -274,9 +275,10 @@ class AutoPlanCallback(keras.callbacks.Callback):
       the norm of its sum over the interval changed by ``threshold`` or more since the
       previous interval, and leaves that regime (back to the budget's plan) otherwise;
       and every gradient is critical for the next interval, and goes no lossier than
-      it went, where the optimizer's learning rate fell by ``threshold`` or more since
-      the previous interval's end (ACCORDION's rule at a decay; a cosine schedule's last
-      few intervals);
+      it went, where the rate the optimizer gives its next step fell by ``threshold``
+      or more since the previous interval's end (ACCORDION's rule at a decay, which
+      its code applies at any fall: here a cosine schedule's last few intervals, a
+      step decay's, not a slow exponential decay's);
     * measures the link again (``CompressedAllReduce.replan``) and plans again when the
       float32 all-reduce it predicts moved by more than ``link_margin``. A measurement
       takes the link for a moment (a third of a second at 100 Mbit/s), so it is made
@@ -315,8 +317,12 @@ class AutoPlanCallback(keras.callbacks.Callback):
       threshold: ACCORDION's relative change of the norm (0.5, as in its paper's code);
         None: no regimes, the budget's plan throughout.
       watch_learning_rate: whether a fall of the learning rate by ``threshold`` makes
-        every gradient critical (the model's ``optimizer``, its rate after the
-        interval's last step; a model without one has only the norms' test).
+        every gradient critical (the model's ``optimizer``, the rate its next step
+        takes; a model without one has only the norms' test). The rate is read at the
+        interval's end: one that a callback sets when the next epoch begins
+        (``LearningRateScheduler``) is seen an interval later, and one set at an
+        epoch's end (``ReduceLROnPlateau``) in time where that callback comes first in
+        the list.
       link_margin: the relative change of the link that plans again; None: the link is
         measured once.
       link_share: the share of training time the link's measurements may take.
@@ -367,6 +373,7 @@ class AutoPlanCallback(keras.callbacks.Callback):
                              f"{watch_learning_rate!r}")
         self._strategy = strategy
         self._watch_rate = bool(watch_learning_rate)
+        self._rate_unread = False  # whether a failed read of the rate was said
         self._threshold = threshold
         self._margin = link_margin
         self._link_share = link_share
@@ -565,18 +572,30 @@ class AutoPlanCallback(keras.callbacks.Callback):
         return max(self._interval_steps(), self._steps_left() or 0)
 
     def _learning_rate(self):
-        """The model's optimizer's learning rate now (a schedule's at the optimizer's
-        steps), or None where it has none, it cannot be read as a number, or
-        ``watch_learning_rate`` is off."""
+        """The rate the model's optimizer gives its next step: a schedule's at the steps
+        it ran (tf-keras' ``learning_rate`` is the last step's), a number or variable as
+        it is now; None where it has no optimizer, the rate cannot be read as a number
+        (said once), or ``watch_learning_rate`` is off. Only worker 0's is used, and a
+        failed read never stops the fit."""
         optimizer = getattr(self.model, "optimizer", None) if self._watch_rate else None
         if optimizer is None:
             return None
         try:
-            rate = optimizer.learning_rate
+            inner = optimizer
+            while getattr(inner, "inner_optimizer", None) is not None:  # loss scaling
+                inner = inner.inner_optimizer
+            rate = getattr(inner, "_learning_rate", None)
+            if rate is None or hasattr(rate, "numpy") or not callable(rate):
+                rate = optimizer.learning_rate
             if not hasattr(rate, "numpy") and callable(rate):  # a schedule itself
-                rate = rate(optimizer.iterations)
+                rate = rate(inner.iterations)
             rate = float(np.asarray(rate.numpy() if hasattr(rate, "numpy") else rate))
-        except (AttributeError, TypeError, ValueError):
+        except Exception as exc:  # pylint: disable=broad-except
+            if not self._rate_unread:
+                logging.warning("tfgc: AutoPlanCallback could not read the optimizer's "
+                                "learning rate (%s: %s); only the norms mark regimes",
+                                type(exc).__name__, exc)
+                self._rate_unread = True
             return None
         return rate if math.isfinite(rate) and rate >= 0 else None
 
