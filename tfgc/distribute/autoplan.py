@@ -1114,7 +1114,7 @@ class AutoPlanner:
             if planner.learning_rate_fell(lay.learning_rate, rate, threshold):
                 # ACCORDION's rule at a decay: the next interval compresses less, every
                 # gradient of the model as if its norm had moved, and none goes lossier
-                # than it went (low rank only where it ran, at its rank or more).
+                # than the plan that ran sent it (``planner.make_plan``'s ``held``).
                 logging.info("tfgc: compressor='auto': the learning rate fell from %.3g to "
                              "%.3g over the interval (by %.0f%%, at least the threshold's "
                              "%.0f%%): every gradient is critical for the next, and none "

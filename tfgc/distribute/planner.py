@@ -674,14 +674,16 @@ def _no_lossier(went: Optional["Candidate"], candidate: "Candidate") -> bool:
 
 def learning_rate_fell(before: Optional[float], now: Optional[float],
                        threshold: float) -> bool:
-    """ACCORDION's second rule (Agarwal et al., MLSys 2021; its code switches every
-    layer to the lower compression for the interval after a learning-rate decay), as
-    a test for any schedule: the learning rate fell by ``threshold`` or more (relative)
-    since the previous interval's end, as the norms' test (``critical_layers``) asks of
-    a gradient. A step decay (a tenth) passes it; a cosine schedule does in its last
-    few intervals, where the rate falls fastest relative to itself, and a slow
-    exponential decay never. False where either rate is unknown (None, not finite) or
-    the previous one is not positive; a rising rate (a warm-up) is not a fall."""
+    """ACCORDION's second rule (Agarwal et al., MLSys 2021: its code, at any fall of the
+    learning rate between epochs, switches every layer to the lower compression until
+    its next decision), as a test for schedules that fall a little every step: the
+    rate fell by ``threshold`` or more (relative) since the previous interval's end,
+    as the norms' test (``critical_layers``) asks of a gradient (any fall would make
+    every interval of a cosine schedule critical). A step decay (a tenth) passes it; a
+    cosine schedule does in its last few intervals, where the rate falls fastest
+    relative to itself, and a slow exponential decay never. False where either rate is
+    unknown (None, not finite) or the previous one is not positive; a rising rate (a
+    warm-up) is not a fall."""
     if before is None or now is None:
         return False
     before, now = float(before), float(now)
