@@ -410,6 +410,8 @@ def test_a_slow_link_sends_measured_matrices_low_rank_within_their_budget():
     assert plan.low_rank_error == pytest.approx(used)
     assert used <= budget * (1 + 1e-9)
     assert plan.mean_error <= 0.05
+    # The table says what share of the budget the plan uses, and what the figures are.
+    assert f"of their budget {budget:.3g} ({used / budget:.0%}; squared norms" in plan.table()
     assert labels["fc1"] == "psgd1", plan.table()  # nearly rank 1: rank 1 loses 1e-4
     assert planner.BY_LABEL[labels["embed"]].rank is None, plan.table()  # flat: quantized
     # Low rank sends fewer bytes than any quantizer on this link, and takes less time.

@@ -1264,7 +1264,8 @@ class Plan:
                 f"{self.num_workers} workers (error budget {self.error_budget:g}, mean bound "
                 f"{self.mean_error:.3g}"
                 + (f"; low-rank and top-k error {self.low_rank_error:.3g} of their budget "
-                   f"{self.low_rank_budget:.3g}" if self.low_rank_budget else "")
+                   f"{self.low_rank_budget:.3g} ({self.low_rank_share:.0%}; squared norms "
+                   "left out, of the last measured gradients)" if self.low_rank_budget else "")
                 + f"); {self.figures.describe()}")
         rows = [("variable", "shape", "as", "path", "dense", "sent", "cpu ms", "wire ms")]
         for e in self.entries:
