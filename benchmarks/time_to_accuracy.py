@@ -19,7 +19,8 @@ other workers read after every step, and all stop after that step together.
 Settings: ``stock`` (``tf.distribute.MultiWorkerMirroredStrategy``, fp32), ``bf16``
 (tfgc's 16-bit cast, the honest baseline of Han et al. 2024) and registry compressors,
 each at its recommended setting (``tfgc.compressors.recommended``: compressor string,
-optimizer, learning-rate scale, a one-epoch warm-up and a cosine decay over
+optimizer, learning-rate scale, a one-epoch warm-up (at most a quarter of the run)
+and a cosine decay over
 ``--epochs`` times the setting's epochs scale (2 where error feedback or a biased
 code needs more, cheaper steps to reach dense accuracy; 1 for the casts and 8-bit
 QSGD and ``auto``), or ``--compressed_epochs`` for every setting of scale 2). The
@@ -567,7 +568,8 @@ def render(report, args):
     lines = [f"# Time to accuracy: Fashion-MNIST, {args.workers} workers, shaped links", "",
              f"`{report['command']}` ({report['started']}, {report['cpu_count']} cores). "
              "Each run trains with `model.fit` at the setting's recommended optimizer, rate "
-             "and schedule (1-epoch warm-up, then cosine over the run's epochs: "
+             "and schedule (a warm-up of one epoch, at most a quarter of the run, then "
+             "cosine over the run's epochs: "
              f"{args.epochs or 'the model default'} for stock and the settings of the "
              "dense schedule (bf16, 8-bit QSGD, auto), "
              + (f"{args.compressed_epochs} for the others"
