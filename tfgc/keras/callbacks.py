@@ -318,7 +318,8 @@ class AutoPlanCallback(keras.callbacks.Callback):
         None: no regimes, the budget's plan throughout.
       watch_learning_rate: whether a fall of the learning rate by ``threshold`` makes
         every gradient critical (the model's ``optimizer``, the rate its next step
-        takes; a model without one has only the norms' test). The rate is read at the
+        takes; a model without one has only the norms' test; with ``threshold`` None,
+        neither test runs, and above 1 no fall reaches it). The rate is read at the
         interval's end: one that a callback sets when the next epoch begins
         (``LearningRateScheduler``) is seen an interval later, and one set at an
         epoch's end (``ReduceLROnPlateau``) in time where that callback comes first in
