@@ -645,7 +645,7 @@ class AutoPlanner:
         return planner.plan_tables([tuple(g[:3]) for g in gradients], tables, figures,
                                    auto.error, dense=dense, rows_label=rows_label,
                                    critical=critical, low_rank=low_rank, only=only, pace=pace,
-                                   forced=self._pin is not None, held=dict(lay.held))
+                                   forced=self._pin is not None, held=lay.held)
 
     def _points(self, lay):
         """The whole steps ``lay`` ran in that were timed (``planner.pace_from``'s

@@ -581,14 +581,20 @@ class AutoPlanCallback(keras.callbacks.Callback):
         optimizer = getattr(self.model, "optimizer", None) if self._watch_rate else None
         if optimizer is None:
             return None
+        def schedule(value):
+            """A LearningRateSchedule: callable, and not a number or variable."""
+            return callable(value) and not hasattr(value, "numpy")
+
         try:
             inner = optimizer
             while getattr(inner, "inner_optimizer", None) is not None:  # loss scaling
                 inner = inner.inner_optimizer
+            # The schedule itself where the optimizer keeps one (tf-keras' and Keras
+            # 3's), else what ``learning_rate`` gives (a legacy optimizer's schedule).
             rate = getattr(inner, "_learning_rate", None)
-            if rate is None or hasattr(rate, "numpy") or not callable(rate):
+            if not schedule(rate):
                 rate = optimizer.learning_rate
-            if not hasattr(rate, "numpy") and callable(rate):  # a schedule itself
+            if schedule(rate):
                 rate = rate(inner.iterations)
             rate = float(np.asarray(rate.numpy() if hasattr(rate, "numpy") else rate))
         except Exception as exc:  # pylint: disable=broad-except
