@@ -44,6 +44,8 @@ first plan, before any step, sends them as rows, so a table goes dense only at a
 plan (with ``tfgc.keras.AutoPlanCallback``, or ``replan``).
 """
 
+from typing import Optional
+
 from tfgc.compressors.base import Compressor, check_number, check_positive_float
 
 
@@ -84,7 +86,8 @@ class Auto(Compressor):
     plans_per_tensor = True
 
     def __init__(self, error: float = 0.05, link_gbps: float = 0.0, latency_ms: float = 0.1,
-                 low_rank: int = 2, low_rank_steps: float = 0.3):
+                 low_rank: int = 2, low_rank_steps: float = 0.3,
+                 critical_rank: Optional[int] = None):
         self.error = float(check_number("error", error, 0))
         self.link_gbps = float(check_number("link_gbps", link_gbps, 0, also=" (0: measure)"))
         self.latency_ms = check_positive_float("latency_ms", latency_ms)
@@ -100,10 +103,27 @@ class Auto(Compressor):
         self.low_rank_steps = float(check_number("low_rank_steps", low_rank_steps, 0))
         if self.low_rank_steps == float("inf"):
             raise ValueError("`low_rank_steps` must be finite, got inf")
+        if critical_rank is not None:
+            if isinstance(critical_rank, bool) or critical_rank not in (0, 1, 2, 4, 8):
+                raise ValueError("`critical_rank` must be 0 (none), 1, 2, 4 or 8, got "
+                                 f"{critical_rank!r}")
+            if not self.budget_rank:
+                raise ValueError("`critical_rank` needs low-rank candidates: with "
+                                 "`low_rank=0` no gradient goes low-rank at all")
+            if 0 < critical_rank < self.budget_rank:
+                raise ValueError(f"`critical_rank` ({critical_rank}) is below `low_rank` "
+                                 f"({self.budget_rank}): a critical gradient would lose "
+                                 "more than the others; give a rank of at least "
+                                 f"{self.budget_rank}, or 0 for none")
+            critical_rank = int(critical_rank)
+        self.critical_rank = critical_rank
 
     def get_config(self):
         config = super().get_config()
         config["low_rank"] = self.budget_rank  # kept as ``budget_rank`` (see __init__)
+        if self.critical_rank is None:
+            # The default, left out: a spec string has no None.
+            del config["critical_rank"]
         return config
 
     def compress(self, x, state, ctx):

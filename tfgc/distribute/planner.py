@@ -910,13 +910,17 @@ class LowRank:
 
     rank: int
     errors: Dict[str, Tuple[float, Dict[int, float]]]
+    # ``Auto.critical_rank``: None for its default, 0 for none.
+    critical: Optional[int] = None
 
     @property
-    def critical_rank(self) -> int:
-        """The least rank a gradient in a critical regime may take: twice the budget's
-        (ACCORDION's PowerSGD runs compress less there, at a higher rank, rather than
-        not at all)."""
-        return min(2 * self.rank, max(RANKS))
+    def critical_rank(self) -> Optional[int]:
+        """The least rank a gradient in a critical regime may take, None where it may
+        not go low-rank at all: by default twice the budget's (ACCORDION's PowerSGD
+        runs compress less there, at a higher rank, rather than not at all)."""
+        if self.critical is None:
+            return min(2 * self.rank, max(RANKS))
+        return self.critical or None
 
     def budget(self, shapes: Dict[str, Sequence[int]]) -> float:
         """The budget for gradients of these ``shapes`` (by name): only measured ones
@@ -1562,7 +1566,7 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
     save (see the module docstring). Gradients named in ``critical`` (in a critical
     regime of training, ``CompressedAllReduce.adapt``) take only candidates whose bound
     is at most ``critical_bound`` (bf16's), or low rank at ``low_rank.critical_rank`` or
-    more. With ``low_rank``, the gradients it measured may also go low-rank, within its
+    more (where it has one). With ``low_rank``, the gradients it measured may also go low-rank, within its
     budget: a second multiplier prices their error (bisection, as for the first), and
     the plan is the fastest at the smallest price that keeps within it. Deterministic
     in its arguments.
@@ -1650,6 +1654,7 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
                 if low_rank is None or name not in low_rank.errors \
                         or candidate.label not in figures.encode_us \
                         or (name in critical and (candidate.rank is None
+                                                  or low_rank.critical_rank is None
                                                   or candidate.rank < low_rank.critical_rank)) \
                         or (name in held and not _no_lossier(held[name], candidate)):
                     continue
