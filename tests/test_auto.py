@@ -1062,6 +1062,24 @@ def _timed_layout(ops, auto, fig, current, steps):
     return lay
 
 
+@pytest.mark.parametrize("spec, allowed", [
+    ("auto", {"psgd4", "psgd8"}), ("auto:critical_rank=8", {"psgd8"}),
+    ("auto:critical_rank=0", {"fp32", "bf16"})])
+def test_the_strategys_critical_rank_limits_its_critical_gradients(spec, allowed):
+    # The setting reaches the plans the strategy makes: with every gradient critical
+    # on a slow link, fc1 (which takes rank 1 otherwise) goes as the setting allows.
+    ops, auto = _tracking_planner(spec)
+    fig = all_figures(0.1)
+    lay = _timed_layout(ops, auto, fig, planner.make_plan(GRADIENTS, fig, 0.05), [])
+    labels = {e.name: e.label for e in auto._planned(lay, fig).entries}  # pylint: disable=protected-access
+    assert labels["fc1"] == "psgd1"
+    lay.critical = "all"
+    plan = auto._planned(lay, fig)  # pylint: disable=protected-access
+    labels = {e.name: e.label for e in plan.entries}
+    assert labels["fc1"] in allowed, plan.table()
+    assert all(not e.candidate.rank or e.label in allowed for e in plan.entries)
+
+
 TWO_SETS = (GRADIENTS[:3], GRADIENTS[3:])
 
 
@@ -1930,6 +1948,16 @@ def test_no_gradient_goes_low_rank_unmeasured_or_on_a_fast_link():
                                  low_rank=planner.LowRank(2, MEASURED))
     assert {e.name: e.label for e in critical.entries}["fc1"] == "psgd4", critical.table()
     assert planner.LowRank(8, MEASURED).critical_rank == 8
+    # A critical rank given (``auto:critical_rank=``): 8, or none at all, where the
+    # default would take 4; the gradients not critical keep the budget's choice.
+    for given, allowed in [(8, {"psgd8"}), (0, {"fp32", "bf16"})]:
+        rule = planner.LowRank(2, MEASURED, given)
+        limited = planner.make_plan(GRADIENTS, fig, 0.05, critical={"fc1"}, low_rank=rule)
+        labels = {e.name: e.label for e in limited.entries}
+        assert labels["fc1"] in allowed, limited.table()
+        free = planner.make_plan(GRADIENTS, fig, 0.05, low_rank=rule)
+        assert {e.name: e.label for e in free.entries}["fc1"] == "psgd1", free.table()
+    assert planner.LowRank(2, MEASURED, 0).critical_rank is None
     fast = planner.make_plan(GRADIENTS, all_figures(1000.0), 0.05,
                              low_rank=planner.LowRank(2, MEASURED))
     assert {e.label for e in fast.entries} == {"fp32"}
@@ -2332,7 +2360,9 @@ def test_each_candidates_error_stays_within_the_bound_the_budget_uses(label, kin
 
 @pytest.mark.parametrize("spec", ["auto", "auto:low_rank=0", "auto:low_rank=8",
                                   "auto:error=0.07,link_gbps=1.5,low_rank_steps=0.5",
-                                  "auto:link_gbps=10,latency_ms=0.02"])
+                                  "auto:link_gbps=10,latency_ms=0.02",
+                                  "auto:critical_rank=8", "auto:critical_rank=0",
+                                  "auto:low_rank=4,critical_rank=4"])
 def test_the_settings_round_trip_through_their_spec_and_config(spec):
     # Every argument comes back as given, low_rank included (kept as budget_rank): the
     # workers compare serialized settings, and logs and results print them.
@@ -2347,7 +2377,10 @@ def test_the_settings_round_trip_through_their_spec_and_config(spec):
     assert get_compressor(registry.describe(auto)) == auto
     others = [get_compressor(f"auto:low_rank={r}") for r in (0, 1, 2, 4, 8)]
     assert sum(other == auto for other in others) == (
-        1 if auto.error == 0.05 and not auto.link_gbps else 0)
+        1 if auto.error == 0.05 and not auto.link_gbps and auto.critical_rank is None else 0)
+    # A critical rank given is kept apart from the default's, even where they agree
+    # (twice low_rank=4 is 8): the spec says what the user wrote.
+    assert ("critical_rank" in auto.get_config()) == ("critical_rank" in spec)
 
 
 @pytest.mark.parametrize("spec, argument", [
@@ -2357,7 +2390,13 @@ def test_the_settings_round_trip_through_their_spec_and_config(spec):
     ("auto:latency_ms=5", "latency_ms"),
     ("auto:budget=1", "budget"), ("auto:low_rank=3", "low_rank"),
     ("auto:low_rank=-1", "low_rank"), ("auto:low_rank_steps=-0.1", "low_rank_steps"),
-    ("auto:low_rank_steps=inf", "low_rank_steps")])
+    ("auto:low_rank_steps=inf", "low_rank_steps"),
+    ("auto:critical_rank=3", "critical_rank"), ("auto:critical_rank=true", "critical_rank"),
+    ("auto:critical_rank=-1", "critical_rank"),
+    # Below the budget's rank: a critical gradient would lose more than the others.
+    ("auto:low_rank=4,critical_rank=2", "critical_rank"),
+    # Nothing goes low-rank at all.
+    ("auto:low_rank=0,critical_rank=8", "critical_rank")])
 def test_bad_settings_fail_at_construction_naming_the_argument(spec, argument):
     with pytest.raises(ValueError, match=f"`{argument}`"):
         tfgc.CompressedMultiWorkerMirroredStrategy(compressor=spec)
