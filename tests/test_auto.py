@@ -2877,6 +2877,45 @@ def test_a_checkpoint_for_other_gradients_is_measured_again(tmp_path):
     assert auto.measurements == 2
 
 
+def test_a_residual_saved_under_another_plan_goes_with_the_next_step(tmp_path, caplog):
+    # A checkpoint written while the kernel went low rank (pinned), restored into a plan
+    # that sends it float32 (one worker's own): its residual is sent with the next
+    # step's gradient, as a change of plan sends it, not kept for a plan that may never
+    # come back; and an info line says so, not a warning.
+    from tfgc.distribute import state as state_lib
+    x, y = small_data(16)
+    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
+    strategy.cross_device_ops.pin_plan("psgd2")
+    model = small_model(strategy)
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    kernel = model.layers[0].kernel
+    residual = state_lib.get_state(model.optimizer).slot(kernel, 0)["residual"].numpy()
+    assert np.abs(residual).max() > 1e-4
+    path = tf.train.Checkpoint(optimizer=model.optimizer).save(str(tmp_path / "ckpt"))
+    weights = model.get_weights()
+
+    def step(restore):
+        again = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
+        other = small_model(again)
+        other.set_weights(weights)
+        if restore:
+            tf.train.Checkpoint(optimizer=other.optimizer).restore(path)
+        other.fit(x, y, batch_size=16, epochs=1, verbose=0)
+        assert [e.label for e in again.compression_plan().entries] == ["fp32"]
+        return other
+
+    caplog.set_level(logging.INFO)
+    restored, plain = step(True), step(False)
+    said = [r for r in caplog.records if "restoring compression state" in r.getMessage()]
+    assert said and all(r.levelno == logging.INFO for r in said), said
+    assert "another plan of 'auto'" in said[0].getMessage()
+    # Plain SGD at 0.01: the restored step moved the kernel by the residual's 0.01 more.
+    moved = restored.layers[0].kernel.numpy() - plain.layers[0].kernel.numpy()
+    np.testing.assert_allclose(moved, -0.01 * residual, atol=1e-6)
+    state = state_lib.get_state(restored.optimizer)
+    assert not np.any(state.carried(restored.layers[0].kernel, 0).numpy())  # sent once
+
+
 def test_a_record_of_the_first_format_is_read_as_one_layout():
     # Records written before a plan per layout held the one layout's part beside the
     # figures (format 1); restored, they serve that layout as before, measuring nothing.

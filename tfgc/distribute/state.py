@@ -278,8 +278,9 @@ class CompressionState(trackable.Trackable):
         per_replica = []
         for residual, device in zip(residuals, self._ops.local_devices):
             with tf.device(device):
-                per_replica.append(local_variable(residual.read_value(),
-                                                  "tfgc_carried_residual"))
+                value = residual.read_value() if isinstance(residual, tf.Variable) \
+                    else tf.identity(residual)
+                per_replica.append(local_variable(value, "tfgc_carried_residual"))
         self._carried[key] = per_replica
 
     def carried(self, var, replica_id: int) -> Optional[tf.Variable]:
@@ -450,10 +451,22 @@ class CompressionState(trackable.Trackable):
                 "tfgc: the checkpoint holds the compression state of %d replica(s), this cluster "
                 "has %d; floating state is spread evenly (its total is kept), counters come "
                 "from the first replica", saved_replicas, cdo.group_size)
-        if meta.get("compressor") != self._compressor_key and self._compressor_key is not None:
+        other = meta.get("compressor") != self._compressor_key \
+            and self._compressor_key is not None
+        if other and getattr(cdo.compressor, "plans_per_tensor", False):
+            # ``auto``: the plan that ran when the state was saved, and the one the
+            # checkpoint's record (or a new plan) runs now, often differ (a plan made at
+            # an interval's end takes its state at the next step's trace).
+            logging.info("tfgc: restoring compression state saved under another plan of "
+                         "'auto' (%s) into the plan now running (%s); fields of the same "
+                         "name and shape are restored, and residuals it keeps no field for "
+                         "go with their gradients' next step", _short_key(meta.get("compressor")),
+                         _short_key(self._compressor_key))
+        elif other:
             logging.warning("tfgc: restoring compression state saved with %s into %s; fields "
-                            "of the same name and shape are restored", meta.get("compressor"),
-                            self._compressor_key)
+                            "of the same name and shape are restored, and residuals it keeps "
+                            "no field for go with their gradients' next step",
+                            _short_key(meta.get("compressor")), _short_key(self._compressor_key))
         current = {(name, path): variables for name, path, variables in self._fields()}
         self.last_restore = {}
         for name, path, dtype_name, shape, offset, words in meta["fields"]:
@@ -474,9 +487,36 @@ class CompressionState(trackable.Trackable):
             self._pending[(name, path)] = values
             if (name, path) in current:
                 self._apply_pending(name, path, current[(name, path)])
+        if self._restoring:
+            self._carry_restored()
         logging.info("tfgc: restored the compression state of %d field(s) from %d replica(s) "
-                     "(%s)", len(meta["fields"]), saved_replicas, meta.get("compressor"))
+                     "(%s)", len(meta["fields"]), saved_replicas,
+                     _short_key(meta.get("compressor")))
         return None
+
+    def _carry_restored(self):
+        """Restored residuals of registered variables whose state keeps no residual now
+        (saved under another compressor or plan: the gradient goes dense, or without
+        error feedback) go with their next gradient (``carried``), as a switch of
+        compressor carries them (``_migrate``), rather than wait for a state that may
+        never come back. Only while the state is attached, before the step that
+        traces it reads ``carried``; a restore into a traced step leaves them pending
+        (the plan a checkpoint brings back retraces, and takes them then)."""
+        by_name = {name: key for key, (name, _, _) in self._vars.items()}
+        for (name, path), values in list(self._pending.items()):
+            key = by_name.get(name)
+            if path != "residual" or key is None or key in self._dense:
+                continue
+            slot = self._slots.get(key)
+            if slot is not None and "residual" in slot[0][1]:
+                continue
+            _, shape, dtype = self._vars[key]
+            if any(tuple(v.shape) != tuple(shape) or v.dtype != dtype.as_numpy_dtype
+                   for v in values):
+                continue
+            del self._pending[(name, path)]
+            if any(np.any(v) for v in values):
+                self._carry(key, [tf.constant(v) for v in values])
 
 
 class _ExportedState(trackable.Trackable):
