@@ -244,3 +244,46 @@ def test_a_long_compressor_key_is_cut_in_the_log_with_its_length():
     short = _short_key(key)
     assert short.startswith(key[:160]) and short.endswith(f"... ({len(key)} characters)")
     assert len(short) < 200 < len(key)
+
+
+def test_checkpoints_after_a_restore_before_the_first_step_keep_the_state(tmp_path):
+    # BackupAndRestore's resume restores before the first step, before the state
+    # exists; tf-keras's optimizer lists its children then and keeps that list. The
+    # state joins it when it is made: later checkpoints hold it, and a later restore
+    # restores into it (one process, one worker: the compressor still keeps its
+    # residuals).
+    import tensorflow as tf
+    import tf_keras as keras
+
+    import tfgc
+    from tfgc.distribute.state import get_state
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 40)).astype(np.float32), rng.normal(size=(32, 4)).astype(np.float32)
+
+    def model():
+        strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="ef+topk:ratio=0.05")
+        with strategy.scope():
+            m = keras.Sequential([keras.layers.Dense(64, input_shape=(40,)),
+                                  keras.layers.Dense(4)])
+            m.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+        return m
+
+    def residual(m):
+        state = get_state(m.optimizer)
+        return state.slot(m.layers[0].kernel, 0)["residual"].numpy()
+
+    first = model()
+    first.fit(x, y, batch_size=16, verbose=0)
+    saved = tf.train.Checkpoint(optimizer=first.optimizer).save(str(tmp_path / "a"))
+    resumed = model()
+    tf.train.Checkpoint(optimizer=resumed.optimizer).restore(saved)  # before the state
+    resumed.fit(x, y, batch_size=16, verbose=0)
+    kept = residual(resumed)
+    assert np.abs(kept).max() > 0
+    again = tf.train.Checkpoint(optimizer=resumed.optimizer).save(str(tmp_path / "b"))
+    assert any("tfgc_compression_state" in name for name, _ in tf.train.list_variables(again))
+    resumed.fit(x, y, batch_size=16, verbose=0)
+    assert not np.array_equal(residual(resumed), kept)
+    tf.train.Checkpoint(optimizer=resumed.optimizer).restore(again)
+    np.testing.assert_array_equal(residual(resumed), kept)

@@ -49,6 +49,10 @@ from typing import Optional
 from tfgc.compressors.base import Compressor, check_number, check_positive_float
 
 
+# ``low_rank`` and ``critical_rank``: 0 (none) or one of the planner's ranks.
+_RANKS = (0, 1, 2, 4, 8)
+
+
 class Auto(Compressor):
     """Plans each gradient's compression (see the module docstring).
 
@@ -78,6 +82,13 @@ class Auto(Compressor):
         slower to a target); ``auto``'s own rank-4 plans on the dense schedule,
         1.0-1.13x; on a GAN with Adam (``benchmarks/gan_quality.py``, to the same
         sample quality), 1.15-1.23x. 0: the time per step alone decides.
+      critical_rank: the least PowerSGD rank a gradient may go as while it is in a
+        critical regime (``tfgc.keras.AutoPlanCallback``: early training, or after a
+        learning-rate decay): 1, 2, 4 or 8, at least ``low_rank``; 0: none, a critical
+        gradient goes as float32 or bf16 only. Default (None): twice ``low_rank``, at
+        most 8, as ACCORDION's PowerSGD runs raise the rank there rather than stop
+        compressing. A rank given is a setting of its own, even where the default
+        would take the same (workers compare their settings as written).
     """
 
     name = "auto"
@@ -95,7 +106,7 @@ class Auto(Compressor):
             # Not the default: a latency meant for a link the probe measures instead.
             raise ValueError(f"`latency_ms` ({latency_ms!r}) is the latency of a given link: "
                              "give `link_gbps` too, or neither (the probe measures both)")
-        if isinstance(low_rank, bool) or low_rank not in (0, 1, 2, 4, 8):
+        if isinstance(low_rank, bool) or low_rank not in _RANKS:
             raise ValueError(f"`low_rank` must be 0 (none), 1, 2, 4 or 8, got {low_rank!r}")
         # Not ``low_rank``: that attribute (None here) says whether a compressor itself
         # sends low-rank factors, and the paths and embeddings read it so.
@@ -104,10 +115,10 @@ class Auto(Compressor):
         if self.low_rank_steps == float("inf"):
             raise ValueError("`low_rank_steps` must be finite, got inf")
         if critical_rank is not None:
-            if isinstance(critical_rank, bool) or critical_rank not in (0, 1, 2, 4, 8):
+            if isinstance(critical_rank, bool) or critical_rank not in _RANKS:
                 raise ValueError("`critical_rank` must be 0 (none), 1, 2, 4 or 8, got "
                                  f"{critical_rank!r}")
-            if not self.budget_rank:
+            if critical_rank and not self.budget_rank:
                 raise ValueError("`critical_rank` needs low-rank candidates: with "
                                  "`low_rank=0` no gradient goes low-rank at all")
             if 0 < critical_rank < self.budget_rank:

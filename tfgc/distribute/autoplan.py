@@ -457,7 +457,7 @@ class AutoPlanner:
         if isinstance(existing, PlanRecord) and existing._planner_ref() is self:  # pylint: disable=protected-access
             return
         with tf.init_scope():
-            owner._track_trackable(PlanRecord(self), name=RECORD_NAME, overwrite=True)  # pylint: disable=protected-access
+            state_lib.track(owner, RECORD_NAME, PlanRecord(self))
 
     def snapshot(self) -> dict:
         """The current plans' inputs and keys, as the checkpoint keeps them: the figures

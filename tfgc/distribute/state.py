@@ -66,6 +66,12 @@ def _short_key(key, limit: int = 160) -> str:
     return key if len(key) <= limit else f"{key[:limit]}... ({len(key)} characters)"
 
 
+def _fits(value: np.ndarray, shape, dtype) -> bool:
+    """Whether a restored ``value`` can be the value of a variable of ``shape`` and
+    ``dtype``."""
+    return tuple(value.shape) == tuple(shape) and value.dtype == tf.as_dtype(dtype).as_numpy_dtype
+
+
 def flatten_fields(structure, prefix="") -> List[Tuple[str, object]]:
     """(path, leaf) pairs of a nest of dicts, in sorted key order ("residual", "inner/m")."""
     if isinstance(structure, dict):
@@ -308,7 +314,7 @@ class CompressionState(trackable.Trackable):
         if values is None:
             return
         for var, value in zip(variables, values):
-            if tuple(value.shape) == tuple(var.shape) and value.dtype == var.dtype.as_numpy_dtype:
+            if _fits(value, var.shape, var.dtype):
                 var.assign(value)
             else:
                 logging.warning("tfgc: checkpointed state %s/%s has shape %s, the variable %s; "
@@ -451,22 +457,9 @@ class CompressionState(trackable.Trackable):
                 "tfgc: the checkpoint holds the compression state of %d replica(s), this cluster "
                 "has %d; floating state is spread evenly (its total is kept), counters come "
                 "from the first replica", saved_replicas, cdo.group_size)
-        other = meta.get("compressor") != self._compressor_key \
-            and self._compressor_key is not None
-        if other and getattr(cdo.compressor, "plans_per_tensor", False):
-            # ``auto``: the plan that ran when the state was saved, and the one the
-            # checkpoint's record (or a new plan) runs now, often differ (a plan made at
-            # an interval's end takes its state at the next step's trace).
-            logging.info("tfgc: restoring compression state saved under another plan of "
-                         "'auto' (%s) into the plan now running (%s); fields of the same "
-                         "name and shape are restored, and residuals it keeps no field for "
-                         "go with their gradients' next step", _short_key(meta.get("compressor")),
-                         _short_key(self._compressor_key))
-        elif other:
-            logging.warning("tfgc: restoring compression state saved with %s into %s; fields "
-                            "of the same name and shape are restored, and residuals it keeps "
-                            "no field for go with their gradients' next step",
-                            _short_key(meta.get("compressor")), _short_key(self._compressor_key))
+        # The checkpoint replaces the state: what a switch before this restore kept
+        # apart for the next step (``carried``) is not part of it.
+        self._forget_carried()
         current = {(name, path): variables for name, path, variables in self._fields()}
         self.last_restore = {}
         for name, path, dtype_name, shape, offset, words in meta["fields"]:
@@ -487,36 +480,65 @@ class CompressionState(trackable.Trackable):
             self._pending[(name, path)] = values
             if (name, path) in current:
                 self._apply_pending(name, path, current[(name, path)])
-        if self._restoring:
-            self._carry_restored()
+        carried, waiting = self._carry_restored()
+        saved_key = str(meta.get("compressor"))
+        if self._compressor_key is not None and saved_key != self._compressor_key:
+            plans = saved_key.startswith("auto:") and self._compressor_key.startswith("auto:")
+            # ``auto``'s plans (their keys begin so) often differ between the one that
+            # ran when the state was saved and the one running now: a plan made at an
+            # interval's end takes its state at the next step's trace, after a save at
+            # that end. Another compressor is a switch worth a warning.
+            (logging.info if plans else logging.warning)(
+                "tfgc: restoring compression state saved under %s%s into %s: fields of the "
+                "same name and shape are restored%s%s",
+                "another plan of 'auto', " if plans else "", _short_key(saved_key),
+                _short_key(self._compressor_key),
+                f"; {carried} residual(s) it keeps no field for go with their gradients' "
+                "next step" if carried else "",
+                f"; the residuals of {', '.join(waiting)} wait for a state that keeps them "
+                "(a step traced before this restore does not read them)" if waiting else "")
         logging.info("tfgc: restored the compression state of %d field(s) from %d replica(s) "
-                     "(%s)", len(meta["fields"]), saved_replicas,
-                     _short_key(meta.get("compressor")))
+                     "(%s)", len(meta["fields"]), saved_replicas, _short_key(saved_key))
         return None
 
-    def _carry_restored(self):
+    def _forget_carried(self):
+        """Zeroes what is kept apart (``carried``), and says nothing awaits sending."""
+        for per_replica in self._carried.values():
+            for v in per_replica:
+                v.assign(tf.zeros_like(v))
+        for flag in self._carried_pending + [f for flags in self._carried_rows.values()
+                                             for f in flags]:
+            flag.assign(False)
+
+    def _carry_restored(self) -> Tuple[int, List[str]]:
         """Restored residuals of registered variables whose state keeps no residual now
         (saved under another compressor or plan: the gradient goes dense, or without
         error feedback) go with their next gradient (``carried``), as a switch of
         compressor carries them (``_migrate``), rather than wait for a state that may
-        never come back. Only while the state is attached, before the step that
-        traces it reads ``carried``; a restore into a traced step leaves them pending
-        (the plan a checkpoint brings back retraces, and takes them then)."""
+        never come back: while the state is attached, before the step that traces it
+        reads ``carried``, or where a residual is kept apart for that variable already
+        (zeroed by this restore; the traced step reads it). Others stay pending, for a
+        state that keeps them (a gradient with dense momentum, or a restore into a
+        traced step). Returns how many went, and the variables of those that wait."""
         by_name = {name: key for key, (name, _, _) in self._vars.items()}
+        carried, waiting = 0, []
         for (name, path), values in list(self._pending.items()):
             key = by_name.get(name)
-            if path != "residual" or key is None or key in self._dense:
+            if path != "residual" or key is None:
                 continue
             slot = self._slots.get(key)
             if slot is not None and "residual" in slot[0][1]:
                 continue
             _, shape, dtype = self._vars[key]
-            if any(tuple(v.shape) != tuple(shape) or v.dtype != dtype.as_numpy_dtype
-                   for v in values):
+            if not all(_fits(v, shape, dtype) for v in values):
+                continue
+            if key in self._dense or not (self._restoring or key in self._carried):
+                waiting.append(name)
                 continue
             del self._pending[(name, path)]
-            if any(np.any(v) for v in values):
-                self._carry(key, [tf.constant(v) for v in values])
+            self._carry(key, [tf.constant(v) for v in values])
+            carried += 1
+        return carried, waiting
 
 
 class _ExportedState(trackable.Trackable):
@@ -575,6 +597,22 @@ def get_state(owner) -> Optional[CompressionState]:
     return state if isinstance(state, CompressionState) else None
 
 
+def track(owner, name: str, child) -> None:
+    """Makes ``child`` the dependency ``name`` of ``owner`` (replacing one there), so
+    that checkpoints of ``owner`` save it and restore into it (a restore queued for
+    ``name`` before it existed, now).
+
+    tf-keras's optimizers keep their children as they first listed them
+    (``_BaseOptimizer._trackable_children`` fills ``_coalesced_children`` once): a
+    restore or save before the first step, as ``BackupAndRestore``'s resume does, lists
+    them before tfgc's state exists, and every later checkpoint would leave it out
+    and restore nothing into it. So a child added later joins that list too."""
+    owner._track_trackable(child, name=name, overwrite=True)  # pylint: disable=protected-access
+    listed = owner.__dict__.get("_coalesced_children")
+    if isinstance(listed, dict):
+        listed[name] = child
+
+
 def state_for(owner, cross_device_ops, compressor, compressor_key, variables, compress_mask):
     """The owner's state for these variables: created, registered and attached as needed.
 
@@ -593,7 +631,7 @@ def state_for(owner, cross_device_ops, compressor, compressor_key, variables, co
         with tf.init_scope():
             state._restoring = True  # pylint: disable=protected-access
             try:
-                owner._track_trackable(state, name=DEPENDENCY_NAME, overwrite=True)  # pylint: disable=protected-access
+                track(owner, DEPENDENCY_NAME, state)
             finally:
                 state._restoring = False  # pylint: disable=protected-access
     return state
