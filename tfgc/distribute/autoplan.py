@@ -637,7 +637,7 @@ class AutoPlanner:
         low_rank = None
         if auto.budget_rank and self._low_rank:
             low_rank = planner.LowRank(auto.budget_rank, dict(self._low_rank),
-                                       auto.critical_rank)
+                                       auto.critical_rank, auto.critical_error)
         pace = planner.pace_from(self._points(lay), auto.low_rank_steps)
         if pace is not None:
             pace = pace.beside(lay.others_s)

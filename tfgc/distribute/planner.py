@@ -912,6 +912,9 @@ class LowRank:
     errors: Dict[str, Tuple[float, Dict[int, float]]]
     # ``Auto.critical_rank``: None for its default, 0 for none.
     critical: Optional[int] = None
+    # ``Auto.critical_error``: the most measured error a critical gradient may lose
+    # low-rank.
+    critical_error: float = math.inf
 
     @property
     def critical_rank(self) -> Optional[int]:
@@ -1566,7 +1569,7 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
     save (see the module docstring). Gradients named in ``critical`` (in a critical
     regime of training, ``CompressedAllReduce.adapt``) take only candidates whose bound
     is at most ``critical_bound`` (bf16's), or low rank at ``low_rank.critical_rank`` or
-    more (where it has one). With ``low_rank``, the gradients it measured may also go low-rank, within its
+    more (where it has one) that loses at most ``low_rank.critical_error`` of it. With ``low_rank``, the gradients it measured may also go low-rank, within its
     budget: a second multiplier prices their error (bisection, as for the first), and
     the plan is the fastest at the smallest price that keeps within it. Deterministic
     in its arguments.
@@ -1649,8 +1652,8 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
                 lr = sq * bound / lr_budget if lr_budget > 0 and math.isfinite(bound) else 0.0
             else:
                 # Measured gradients only, at the critical rank or more in a critical
-                # regime (top-k not at all: ACCORDION sends less compressed there), and
-                # a loss that fits.
+                # regime and within its error there (top-k not at all: ACCORDION sends
+                # less compressed there), and a loss that fits.
                 if low_rank is None or name not in low_rank.errors \
                         or candidate.label not in figures.encode_us \
                         or (name in critical and (candidate.rank is None
@@ -1660,7 +1663,8 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
                     continue
                 sq, rel = low_rank.errors[name]
                 bound = rel.get(candidate.error_key)
-                if bound is None or sq * bound > lr_budget:
+                if bound is None or sq * bound > lr_budget \
+                        or (name in critical and bound > low_rank.critical_error):
                     continue
                 lr = sq * bound / lr_budget if lr_budget > 0 else 0.0
             path = path_of(candidate, w)
