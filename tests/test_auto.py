@@ -1064,7 +1064,9 @@ def _timed_layout(ops, auto, fig, current, steps):
 
 @pytest.mark.parametrize("spec, allowed", [
     ("auto", {"psgd4", "psgd8"}), ("auto:critical_rank=8", {"psgd8"}),
-    ("auto:critical_rank=0", {"fp32", "bf16"})])
+    ("auto:critical_rank=0", {"fp32", "bf16"}),
+    # fc1 loses more than this at rank 8 (``critical_error``): none either.
+    ("auto:critical_error=1e-9", {"fp32", "bf16"})])
 def test_the_strategys_critical_rank_limits_its_critical_gradients(spec, allowed):
     # The setting reaches the plans the strategy makes: with every gradient critical
     # on a slow link, fc1 (which takes rank 1 otherwise) goes as the setting allows.
@@ -1958,6 +1960,18 @@ def test_no_gradient_goes_low_rank_unmeasured_or_on_a_fast_link():
         free = planner.make_plan(GRADIENTS, fig, 0.05, low_rank=rule)
         assert {e.name: e.label for e in free.entries}["fc1"] == "psgd1", free.table()
     assert planner.LowRank(2, MEASURED, 0).critical_rank is None
+    # A critical gradient goes low-rank only where it loses at most ``critical_error``
+    # at the rank it takes: fc1 (one direction and a floor) loses less at rank 8 than
+    # at 4; between the two errors only rank 8 is left, below both none.
+    _, rel = MEASURED["fc1"]
+    assert rel[8] < rel[4]
+    for limit, allowed in [(1.0, {"psgd4"}), (rel[4], {"psgd4"}),
+                           ((rel[4] + rel[8]) / 2, {"psgd8"}), (rel[8] / 2, {"fp32", "bf16"})]:
+        rule = planner.LowRank(2, MEASURED, critical_error=limit)
+        limited = planner.make_plan(GRADIENTS, fig, 0.05, critical={"fc1"}, low_rank=rule)
+        assert {e.name: e.label for e in limited.entries}["fc1"] in allowed, (limit, limited.table())
+        free = planner.make_plan(GRADIENTS, fig, 0.05, low_rank=rule)  # not critical: no limit
+        assert {e.name: e.label for e in free.entries}["fc1"] == "psgd1", free.table()
     fast = planner.make_plan(GRADIENTS, all_figures(1000.0), 0.05,
                              low_rank=planner.LowRank(2, MEASURED))
     assert {e.label for e in fast.entries} == {"fp32"}
@@ -2363,7 +2377,8 @@ def test_each_candidates_error_stays_within_the_bound_the_budget_uses(label, kin
                                   "auto:link_gbps=10,latency_ms=0.02",
                                   "auto:critical_rank=8", "auto:critical_rank=0",
                                   "auto:low_rank=4,critical_rank=4",
-                                  "auto:low_rank=0,critical_rank=0"])
+                                  "auto:low_rank=0,critical_rank=0",
+                                  "auto:critical_error=0.2", "auto:critical_error=inf"])
 def test_the_settings_round_trip_through_their_spec_and_config(spec):
     # Every argument comes back as given, low_rank included (kept as budget_rank): the
     # workers compare serialized settings, and logs and results print them.
@@ -2378,7 +2393,8 @@ def test_the_settings_round_trip_through_their_spec_and_config(spec):
     assert get_compressor(registry.describe(auto)) == auto
     others = [get_compressor(f"auto:low_rank={r}") for r in (0, 1, 2, 4, 8)]
     assert sum(other == auto for other in others) == (
-        1 if auto.error == 0.05 and not auto.link_gbps and auto.critical_rank is None else 0)
+        1 if auto.error == 0.05 and not auto.link_gbps and auto.critical_rank is None
+        and auto.critical_error == 0.05 else 0)
     # A critical rank given is kept apart from the default's, even where they agree
     # (twice low_rank=4 is 8): the spec says what the user wrote.
     assert ("critical_rank" in auto.get_config()) == ("critical_rank" in spec)
@@ -2393,7 +2409,8 @@ def test_the_settings_round_trip_through_their_spec_and_config(spec):
     ("auto:low_rank=-1", "low_rank"), ("auto:low_rank_steps=-0.1", "low_rank_steps"),
     ("auto:low_rank_steps=inf", "low_rank_steps"),
     ("auto:critical_rank=3", "critical_rank"), ("auto:critical_rank=true", "critical_rank"),
-    ("auto:critical_rank=-1", "critical_rank"),
+    ("auto:critical_rank=-1", "critical_rank"), ("auto:critical_error=-0.1", "critical_error"),
+    ("auto:critical_error=nan", "critical_error"), ("auto:critical_error=fast", "critical_error"),
     # Below the budget's rank: a critical gradient would lose more than the others.
     ("auto:low_rank=4,critical_rank=2", "critical_rank"),
     # Nothing goes low-rank at all (critical_rank=0 agrees with that, and is taken).
