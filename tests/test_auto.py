@@ -2943,7 +2943,7 @@ def test_a_residual_saved_under_another_plan_goes_with_the_next_step(tmp_path, c
     caplog.clear()
     tf.train.Checkpoint(optimizer=plain.optimizer).restore(path)
     assert state_lib.get_state(plain.optimizer).carried(plain.layers[0].kernel, 0) is None
-    assert any("wait for a state that keeps them" in r.getMessage() for r in caplog.records)
+    assert any("wait for the next trace of the step" in r.getMessage() for r in caplog.records)
 
 
 def test_a_record_of_the_first_format_is_read_as_one_layout():

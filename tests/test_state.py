@@ -287,3 +287,21 @@ def test_checkpoints_after_a_restore_before_the_first_step_keep_the_state(tmp_pa
     assert not np.array_equal(residual(resumed), kept)
     tf.train.Checkpoint(optimizer=resumed.optimizer).restore(again)
     np.testing.assert_array_equal(residual(resumed), kept)
+
+
+def test_a_child_tracked_late_joins_a_loss_scale_optimizers_listed_children():
+    # The wrapper lists and tracks its children through the optimizer it wraps (a
+    # custom loop may name the wrapper as the state's owner): the cached list there
+    # takes the child too.
+    import tensorflow as tf
+    import tf_keras as keras
+
+    from tfgc.distribute.state import track
+
+    wrapper = keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    plain = keras.optimizers.SGD(0.1)
+    for owner in (wrapper, plain):
+        assert "late" not in owner._trackable_children()  # the list is cached now
+        child = tf.Module()
+        track(owner, "late", child)
+        assert owner._trackable_children()["late"] is child

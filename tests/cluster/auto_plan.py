@@ -170,7 +170,7 @@ def moved_off_low_rank(strategy, rank, out_dir):
     cdo = strategy.cross_device_ops
     arrays = {}
     for k, spec in enumerate(MOVED_TO):
-        strategy.compressor = "auto:link_gbps=0.01,low_rank=2"
+        strategy.compressor = "auto:link_gbps=0.01,low_rank=2,critical_error=1"
         with strategy.scope():
             variables = [tf.Variable(tf.zeros(shape)) for shape in SHAPES]
         owner = tf.Module()

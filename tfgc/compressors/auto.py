@@ -89,14 +89,15 @@ class Auto(Compressor):
         most 8, as ACCORDION's PowerSGD runs raise the rank there rather than stop
         compressing. A rank given is a setting of its own, even where the default
         would take the same (workers compare their settings as written).
-      critical_error: the most relative error, as measured on its last gradient, that a
-        gradient in a critical regime may lose low-rank (at a rank of ``critical_rank``
-        or more); above it at every such rank, it goes as float32 or bf16. Default 0.05,
-        the mean error the quantizers may lose by default (``error``). Early in
-        training a gradient can be far from low-rank: at step 4 of this project's
-        runs, rank 8 left 0.31-0.51 of most MobileNetV2 kernels' gradients out, and
-        0.001-0.03 of the wide MLP's and the CNN's; by step 117 MobileNetV2's were
-        0.04 (median). 1 or more: no limit.
+      critical_error: the most relative error, as measured on worker 0's last local
+        gradient, that a gradient in a critical regime may lose low-rank (at a rank of
+        ``critical_rank`` or more); above it at every such rank, it goes as float32 or
+        bf16. Default 0.05, the mean error the quantizers may lose by default
+        (``error``). Early in training a gradient can be far from low-rank: at the
+        fourth step of one process taking 32 rows a step (docs/results.md), rank 8
+        left 0.31-0.51 of most MobileNetV2 kernels' gradients out, and 0.001-0.03 of
+        the wide MLP's and the CNN's; by step 117 MobileNetV2's median was 0.02-0.04.
+        1 or more: no limit. A plan pinned by hand is exempt.
     """
 
     name = "auto"

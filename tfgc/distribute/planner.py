@@ -47,8 +47,8 @@ again and the plan made again when the predicted float32 all-reduce of the plann
 gradients moves by more than a margin (``link_changed``); and gradients in a critical
 regime (ACCORDION, Agarwal et al., MLSys 2021: the norm of a layer's gradient summed
 over the interval changed by half or more since the previous one; every layer until
-two intervals can be compared) take no candidate with more error than bf16
-(``critical``).
+two intervals can be compared) take no quantizer with more error than bf16
+(``critical``), and low rank only as below.
 
 Low rank (PowerSGD at ranks 1 to 8, with error feedback): no bound holds for every
 gradient, so the end of an interval measures each matrix's error at every rank
@@ -56,7 +56,9 @@ gradient, so the end of an interval measures each matrix's error at every rank
 send a measured gradient low-rank within a second budget, L-GreCo's: the total error
 of PowerSGD at ``Auto.low_rank`` on every measured gradient (``LowRank``). Until a
 first measurement (once the first plan's steps are timed, ``AutoPlanCallback``) no
-gradient goes low-rank, and in a critical regime only at twice that rank or more. A
+gradient goes low-rank, and in a critical regime only at ``Auto.critical_rank`` or
+more (twice that rank by default) where it loses at most ``Auto.critical_error`` of
+worker 0's last measured gradient there (a plan pinned by hand is exempt). A
 plan that keeps a gradient low-rank at another rank keeps its residual (the state's
 migration carries fields of the same shape); one that moves it off low rank adds the
 residual to its next gradient (``CompressionState.carried``), so nothing it held is
@@ -1664,7 +1666,7 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
                 sq, rel = low_rank.errors[name]
                 bound = rel.get(candidate.error_key)
                 if bound is None or sq * bound > lr_budget \
-                        or (name in critical and bound > low_rank.critical_error):
+                        or (name in critical and not bound <= low_rank.critical_error):
                     continue
                 lr = sq * bound / lr_budget if lr_budget > 0 else 0.0
             path = path_of(candidate, w)

@@ -46,6 +46,7 @@ from absl import logging
 from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.saved_model import save_context
 from tensorflow.python.trackable import base as trackable
+from tensorflow.python.trackable import base_delegate
 
 from tfgc.ops import packing
 
@@ -191,6 +192,9 @@ class CompressionState(trackable.Trackable):
                     # sent dense too, after their all-reduce (``dense_momentum``).
                     self._dense.add(key)
                     self._slots[key] = self._create(DENSE_MOMENTUM, key)
+            # Residuals a restore left waiting that this state keeps no field for:
+            # the step being traced reads what is kept apart after this.
+            self._carry_restored(tracing=True)
 
     def _create(self, compressor, key, carry=None):
         name, shape, dtype = self._vars[key]
@@ -480,7 +484,7 @@ class CompressionState(trackable.Trackable):
             self._pending[(name, path)] = values
             if (name, path) in current:
                 self._apply_pending(name, path, current[(name, path)])
-        carried, waiting = self._carry_restored()
+        carried, waiting = self._carry_restored(tracing=self._restoring)
         saved_key = str(meta.get("compressor"))
         if self._compressor_key is not None and saved_key != self._compressor_key:
             plans = saved_key.startswith("auto:") and self._compressor_key.startswith("auto:")
@@ -495,8 +499,8 @@ class CompressionState(trackable.Trackable):
                 _short_key(self._compressor_key),
                 f"; {carried} residual(s) it keeps no field for go with their gradients' "
                 "next step" if carried else "",
-                f"; the residuals of {', '.join(waiting)} wait for a state that keeps them "
-                "(a step traced before this restore does not read them)" if waiting else "")
+                f"; the residuals of {', '.join(waiting)} wait for the next trace of the "
+                "step, or a state that keeps them" if waiting else "")
         logging.info("tfgc: restored the compression state of %d field(s) from %d replica(s) "
                      "(%s)", len(meta["fields"]), saved_replicas, _short_key(saved_key))
         return None
@@ -510,16 +514,18 @@ class CompressionState(trackable.Trackable):
                                              for f in flags]:
             flag.assign(False)
 
-    def _carry_restored(self) -> Tuple[int, List[str]]:
+    def _carry_restored(self, tracing: bool) -> Tuple[int, List[str]]:
         """Restored residuals of registered variables whose state keeps no residual now
         (saved under another compressor or plan: the gradient goes dense, or without
         error feedback) go with their next gradient (``carried``), as a switch of
         compressor carries them (``_migrate``), rather than wait for a state that may
-        never come back: while the state is attached, before the step that traces it
-        reads ``carried``, or where a residual is kept apart for that variable already
-        (zeroed by this restore; the traced step reads it). Others stay pending, for a
-        state that keeps them (a gradient with dense momentum, or a restore into a
-        traced step). Returns how many went, and the variables of those that wait."""
+        never come back: where a step is being traced (``tracing``: a restore while
+        the state is attached, or ``register``), which reads ``carried`` after this, or
+        where a residual is kept apart for that variable already (zeroed by the
+        restore; the traced step reads it). Others stay pending until the next trace
+        (a restore into a traced step), or for a state that keeps them (a gradient
+        with dense momentum). Returns how many went, and the variables of those that
+        wait."""
         by_name = {name: key for key, (name, _, _) in self._vars.items()}
         carried, waiting = 0, []
         for (name, path), values in list(self._pending.items()):
@@ -532,7 +538,7 @@ class CompressionState(trackable.Trackable):
             _, shape, dtype = self._vars[key]
             if not all(_fits(v, shape, dtype) for v in values):
                 continue
-            if key in self._dense or not (self._restoring or key in self._carried):
+            if key in self._dense or not (tracing or key in self._carried):
                 waiting.append(name)
                 continue
             del self._pending[(name, path)]
@@ -607,10 +613,16 @@ def track(owner, name: str, child) -> None:
     restore or save before the first step, as ``BackupAndRestore``'s resume does, lists
     them before tfgc's state exists, and every later checkpoint would leave it out
     and restore nothing into it. So a child added later joins that list too."""
-    owner._track_trackable(child, name=name, overwrite=True)  # pylint: disable=protected-access
-    listed = owner.__dict__.get("_coalesced_children")
-    if isinstance(listed, dict):
-        listed[name] = child
+    try:
+        owner._track_trackable(child, name=name, overwrite=True)  # pylint: disable=protected-access
+    finally:
+        # Where the child's restore fails, it is tracked all the same: listed too.
+        # A tf-keras LossScaleOptimizer passes both to the optimizer it wraps.
+        while isinstance(owner, base_delegate.DelegatingTrackableMixin):
+            owner = owner._trackable  # pylint: disable=protected-access
+        listed = owner.__dict__.get("_coalesced_children")
+        if isinstance(listed, dict):
+            listed[name] = child
 
 
 def state_for(owner, cross_device_ops, compressor, compressor_key, variables, compress_mask):
