@@ -1571,7 +1571,8 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
     save (see the module docstring). Gradients named in ``critical`` (in a critical
     regime of training, ``CompressedAllReduce.adapt``) take only candidates whose bound
     is at most ``critical_bound`` (bf16's), or low rank at ``low_rank.critical_rank`` or
-    more (where it has one) that loses at most ``low_rank.critical_error`` of it. With ``low_rank``, the gradients it measured may also go low-rank, within its
+    more (where it has one) that loses at most ``low_rank.critical_error`` of it. With
+    ``low_rank``, the gradients it measured may also go low-rank, within its
     budget: a second multiplier prices their error (bisection, as for the first), and
     the plan is the fastest at the smallest price that keeps within it. Deterministic
     in its arguments.

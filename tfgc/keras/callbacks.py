@@ -290,7 +290,8 @@ class AutoPlanCallback(keras.callbacks.Callback):
     traces, and ``SETTLE_STEPS`` more, which still warm up) and at every interval's end
     (``Auto.budget_rank``, its ``low_rank`` argument: the low-rank candidates'
     budget), so that low rank can be planned from the fifth step on (while critical,
-    at ``Auto.critical_rank`` or more: by default twice the budget's rank). Each time it passes the current plan's measured
+    at ``Auto.critical_rank`` or more, by default twice the budget's rank, and within
+    ``Auto.critical_error``). Each time it passes the current plan's measured
     step (the median of its settled steps, the least of them while fewer than three)
     and that step's standard error, from which the planner weighs the steps a
     low-rank plan adds against the time it saves (``Auto.low_rank_steps``), and takes
