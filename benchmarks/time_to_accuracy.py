@@ -368,7 +368,10 @@ def _worker(args, rank, prefix, phase):
 
         class PlanLog(keras.callbacks.Callback):
             """Each plan that a step ended with, when it differs from the last: the step,
-            the labels, the low-rank budget's share in use, and the weighing."""
+            the labels, the gradients in a critical regime, the low-rank budget's
+            share in use, the weighing, and the low-rank errors the planner had
+            measured (each rank's and top-k's, by gradient: what the critical regime's
+            error limit and the budget saw)."""
 
             def __init__(self):
                 super().__init__()
@@ -379,8 +382,12 @@ def _worker(args, rank, prefix, phase):
                 if plan is None or plan.key() == self._key:
                     return
                 self._key = plan.key()
+                record = strategy.cross_device_ops._auto.snapshot()  # pylint: disable=protected-access
                 change = {"after_step": clock.step,
                           "labels": {e.name: e.label for e in plan.entries},
+                          "critical": sorted(e.name for e in plan.entries if e.critical),
+                          "errors": {name: {k: round(v, 4) for k, v in rel.items()}
+                                     for name, (_, rel) in record.get("low_rank", {}).items()},
                           "low_rank_share": plan.low_rank_share,
                           "predicted_ms": plan.step_seconds() * 1e3}
                 if plan.pace is not None:
