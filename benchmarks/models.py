@@ -279,9 +279,11 @@ def synthetic_data(model, rank, batch_size):
     return x, y
 
 
-def build_encoder(keras):
-    """The BERT-like encoder (see the module docstring); the token embedding is named
-    ``token_embedding``."""
+def build_encoder(keras, vocab=VOCAB, seq_len=SEQ_LEN, num_classes=2):
+    """The BERT-like encoder (see the module docstring) over ``vocab`` words and
+    sequences of ``seq_len`` tokens, with ``num_classes`` logits; the token embedding is
+    named ``token_embedding``. (time_to_accuracy.py trains it on Fashion-MNIST's
+    patches as words.)"""
     import tensorflow as tf
 
     class PositionEmbedding(keras.layers.Layer):
@@ -296,8 +298,8 @@ def build_encoder(keras):
         def call(self, x):
             return x + tf.cast(self.table, x.dtype)
 
-    tokens = keras.Input(shape=(SEQ_LEN,), dtype="int32", name="tokens")
-    x = keras.layers.Embedding(VOCAB, WIDTH, name="token_embedding")(tokens)
+    tokens = keras.Input(shape=(seq_len,), dtype="int32", name="tokens")
+    x = keras.layers.Embedding(vocab, WIDTH, name="token_embedding")(tokens)
     x = PositionEmbedding(name="position_embedding")(x)
     for i in range(LAYERS):
         a = keras.layers.MultiHeadAttention(HEADS, KEY_DIM, name=f"attention_{i}")(x, x)
@@ -308,7 +310,7 @@ def build_encoder(keras):
         x = keras.layers.LayerNormalization(epsilon=1e-6, name=f"ff_norm_{i}")(
             keras.layers.Add()([x, f]))
     x = keras.layers.GlobalAveragePooling1D()(x)
-    logits = keras.layers.Dense(2, name="logits")(x)
+    logits = keras.layers.Dense(num_classes, name="logits")(x)
     return keras.Model(tokens, logits, name="encoder")
 
 

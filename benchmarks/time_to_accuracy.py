@@ -8,7 +8,12 @@
 A cluster of ``--workers`` workers (default 4) on this one machine, each in its own
 network namespace behind a tbf-shaped link (``netns.py``, as ``network.py``), trains a
 Fashion-MNIST model with ``model.fit`` until the test accuracy reaches the target or
-the run's time budget is spent. Worker 0 evaluates the whole test set every
+the run's time budget is spent. Models: ``cnn`` and ``mlp`` (``tfgc.apps.models``),
+``wide_mlp`` (network.py's), Keras's ``mobilenetv2`` (``build_mobilenetv2``), and
+``encoder``, benchmarks/models.py's Transformer encoder (two layers of width 128) over
+the images read as sentences of 49 words, a 4 x 4 patch a word (``patch_tokens``),
+whose token embedding of 65,536 x 128 (8.4 of its 8.8 M parameters) has an
+IndexedSlices gradient of the rows a batch touched. Worker 0 evaluates the whole test set every
 ``--eval_every`` seconds of training on a copy of its weights outside the strategy (no
 collective, so the other workers need not agree on when); evaluation time is left out
 of the training time. The clock starts after the first step (tracing) and includes
@@ -63,10 +68,16 @@ from tfgc.apps.plots import fmt_bytes, svg_plot  # noqa: E402  (stdlib only)
 
 DEFAULT_OUT = os.path.join(_common.RESULTS_DIR, "time_to_accuracy")
 BASE_PORT = 21000
-MODELS = ("cnn", "wide_mlp", "mlp", "mobilenetv2")
+MODELS = ("cnn", "wide_mlp", "mlp", "mobilenetv2", "encoder")
 STOCK = "stock"
 DEFAULT_SETTINGS = [STOCK, "bf16", "qsgd", "terngrad", "onebit", "ef", "dgc", "powersgd"]
-DEFAULT_EPOCHS = {"cnn": 3, "wide_mlp": 3, "mlp": 3, "mobilenetv2": 3}
+DEFAULT_EPOCHS = {"cnn": 3, "wide_mlp": 3, "mlp": 3, "mobilenetv2": 3, "encoder": 3}
+# ``encoder`` reads each image as a sentence (``patch_tokens``): its PATCH x PATCH
+# patches, row by row, are the words, a word's id the patch's pixels above
+# PATCH_THRESHOLD as bits, so the vocabulary has 2^(PATCH^2) words.
+PATCH, PATCH_THRESHOLD = 4, 0.3
+# Test rows a worker-0 evaluation puts through the model at once.
+EVAL_CHUNK = 1000
 
 
 def parse_args(argv=None):
@@ -174,6 +185,26 @@ def build_mobilenetv2(keras, input_shape, num_classes, seed=0):
     return net
 
 
+def patch_tokens(images, patch=PATCH, threshold=PATCH_THRESHOLD):
+    """Images ``[n, h, w, 1]`` in [0, 1] as sentences ``[n, (h/patch) (w/patch)]`` of
+    int32 word ids, the patches row by row: pixel (i, j) of a patch, when above
+    ``threshold``, is bit ``i * patch + j`` of its word. Fashion-MNIST's training
+    images use about 30,600 of the 65,536 words of 4 x 4 patches, and a batch of 32
+    images about 300 distinct ones (its 1,568 words are mostly blank or solid
+    patches), so the Transformer's token embedding is a large table whose gradient is
+    an IndexedSlices of few rows, as a language model's is."""
+    import numpy as np
+
+    n, h, w = images.shape[:3]
+    if h % patch or w % patch:
+        raise ValueError(f"images of {h} x {w} pixels do not split into {patch} x {patch} "
+                         "patches")
+    bits = (images.reshape(n, h, w) > threshold).astype(np.int64)
+    bits = bits.reshape(n, h // patch, patch, w // patch, patch).transpose(0, 1, 3, 2, 4)
+    bits = bits.reshape(n, (h // patch) * (w // patch), patch * patch)
+    return (bits << np.arange(patch * patch)).sum(axis=-1).astype(np.int32)
+
+
 def _recommendations():
     """``tfgc/compressors/recommended.py`` loaded by path: the ``tfgc.compressors``
     package imports TensorFlow, which the driver never does."""
@@ -234,7 +265,10 @@ def _worker(args, rank, prefix, phase):
     named = worker_info(strategy)[1]
     if named != num_workers:
         raise RuntimeError(f"TF_CONFIG names {named} workers, the driver started {num_workers}")
-    x, y = data_lib.shard(ds.x_train, ds.y_train, rank, num_workers)
+    x_train, x_test = ds.x_train, ds.x_test
+    if args.model == "encoder":
+        x_train, x_test = patch_tokens(x_train), patch_tokens(x_test)
+    x, y = data_lib.shard(x_train, ds.y_train, rank, num_workers)
     train_ds = data_lib.make_tf_dataset(x, y, args.batch_size, seed=args.seed + rank,
                                         repeat=True, workers=num_workers)
 
@@ -247,6 +281,13 @@ def _worker(args, rank, prefix, phase):
         if args.model == "mobilenetv2":
             return build_mobilenetv2(keras, ds.x_train.shape[1:], ds.num_classes,
                                      seed=args.seed)
+        if args.model == "encoder":
+            import models as user_models  # benchmarks/models.py
+
+            keras.utils.set_random_seed(args.seed)
+            return user_models.build_encoder(keras, vocab=1 << PATCH ** 2,
+                                             seq_len=x_train.shape[1],
+                                             num_classes=ds.num_classes)
         return models.build_model(args.model, input_shape=ds.x_train.shape[1:],
                                   num_classes=ds.num_classes, seed=args.seed)
 
@@ -266,13 +307,15 @@ def _worker(args, rank, prefix, phase):
     # (Only worker 0 evaluates.)
     if rank == 0:
         copy = build()
-        x_test = tf.constant(ds.x_test)
-        y_test = tf.constant(ds.y_test.astype(np.int64))
+        test_chunks = [(tf.constant(x_test[k:k + EVAL_CHUNK]),
+                        tf.constant(ds.y_test[k:k + EVAL_CHUNK].astype(np.int64)))
+                       for k in range(0, len(x_test), EVAL_CHUNK)]
 
         @tf.function
         def correct():
-            logits = copy(x_test, training=False)
-            return tf.reduce_sum(tf.cast(tf.argmax(logits, 1) == y_test, tf.int32))
+            return tf.add_n([tf.reduce_sum(tf.cast(
+                tf.argmax(copy(xs, training=False), 1) == ys, tf.int32))
+                for xs, ys in test_chunks])
 
         def evaluate():
             # This worker's own values: reading a batch normalization's moving
@@ -411,6 +454,15 @@ def _worker(args, rank, prefix, phase):
     timed = [d * 1e3 for d in clock.durations[5:]] or [d * 1e3 for d in clock.durations]
     median_ms = statistics.median(timed)
     ring = stock_ring_bytes(net, num_workers)
+    if args.model == "encoder":
+        # The table's gradient is one row per token of the worker's batch, with its
+        # int32 index; the stock strategy all-gathers them (N - 1 times a worker's
+        # rows) and all-reduces the rest.
+        table = net.get_layer("token_embedding").embeddings
+        tokens = args.batch_size * x_train.shape[1]
+        ring += ((num_workers - 1) * tokens * (table.shape[1] * table.dtype.size + 4)
+                 - 2 * (num_workers - 1) * table.shape.num_elements() * table.dtype.size
+                 // num_workers)
     if compressor is not None:
         stats = strategy.compression_stats()
         sent = stats["total_sent_bytes"] / max(1, stats["steps"])
@@ -592,8 +644,10 @@ def render(report, args):
              "`auto`'s first measurement of the link and the CPU included). Target: the "
              f"stock strategy's final accuracy on a {rate_label(args.floor_rate)} link minus "
              f"{args.margin:g} point (the compute floor run). `sent/step`: what one worker "
-             "sends per step (the strategy's own count; the stock ring all-reduce's "
-             "2(N−1)/N of the gradients). Speed-ups: time to target of stock fp32 (or "
+             "sends per step (the strategy's own count; for stock, the ring all-reduce's "
+             "2(N−1)/N of the gradients, and for a token embedding the all-gather of "
+             "its rows, N−1 times a worker's tokens, each a row and an int32 index). "
+             "Speed-ups: time to target of stock fp32 (or "
              "bf16) on the same link over the setting's. A run that spent its budget shows "
              "its best accuracy and, where the same setting reached the target on another "
              "link at step S, S × its median step time, marked *projected* (synchronous "

@@ -157,3 +157,49 @@ def test_mobilenetv2_is_keras_s_own_padded_to_32_with_faster_batch_norms_and_log
     w, w_again, w_other = (m.trainable_weights[0].numpy() for m in (net, again, other))
     np.testing.assert_array_equal(w, w_again)
     assert not np.array_equal(w, w_other)
+
+
+def test_patch_tokens_are_each_patch_s_pixels_as_bits_row_by_row():
+    import numpy as np
+
+    images = np.zeros((3, 28, 28, 1), np.float32)
+    images[0, 0, 0] = 1.0           # patch 0, pixel (0, 0): bit 0
+    images[0, 5, 6] = 0.5           # patch (1, 1) = word 8, pixel (1, 2): bit 6
+    images[1, 27, 27] = 0.31        # the last patch's last pixel: bit 15
+    images[1, 27, 26] = 0.3         # at the threshold: not above it
+    images[2] = 0.9                 # every pixel: every word all ones
+    tokens = tta.patch_tokens(images)
+    assert tokens.shape == (3, 49) and tokens.dtype == np.int32
+    expected = np.zeros((3, 49), np.int32)
+    expected[0, 0], expected[0, 8], expected[1, 48] = 1, 1 << 6, 1 << 15
+    expected[2] = (1 << 16) - 1
+    np.testing.assert_array_equal(tokens, expected)
+    # A word depends on its own patch only, and every id is in the vocabulary.
+    rng = np.random.default_rng(0)
+    noise = rng.random((8, 28, 28, 1)).astype(np.float32)
+    words = tta.patch_tokens(noise)
+    assert words.min() >= 0 and words.max() < 1 << 16
+    changed = noise.copy()
+    changed[:, 4:8, 8:12] = 0.0     # patch (1, 2): word 9
+    differs = (tta.patch_tokens(changed) != words).any(axis=0)
+    assert differs[9] and differs.sum() == 1
+    with pytest.raises(ValueError, match="patches"):
+        tta.patch_tokens(np.zeros((1, 30, 28, 1), np.float32))
+
+
+def test_encoder_reads_fashion_mnist_sentences_with_a_large_sparse_table(global_seeds):
+    import numpy as np
+    import tensorflow as tf
+    import tf_keras as keras
+
+    models = benchmark_module("models")
+    net = models.build_encoder(keras, vocab=1 << 16, seq_len=49, num_classes=10)
+    assert net.input_shape == (None, 49) and net.output_shape == (None, 10)
+    table = net.get_layer("token_embedding").embeddings
+    assert table.shape == (65536, 128)
+    tokens = tta.patch_tokens(np.random.default_rng(1).random((2, 28, 28, 1)))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(net(tokens))
+    grad = tape.gradient(loss, table)
+    # The table's gradient is the touched rows, one per word, not a dense table.
+    assert isinstance(grad, tf.IndexedSlices) and grad.values.shape == (98, 128)

@@ -145,7 +145,8 @@ _TABLE = [
     _rec("auto", "auto", "momentum",
          "the dense optimizer and schedule: its quantizers keep no residual, as bf16 and "
          "QSGD do, and its low-rank gradients (with AutoPlanCallback) stay within rank "
-         "2's measured error, at twice that rank while critical; on the small CNN it "
+         "2's measured error (while critical, twice that rank where its measured "
+         "error is at most 0.05, else 16 bits); on the small CNN it "
          "reached the target 10 s sooner on the dense schedule than on twice its "
          "epochs (benchmarks/results/time_to_accuracy_auto_cnn.md, "
          "time_to_accuracy_auto_cnn_4epochs.md)"),
