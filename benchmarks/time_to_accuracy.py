@@ -199,10 +199,11 @@ def patch_tokens(images, patch=PATCH, threshold=PATCH_THRESHOLD):
     if h % patch or w % patch:
         raise ValueError(f"images of {h} x {w} pixels do not split into {patch} x {patch} "
                          "patches")
-    bits = (images.reshape(n, h, w) > threshold).astype(np.int64)
+    bits = (images.reshape(n, h, w) > threshold).astype(np.uint8)
     bits = bits.reshape(n, h // patch, patch, w // patch, patch).transpose(0, 1, 3, 2, 4)
     bits = bits.reshape(n, (h // patch) * (w // patch), patch * patch)
-    return (bits << np.arange(patch * patch)).sum(axis=-1).astype(np.int32)
+    return np.tensordot(bits, np.left_shift(1, np.arange(patch * patch), dtype=np.int32),
+                        axes=1).astype(np.int32)
 
 
 def _recommendations():
@@ -265,10 +266,10 @@ def _worker(args, rank, prefix, phase):
     named = worker_info(strategy)[1]
     if named != num_workers:
         raise RuntimeError(f"TF_CONFIG names {named} workers, the driver started {num_workers}")
-    x_train, x_test = ds.x_train, ds.x_test
-    if args.model == "encoder":
-        x_train, x_test = patch_tokens(x_train), patch_tokens(x_test)
-    x, y = data_lib.shard(x_train, ds.y_train, rank, num_workers)
+    x, y = data_lib.shard(ds.x_train, ds.y_train, rank, num_workers)
+    x_test = ds.x_test
+    if args.model == "encoder":  # this worker's shard, and the test set on worker 0
+        x, x_test = patch_tokens(x), (patch_tokens(x_test) if rank == 0 else None)
     train_ds = data_lib.make_tf_dataset(x, y, args.batch_size, seed=args.seed + rank,
                                         repeat=True, workers=num_workers)
 
@@ -284,10 +285,8 @@ def _worker(args, rank, prefix, phase):
         if args.model == "encoder":
             import models as user_models  # benchmarks/models.py
 
-            keras.utils.set_random_seed(args.seed)
             return user_models.build_encoder(keras, vocab=1 << PATCH ** 2,
-                                             seq_len=x_train.shape[1],
-                                             num_classes=ds.num_classes)
+                                             seq_len=x.shape[1], num_classes=ds.num_classes)
         return models.build_model(args.model, input_shape=ds.x_train.shape[1:],
                                   num_classes=ds.num_classes, seed=args.seed)
 
@@ -312,10 +311,12 @@ def _worker(args, rank, prefix, phase):
                        for k in range(0, len(x_test), EVAL_CHUNK)]
 
         @tf.function
+        def correct_in(xs, ys):  # one graph for every chunk of the same size
+            return tf.reduce_sum(tf.cast(tf.argmax(copy(xs, training=False), 1) == ys,
+                                         tf.int32))
+
         def correct():
-            return tf.add_n([tf.reduce_sum(tf.cast(
-                tf.argmax(copy(xs, training=False), 1) == ys, tf.int32))
-                for xs, ys in test_chunks])
+            return sum(int(correct_in(xs, ys)) for xs, ys in test_chunks)
 
         def evaluate():
             # This worker's own values: reading a batch normalization's moving
@@ -459,7 +460,7 @@ def _worker(args, rank, prefix, phase):
         # int32 index; the stock strategy all-gathers them (N - 1 times a worker's
         # rows) and all-reduces the rest.
         table = net.get_layer("token_embedding").embeddings
-        tokens = args.batch_size * x_train.shape[1]
+        tokens = args.batch_size * x.shape[1]
         ring += ((num_workers - 1) * tokens * (table.shape[1] * table.dtype.size + 4)
                  - 2 * (num_workers - 1) * table.shape.num_elements() * table.dtype.size
                  // num_workers)

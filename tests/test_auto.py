@@ -385,6 +385,30 @@ def test_low_rank_errors_are_those_of_the_singular_values(shape):
     assert planner.low_rank_errors(spoiled)[1] == {}  # a step that was not finite
 
 
+def test_a_sparse_tables_errors_are_those_of_its_touched_rows():
+    # An embedding table densified from a step's rows: 4096 x 64 with 150 rows touched.
+    # Its errors are its touched block's exact ones (the zeros change no singular
+    # value), not the randomized finder's bound; top-k ranks the touched entries only,
+    # with k from the whole table.
+    rng = np.random.default_rng(5)
+    table = np.zeros((4096, 64), np.float32)
+    rows = rng.choice(4096, 150, replace=False)
+    block = rng.standard_t(3, size=(150, 64)).astype(np.float32)
+    table[rows] = block
+    table[:, 7] = 0.0  # a column no row reaches
+    values = np.linalg.svd(table[rows].astype(np.float64), compute_uv=False)
+    sq, rel = planner.low_rank_errors(table)
+    want_sq, want = spectrum_errors(values)
+    assert sq == pytest.approx(want_sq, rel=1e-9)
+    for r in planner.RANKS:
+        assert rel[r] == pytest.approx(want[r], rel=1e-9, abs=1e-12)
+    squares = np.sort(np.square(table.astype(np.float64).ravel()))[::-1]
+    k = math.ceil(0.01 * table.size)  # 2622 of the 9450 touched entries
+    _, kept = planner.top_k_errors(table, (0.01, 0.05))
+    assert kept[0.01] == pytest.approx(1.0 - squares[:k].sum() / squares.sum(), rel=1e-9)
+    assert kept[0.05] == 0.0  # k = 13,108: every touched entry
+
+
 # The measured matrices of ``GRADIENTS``: ``fc1`` nearly rank 1, ``fc2`` a slow spectrum
 # (rank 8 keeps 40 % of it), ``embed`` flat (what low rank cannot send); ``conv`` and
 # ``head`` in between.
@@ -1922,6 +1946,20 @@ def test_the_steps_left_count_from_the_fits_first_epoch():
     assert callback._steps_left() == 20  # pylint: disable=protected-access
     callback.set_params({"epochs": 5, "steps": None, "verbose": 0})
     assert callback._steps_left() is None  # pylint: disable=protected-access
+    # Restored from a backup at step 6 of epoch 3: Keras' first step is batch 6, and
+    # 4 + 10 steps are left; only the fit's first step counts.
+    callback.set_params({"epochs": 5, "steps": 10, "verbose": 0})
+    callback.on_train_begin()
+    callback.on_epoch_begin(3)
+    callback.on_train_batch_begin(6)
+    assert callback._steps_left() == 14  # pylint: disable=protected-access
+    callback.on_train_batch_begin(7)
+    assert callback._steps_left() == 14  # pylint: disable=protected-access
+    # A new fit starts over.
+    callback.on_train_begin()
+    callback.on_epoch_begin(0)
+    callback.on_train_batch_begin(0)
+    assert callback._steps_left() == 50  # pylint: disable=protected-access
 
 
 def test_the_first_low_rank_measurement_is_the_interval_end_when_they_meet(monkeypatch):
@@ -2414,7 +2452,8 @@ def test_the_settings_round_trip_through_their_spec_and_config(spec):
     # Below the budget's rank: a critical gradient would lose more than the others.
     ("auto:low_rank=4,critical_rank=2", "critical_rank"),
     # Nothing goes low-rank at all (critical_rank=0 agrees with that, and is taken).
-    ("auto:low_rank=0,critical_rank=8", "critical_rank")])
+    ("auto:low_rank=0,critical_rank=8", "critical_rank"),
+    ("auto:low_rank=0,critical_error=0.3", "critical_error")])
 def test_bad_settings_fail_at_construction_naming_the_argument(spec, argument):
     with pytest.raises(ValueError, match=f"`{argument}`"):
         tfgc.CompressedMultiWorkerMirroredStrategy(compressor=spec)
@@ -3124,6 +3163,14 @@ def test_a_restored_checkpoint_brings_the_plan_back_unless_the_link_moved(cluste
     assert all(e < 10 * s for s, e in zip(saved, elsewhere)), (saved, elsewhere)
     first, after = run["measurements"]
     assert first >= 1 and after == first
+    # The measured record restored under a given link was planned afresh for it
+    # (within the factor or not); its own record, under the same given link, came back
+    # with its plan, not planned afresh; neither measured.
+    (relinked_given, rate, plan), (relinked_again, rate_again, plan_again) = run["given"]
+    assert relinked_given == run["relinked"][1] + 1 and rate == 0.002
+    assert relinked_again == relinked_given and rate_again == 0.002
+    assert plan_again == plan and plan != run["saved"], run
+    assert run["given_record"] == [0.002, 0.1]
 
 
 def test_measured_matrices_go_low_rank_after_the_critical_intervals(cluster):

@@ -91,6 +91,10 @@ def test_instances_get_error_feedback_like_their_names():
         assert get(plain) is plain
     with pytest.raises(ValueError, match="already wrapped"):
         ErrorFeedback(ErrorFeedback(OneBit()))
+    # A per-tensor plan is no encoding to wrap: refused when built, not at the first step.
+    for spec in ("ef+auto", "ef+auto:link_gbps=0.1"):
+        with pytest.raises(ValueError, match=r"'auto' plans each gradient.*without `ef\+`"):
+            get(spec)
 
 
 @pytest.mark.parametrize("build, argument", [
@@ -110,6 +114,8 @@ def test_instances_get_error_feedback_like_their_names():
     (lambda: tfgc.get_compressor("topk:ratio=2"), "ratio"),
     (lambda: tfgc.get_compressor("topk:bogus=1"), "bogus"),
     (lambda: tfgc.get_compressor("qsgd:levels"), "levels"),
+    (lambda: tfgc.get_compressor("qsgd:levels=127, levels=7"), "`levels` given twice"),
+    (lambda: tfgc.get_compressor("auto:error=0.05,error=0.1"), "`error` given twice"),
     (lambda: tfgc.get_compressor("nosuch"), "nosuch"),
     (lambda: tfgc.get_compressor("zz+topk"), "zz"),
     (lambda: tfgc.CompressionPolicy(min_elements=-1), "min_elements"),

@@ -305,3 +305,46 @@ def test_a_child_tracked_late_joins_a_loss_scale_optimizers_listed_children():
         child = tf.Module()
         track(owner, "late", child)
         assert owner._trackable_children()["late"] is child
+
+
+def test_a_restore_on_another_cluster_size_keeps_residual_mass_and_shared_state():
+    from tfgc.distribute.state import restored_values
+
+    a, b = np.array([1.0, -2.0], np.float32), np.array([3.0, 0.5], np.float32)
+    # The same size: each replica its own row.
+    assert [v.tolist() for v in restored_values([a, b], [1], True, True, 2)] == [b.tolist()]
+    # Two workers' residuals on one: their sum (held-back mass kept), float32 again.
+    (one,) = restored_values([a, b], [0], False, True, 1)
+    assert one.tolist() == [4.0, -1.5] and one.dtype == np.float32
+    # ... on four (one worker with two replicas here): a quarter of it each; a single
+    # worker's on two: half each.
+    assert [v.tolist() for v in restored_values([a, b], [2, 3], False, True, 4)] == \
+        [[1.0, -0.375]] * 2
+    assert restored_values([a], [0, 1], False, True, 2)[1].tolist() == [0.5, -1.0]
+    # Shared state (PowerSGD's query) is the first row, from one worker or several, on
+    # any number: not doubled on one worker nor halved on two.
+    for rows, n in (([a, a.copy()], 1), ([a], 2), ([a, a.copy()], 4)):
+        assert [v.tolist() for v in restored_values(rows, [0], False, True, n, shared=True)] \
+            == [a.tolist()]
+    # Counters are copied.
+    steps = [np.array(7, np.int64), np.array(9, np.int64)]
+    assert restored_values(steps, [0], False, False, 3)[0] == 7
+
+
+def test_the_shared_state_fields_are_the_compressors_own_and_no_others():
+    import tensorflow as tf
+
+    from tfgc.compressors import get, names, registry
+
+    shared = registry.shared_state_fields()
+    assert {"query", "basis", "mean", "samples", "count"} <= shared
+    for name in names():
+        compressor = get(name)
+        inner = getattr(compressor, "inner", compressor)
+        own = set(type(inner).shared_state)
+        fields = set(compressor.init_state(tf.TensorShape([64, 48]), tf.float32))
+        fields |= set(compressor.init_state(tf.TensorShape([64, 48]), tf.float32).get("inner", {}))
+        # Each compressor's shared fields exist; none of its own fields (a residual, a
+        # momentum) is taken for another compressor's shared one.
+        assert own <= fields, name
+        assert not (fields - own - {"inner"}) & shared, name

@@ -16,8 +16,10 @@
 4. Trains under a measured plan, saves a checkpoint of the optimizer, starts afresh (a
    new model, the compressor set again) with that checkpoint restored before the first
    step; then again with the same record restored as if written on a link 50 times
-   slower. Writes both plans, the three runs' link figures and the counts of
-   measurements and of plans made afresh for another link (``restart.w<rank>.json``).
+   slower; then the first record twice under a given link, the second time the record
+   written under it. Writes the plans, the first three runs' link figures, the counts of
+   measurements and of plans made afresh for another link, and the given runs' counts,
+   links and plans (``restart.w<rank>.json``).
 5. Trains the MLP with low-rank candidates on a slow given link, ``AutoPlanCallback``
    every ``LOW_RANK_EVERY`` steps, and writes the plan after the first step and, after
    each interval, the plan, its low-rank error and budget and the measured errors
@@ -303,10 +305,24 @@ def restart(strategy, rank, num_workers, out_dir):
     auto.restored(dict(record, link_us=[50 * us for us in record["link_us"]]))
     brief_fit(strategy, rank, num_workers, out_dir, steps_per_epoch=3, epochs=1,
               name="elsewhere")
+    elsewhere_link, relinked_elsewhere = list(auto.figures.link_us), auto.relinked
+
+    # The measured record restored under a given link: planned afresh for the given
+    # one; its record restored under the same given link: its plan back, as it was.
+    given = []
+    for _ in range(2):
+        strategy.compressor = "auto:link_gbps=0.002"
+        auto.restored(record)
+        brief_fit(strategy, rank, num_workers, out_dir, steps_per_epoch=3, epochs=1,
+                  name="given")
+        given.append([auto.relinked, auto.figures.link_gbps, strategy.compression_plan().key()])
+        record = auto.snapshot()
     with open(os.path.join(out_dir, f"restart.w{rank}.json"), "w") as f:
         json.dump({"saved": saved.key(), "restored": restored.key(),
-                   "link_us": [saved_link, restored_link, list(auto.figures.link_us)],
-                   "relinked": [relinked, auto.relinked],
+                   "link_us": [saved_link, restored_link, elsewhere_link],
+                   "relinked": [relinked, relinked_elsewhere],
+                   "given": given, "given_record": [record.get("link_gbps"),
+                                                    record.get("latency_ms")],
                    "measurements": [measured, auto.measurements]}, f)
 
 

@@ -97,7 +97,8 @@ class Auto(Compressor):
         fourth step of one process taking 32 rows a step (docs/results.md), rank 8
         left 0.31-0.51 of most MobileNetV2 kernels' gradients out, and 0.001-0.03 of
         the wide MLP's and the CNN's; by step 117 MobileNetV2's median was 0.02-0.04.
-        1 or more: no limit. A plan pinned by hand is exempt.
+        1 or more: no limit. A plan pinned by hand is exempt. Another value than the
+        default needs low-rank candidates (``low_rank`` above 0).
     """
 
     name = "auto"
@@ -138,6 +139,10 @@ class Auto(Compressor):
             critical_rank = int(critical_rank)
         self.critical_rank = critical_rank
         self.critical_error = float(check_number("critical_error", critical_error, 0))
+        if self.critical_error != 0.05 and not self.budget_rank:
+            # Not the default: a limit on low rank where nothing goes low-rank.
+            raise ValueError(f"`critical_error` ({critical_error!r}) limits low rank while "
+                             "critical: with `low_rank=0` no gradient goes low-rank at all")
 
     def get_config(self):
         config = super().get_config()

@@ -112,6 +112,11 @@ class Compressor(abc.ABC):
     # (gradient dropping's global threshold): the cross-device ops concatenate them
     # (per dtype), compress and send that, and split the result and the state back.
     fuses_gradients: bool = False
+    # State fields every worker holds alike (drawn from a shared seed, or learned from
+    # the aggregated gradients), as opposed to a worker's own (a residual): a restore on
+    # a cluster of another size takes them as saved rather than spreading their sum
+    # (``tfgc.distribute.state.restored_values``).
+    shared_state: Tuple[str, ...] = ()
     # Compressors whose stages repeat (GradiVeQ's learning and compressing windows):
     # the stage is chosen by step modulo this period; 0 for stages in sequence.
     stage_period: int = 0

@@ -73,6 +73,10 @@ class ErrorFeedback(Compressor):
         if inner.keeps_residual:
             raise ValueError(f"`compressor` {inner.name!r} keeps its own residual; use it "
                              "without error feedback (no `ef+`)")
+        if inner.plans_per_tensor:
+            raise ValueError(f"`compressor` {inner.name!r} plans each gradient's encoding "
+                             "(its low-rank and top-k candidates with error feedback of "
+                             "their own); use it without `ef+`")
         if inner.stage_period:
             raise ValueError(f"`compressor` {inner.name!r} learns from the aggregated "
                              "gradients and runs without error feedback (no `ef+`)")

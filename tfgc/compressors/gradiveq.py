@@ -63,6 +63,8 @@ class GradiVeQ(Compressor):
 
     name = "gradiveq"
     summable = True
+    # Learned from the aggregated gradients: the same on every worker.
+    shared_state = ("basis", "mean", "samples", "count")
 
     def __init__(self, slice_size: int = 768, energy: float = 0.01, max_dim: int = 96,
                  learn_steps: int = 100, compress_steps: int = 400, dense_layers: bool = False):

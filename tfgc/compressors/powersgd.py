@@ -76,6 +76,7 @@ class PowerSGD(Compressor):
 
     name = "powersgd"
     keeps_residual = True
+    shared_state = ("query",)  # drawn from a shared seed, then M^T P of the summed M
 
     @property
     def low_rank(self):

@@ -58,6 +58,12 @@ def names():
     return sorted(set(_REGISTRY) | set(_ALIASES))
 
 
+def shared_state_fields() -> frozenset:
+    """The state fields that some registered compressor holds alike on every worker
+    (``Compressor.shared_state``), by their last path component."""
+    return frozenset(field for cls in _REGISTRY.values() for field in cls.shared_state)
+
+
 def _parse_value(text: str) -> Any:
     low = text.lower()
     if low in ("true", "false"):
@@ -106,6 +112,8 @@ def _parse_string(spec: str) -> Compressor:
             key, eq, value = item.partition("=")
             if not eq or not key.strip():
                 raise ValueError(f"malformed hyperparameter {item!r} in {spec!r}: expected key=value")
+            if key.strip() in config:
+                raise ValueError(f"hyperparameter `{key.strip()}` given twice in {spec!r}")
             config[key.strip()] = _parse_value(value.strip())
     for wrapper in wrappers:
         if wrapper != "ef":

@@ -29,7 +29,8 @@ alone is measured again first (``planner.measure_link``, a fraction of a second)
 checkpoint restored on another network, where a float32 all-reduce of the planned
 gradients takes ``RESTORED_LINK_FACTOR`` times as long or as short, is planned afresh
 for that network, from the restored CPU timings, regimes and low-rank errors but none
-of the steps timed on the old one. Its
+of the steps timed on the old one; so is one restored under a given link
+(``auto:link_gbps=``) other than the one its plan was made for. Its
 embedding tables go as the saved plan sent them from the first trace on (dense or as
 rows, priced with the rows it counted: ``dense_tables``). The workers
 first agree that they all restored the same record (an all-gather of their checksums);
@@ -209,7 +210,8 @@ class AutoPlanner:
         self._ran = None
         self._numbers = itertools.count()
         # How many times the figures were measured (a restored plan measures only the
-        # link), how many restored plans the link measured then made afresh, and how
+        # link), how many restored plans the link measured then (or a given link other
+        # than the plan's: ``_moved_link``) made afresh, and how
         # many times the plans went back to plans that ran faster (``_decide``).
         self.measurements = 0
         self.relinked = 0
@@ -237,6 +239,9 @@ class AutoPlanner:
         # The restored record's parts of the layouts not planned yet, by their
         # gradients (``_layout_key``): each takes its part when first planned.
         self._saved_layouts = {}
+        # The given link the restored record's plan was made for (``link_gbps``,
+        # ``latency_ms``; 0 Gbit/s: measured, None: not recorded).
+        self._restored_link = (None, None)
         # A plan set by hand (``pin``): one label for every gradient, or labels by
         # gradient name (the others float32); None: the planner's own.
         self._pin = None
@@ -471,6 +476,8 @@ class AutoPlanner:
                 "num_workers": figures.num_workers,
                 "candidates": [c.label for c in planner.ALL],
                 "link_us": list(figures.link_us),
+                # The link the plan was made for, where given (0: measured).
+                "link_gbps": figures.link_gbps, "latency_ms": figures.latency_ms,
                 "encode_us": {k: list(v) for k, v in figures.encode_us.items()},
                 "decode_us": {k: list(v) for k, v in figures.decode_us.items()},
                 "low_rank": {name: [sq, {str(r): e for r, e in rel.items()}]
@@ -543,6 +550,7 @@ class AutoPlanner:
                               for name, (sq, rel) in record.get("low_rank", {}).items()}
         part = parts.pop(key)
         self._saved_layouts = parts
+        self._restored_link = (record.get("link_gbps"), record.get("latency_ms"))
         logging.info("tfgc: compressor='auto': the plan's figures restored from the "
                      "checkpoint (%s)", figures.describe())
         self._record_intervals = self.intervals
@@ -584,19 +592,34 @@ class AutoPlanner:
         """The restored ``figures`` with the link measured now (every worker at once),
         where that predicts the float32 all-reduce of ``lay``'s gradients
         ``RESTORED_LINK_FACTOR`` times slower or faster than they do; then the steps
-        timed on the old link are forgotten. Otherwise None. Every worker calls it at
-        the same point, after agreeing on the restored figures."""
-        new = planner.measure_link(self._ops, figures)
-        if new is figures:  # a given link, or one worker: nothing measured
-            return None
-        nbytes = sum((tf.TensorShape(g[1]).num_elements() or 0) * tf.as_dtype(g[2]).size
-                     for g in lay.gradients)
-        ratio = max(planner.link_ratio(figures, new, nbytes, figures.num_workers), 1e-12)
-        if max(ratio, 1.0 / ratio) < RESTORED_LINK_FACTOR:
-            return None
-        logging.info("tfgc: compressor='auto': the link differs from the checkpoint's "
-                     "(%s, was %s): planning for it afresh", new.describe_link(),
-                     figures.describe_link())
+        timed on the old link are forgotten. Otherwise None. A link given now
+        (``link_gbps``; ``figures`` hold it) is no measurement's noise: the plan is made
+        afresh unless the checkpoint's was made for that same given link. Every worker
+        calls it at the same point, after agreeing on the restored figures."""
+        auto = self._ops.compressor
+        if auto.link_gbps:
+            if self._restored_link == (auto.link_gbps, auto.latency_ms) \
+                    or figures.num_workers < 2:  # the same link, or none to plan for
+                return None
+            was, latency = self._restored_link
+            logging.info("tfgc: compressor='auto': the given link (%g Gbit/s, %g ms) is "
+                         "not the checkpoint's (%s): planning for it afresh",
+                         auto.link_gbps, auto.latency_ms,
+                         f"{was:g} Gbit/s, {latency:g} ms" if was else
+                         "measured" if was is not None else "not recorded")
+            new = figures
+        else:
+            new = planner.measure_link(self._ops, figures)
+            if new is figures:  # one worker: nothing measured
+                return None
+            nbytes = sum((tf.TensorShape(g[1]).num_elements() or 0) * tf.as_dtype(g[2]).size
+                         for g in lay.gradients)
+            ratio = max(planner.link_ratio(figures, new, nbytes, figures.num_workers), 1e-12)
+            if max(ratio, 1.0 / ratio) < RESTORED_LINK_FACTOR:
+                return None
+            logging.info("tfgc: compressor='auto': the link differs from the checkpoint's "
+                         "(%s, was %s): planning for it afresh", new.describe_link(),
+                         figures.describe_link())
         self.relinked += 1
         for other in self._layouts.values():
             other.steps, other.beside, other.timed_at = {}, {}, {}

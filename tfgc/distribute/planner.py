@@ -828,7 +828,10 @@ def low_rank_errors(matrix: np.ndarray, ranks: Sequence[int] = RANKS,
     values from a randomized range finder (Halko, Martinsson & Tropp, SIAM Review 2011:
     8 extra columns and two power iterations), whose values are at most the true ones,
     so the errors it gives are at least the true ones. Deterministic in ``seed``. A
-    matrix of zeros loses nothing; one that is not finite has no errors (``{}``).
+    matrix of zeros loses nothing; one that is not finite has no errors (``{}``). Rows
+    and columns of zeros change no singular value, so they are left out first: an
+    embedding table densified from a step's rows (65,536 x 128, a few hundred rows
+    touched) is the matrix of those rows, whose values come exactly and at once.
     """
     a = np.asarray(matrix, np.float64)
     if a.ndim != 2:
@@ -838,6 +841,8 @@ def low_rank_errors(matrix: np.ndarray, ranks: Sequence[int] = RANKS,
         return total, {}
     if total == 0.0:
         return total, {r: 0.0 for r in ranks}
+    nonzero = a != 0
+    a = a[np.any(nonzero, axis=1)][:, np.any(nonzero, axis=0)]
     k = max(ranks)
     small = min(a.shape)
     if small <= k + 8 or a.size <= (1 << 16):
@@ -863,7 +868,9 @@ def top_k_errors(gradient: np.ndarray, ratios: Sequence[float] = (TOPK_RATIO,)
     """``gradient``'s squared norm and, for each ratio, the relative error of keeping
     its k = ceil(ratio n) entries of largest magnitude (top-k's own k),
     1 - (their squares' sum) / ||g||^2: what one top-k step leaves in the residual.
-    Zeros lose nothing; a gradient that is not finite has no errors (``{}``)."""
+    Zeros lose nothing; a gradient that is not finite has no errors (``{}``). Only
+    the entries that are not zero are ranked (k still counts every entry): a table's
+    untouched rows hold nothing to keep."""
     squares = np.square(np.asarray(gradient, np.float64).reshape(-1))
     total = float(np.sum(squares))
     if not math.isfinite(total):
@@ -871,10 +878,14 @@ def top_k_errors(gradient: np.ndarray, ratios: Sequence[float] = (TOPK_RATIO,)
     if total == 0.0:
         return total, {r: 0.0 for r in ratios}
     n = squares.size
+    squares = squares[squares > 0]
     out = {}
     for ratio in ratios:
         k = TopK(ratio=ratio).num_kept(tf.TensorShape([n]))
-        kept = float(np.sum(np.partition(squares, n - k)[n - k:]))
+        if k >= squares.size:
+            out[ratio] = 0.0  # every entry that holds anything is kept
+            continue
+        kept = float(np.sum(np.partition(squares, squares.size - k)[squares.size - k:]))
         out[ratio] = max(0.0, 1.0 - kept / total)
     return total, out
 

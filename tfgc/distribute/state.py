@@ -30,9 +30,11 @@ its *own* residuals back. So a save gathers every worker's state into the
 checkpoint (one all-gather of packed words, rows in worker order), and a restore
 picks this worker's row. Every worker must therefore save and restore together, as
 ``ModelCheckpoint`` and ``BackupAndRestore`` do under a multi-worker strategy. A
-checkpoint from a cluster of another size is restored by spreading each floating
-state field's total evenly over the new workers (a residual's mass is conserved) and
-taking integer fields (counters) from the first worker.
+checkpoint from a cluster of another size is restored by spreading each of a worker's
+own floating fields' total evenly over the new workers (a residual's mass is
+conserved) and taking integer fields (counters) and the fields every worker holds
+alike (``Compressor.shared_state``: PowerSGD's query, GradiVeQ's basis) from the
+first worker (``restored_values``).
 """
 
 import json
@@ -48,6 +50,7 @@ from tensorflow.python.saved_model import save_context
 from tensorflow.python.trackable import base as trackable
 from tensorflow.python.trackable import base_delegate
 
+from tfgc.compressors import registry
 from tfgc.ops import packing
 
 DEPENDENCY_NAME = "tfgc_compression_state"
@@ -86,6 +89,24 @@ def flatten_fields(structure, prefix="") -> List[Tuple[str, object]]:
 def local_variable(initial_value, name):
     # Local to this worker and replica: not mirrored, not trainable, not synced.
     return resource_variable_ops.ResourceVariable(initial_value, trainable=False, name=name)
+
+
+def restored_values(rows, ranks, own, floating, group_size, shared=False):
+    """A saved field's value for each of ``ranks`` (this worker's replicas), from
+    ``rows`` (one per saved replica): each rank's own row where the checkpoint's
+    replicas are this cluster's (``own``). Otherwise (a cluster of another size) every
+    replica takes the same: for a ``floating`` field that is a worker's own (not
+    ``shared``: ``Compressor.shared_state``), the rows' sum spread evenly over
+    ``group_size`` replicas (a residual's held-back mass is kept in total); else the
+    first row (counters, and state every worker holds alike, which a sum would scale
+    by the saved replicas over ``group_size``)."""
+    if own:
+        return [rows[rank] for rank in ranks]
+    first = rows[0]
+    if floating and not shared:
+        total = np.sum([row.astype(np.float64) for row in rows], axis=0)
+        first = (total / group_size).astype(first.dtype)
+    return [first] * len(ranks)
 
 
 def _from_words(words: np.ndarray, dtype: tf.DType, shape) -> np.ndarray:
@@ -459,24 +480,22 @@ class CompressionState(trackable.Trackable):
         if not own_rows:
             logging.warning(
                 "tfgc: the checkpoint holds the compression state of %d replica(s), this cluster "
-                "has %d; floating state is spread evenly (its total is kept), counters come "
-                "from the first replica", saved_replicas, cdo.group_size)
+                "has %d; a worker's own floating state is spread evenly (its total is kept), "
+                "counters and state shared by every worker (PowerSGD's query) come from the "
+                "first",
+                saved_replicas, cdo.group_size)
         # The checkpoint replaces the state: what a switch before this restore kept
         # apart for the next step (``carried``) is not part of it.
         self._forget_carried()
+        shared = registry.shared_state_fields()
         current = {(name, path): variables for name, path, variables in self._fields()}
         self.last_restore = {}
         for name, path, dtype_name, shape, offset, words in meta["fields"]:
             dtype = tf.as_dtype(dtype_name)
             rows = [_from_words(data[i, offset:offset + words], dtype, shape)
                     for i in range(saved_replicas)]
-            if own_rows:
-                values = [rows[rank] for rank in ranks]
-            elif dtype.is_floating:
-                total = np.sum([row.astype(np.float64) for row in rows], axis=0)
-                values = [(total / cdo.group_size).astype(dtype.as_numpy_dtype)] * len(ranks)
-            else:
-                values = [rows[0]] * len(ranks)
+            values = restored_values(rows, ranks, own_rows, dtype.is_floating, cdo.group_size,
+                                     shared=path.rpartition("/")[2] in shared)
             if dtype.is_floating:
                 self.last_restore[f"{name}/{path}"] = float(np.linalg.norm(
                     values[0].astype(np.float64).ravel()))

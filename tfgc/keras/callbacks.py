@@ -387,6 +387,10 @@ class AutoPlanCallback(keras.callbacks.Callback):
         self._fit_steps = 0  # steps of the current fit
         self._epoch = 0
         self._first_epoch = None  # the current fit's first epoch
+        # The current fit's first step within its first epoch: after a restore from a
+        # mid-epoch backup (BackupAndRestore's ``save_freq`` in batches) Keras goes on
+        # at that step, and the steps before it are not left to run.
+        self._first_step = None
         self._measured = False
         # Recent steps' seconds, and what the last change of plan cost (``_time_step``).
         self._durations = collections.deque(maxlen=64)
@@ -419,7 +423,7 @@ class AutoPlanCallback(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self._measured = False
         self._fit_steps = 0
-        self._first_epoch = None
+        self._first_epoch = self._first_step = None
         self._restart_timing(self._strategy.cross_device_ops.generation)
         if self._threshold is not None:
             self._strategy.cross_device_ops.track_regimes()
@@ -432,6 +436,8 @@ class AutoPlanCallback(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):
         self._began = time.perf_counter()
         self._first_batch = batch
+        if self._first_step is None:
+            self._first_step = batch
         if self._threshold is None:
             return
         # The call before an interval's end keeps the gradients its measurement reads.
@@ -557,15 +563,17 @@ class AutoPlanCallback(keras.callbacks.Callback):
 
     def _steps_left(self, running=0):
         """The steps left of the fit after those counted and ``running`` more (Keras'
-        ``epochs`` from the fit's first, times ``steps``), or None where Keras does not
-        know them."""
+        ``epochs`` from the fit's first, times ``steps``, less the steps of the first
+        epoch before the one it resumed at), or None where Keras does not know them."""
         params = self.params or {}
         if not (params.get("steps") and params.get("epochs")):
             return None
         # A resumed fit (``initial_epoch``, ``BackupAndRestore``) starts at a later
-        # epoch; ``epochs`` is the last.
+        # epoch, and at a later step of it after a mid-epoch backup; ``epochs`` is the
+        # last.
         epochs = int(params["epochs"]) - (self._first_epoch or 0)
-        return max(int(params["steps"]) * epochs - self._fit_steps - running, 0)
+        return max(int(params["steps"]) * epochs - (self._first_step or 0)
+                   - self._fit_steps - running, 0)
 
     def _payback_steps(self):
         """The steps over which a change of plan must pay for itself: what is left of the
