@@ -412,7 +412,7 @@ def _worker(args, rank, prefix, phase):
 
         class PlanLog(keras.callbacks.Callback):
             """Each plan that a step ended with, when it differs from the last: the step,
-            the labels, the gradients in a critical regime, the low-rank budget's
+            the labels (and the tables sent as rows), the gradients in a critical regime, the low-rank budget's
             share in use, the weighing, and the low-rank errors the planner had
             measured (each rank's and top-k's, by gradient: what the critical regime's
             error limit and the budget saw)."""
@@ -429,6 +429,8 @@ def _worker(args, rank, prefix, phase):
                 record = strategy.cross_device_ops._auto.snapshot()  # pylint: disable=protected-access
                 change = {"after_step": clock.step,
                           "labels": {e.name: e.label for e in plan.entries},
+                          # Tables sent as rows, and what their rows go as.
+                          "tables": {t.name: t.label for t in plan.rows_tables},
                           "critical": sorted(e.name for e in plan.entries if e.critical),
                           "errors": {name: {k: round(v, 4) for k, v in rel.items()}
                                      for name, (_, rel) in record.get("low_rank", {}).items()},
