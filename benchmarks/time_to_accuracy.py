@@ -412,10 +412,10 @@ def _worker(args, rank, prefix, phase):
 
         class PlanLog(keras.callbacks.Callback):
             """Each plan that a step ended with, when it differs from the last: the step,
-            the labels (and the tables sent as rows), the gradients in a critical regime, the low-rank budget's
-            share in use, the weighing, and the low-rank errors the planner had
-            measured (each rank's and top-k's, by gradient: what the critical regime's
-            error limit and the budget saw)."""
+            the labels (and the tables sent as rows), the gradients in a critical
+            regime, the low-rank budget's share in use, the weighing, and the low-rank
+            errors the planner had measured (each rank's and top-k's, by gradient: what
+            the critical regime's error limit and the budget saw)."""
 
             def __init__(self):
                 super().__init__()
