@@ -2102,6 +2102,29 @@ def test_cpu_timings_leave_out_the_timed_call_s_own_overhead(monkeypatch):
         planner._least_calls.cache_clear()
 
 
+def test_a_timed_call_s_copies_are_one_traced_codec_and_time_as_traced_apart(monkeypatch):
+    # Each copy calls one traced encoding (decoding) with its own index and input; the
+    # overhead's two calls on one size share it; and the graph TensorFlow runs still
+    # holds every copy: its time grows with them.
+    candidate = planner.BY_LABEL["qsgd8"]
+    traces = []
+    cls = type(candidate.compressor)
+    compress, decompress = cls.compress, cls.decompress
+    monkeypatch.setattr(cls, "compress", lambda *a, **k: traces.append("e") or compress(*a, **k))
+    monkeypatch.setattr(cls, "decompress",
+                        lambda *a, **k: traces.append("d") or decompress(*a, **k))
+    monkeypatch.setattr(planner, "_CODEC_KEPT", [])
+    for copies in (4, 8):
+        planner._call_seconds(candidate, 1 << 12, 2, copies, repeats=1)
+    assert traces == ["e", "d"]
+    planner._call_seconds(candidate, 1 << 13, 2, 4, repeats=1)  # another size: traced
+    assert traces == ["e", "d"] * 2
+    monkeypatch.undo()
+    one = min(planner._call_seconds(candidate, 1 << 20, 2, 1, repeats=3)[0] for _ in range(2))
+    many = min(planner._call_seconds(candidate, 1 << 20, 2, 8, repeats=3)[0] for _ in range(2))
+    assert many > 3 * one
+
+
 def test_low_rank_timings_of_two_ranks_and_sizes_give_every_rank_and_size(monkeypatch):
     # Codecs whose seconds are bilinear in elements and rank (fixed cost, per element,
     # per rank, per element and rank): the four timed ones give every other exactly.
@@ -2133,13 +2156,15 @@ def test_low_rank_timings_of_two_ranks_and_sizes_give_every_rank_and_size(monkey
 
 def test_what_timing_the_measured_candidates_would_cost_is_known_beforehand(monkeypatch,
                                                                             tmp_path, request):
-    # Stand-in timed calls on a fake clock that each advances by the vectors it traces
-    # and runs, encoding and decoding: 30 ms a vector, 50 ms a low-rank one (a larger
-    # graph). What ``_cpu_seconds`` and ``_least_calls`` make of them is theirs.
+    # Stand-in timed calls on a fake clock that each advances by the vectors it times,
+    # encoding and decoding: 30 ms a vector, a low-rank one (a larger graph) 10 ms more
+    # than the ``LOW_RANK_COPY_COST`` vectors it counts as. What ``_cpu_seconds`` and
+    # ``_least_calls`` make of them is theirs.
     now = [0.0]
+    low_rank_s = 0.03 * planner.LOW_RANK_COPY_COST + 0.01
 
     def call_seconds(candidate, n, num_workers, copies, shape=None, repeats=planner.REPEATS):
-        now[0] += 2 * copies * (0.05 if candidate.rank else 0.03)
+        now[0] += 2 * copies * (low_rank_s if candidate.rank else 0.03)
         return 4e-4 + copies * 1e-5, 3e-4 + copies * 2e-5
 
     monkeypatch.setattr(planner, "_call_seconds", call_seconds)
@@ -2158,14 +2183,14 @@ def test_what_timing_the_measured_candidates_would_cost_is_known_beforehand(monk
     planner._cpu_words(planner.CANDIDATES[1:], 4)
     assert planner._COPY_SECONDS[4] == pytest.approx(0.03)
     # Known from the quantizers' timing: the measured candidates' copies at its cost a
-    # copy, within what their larger graphs add (the low-rank ones' share of the copies).
+    # copy, short by the 10 ms a low-rank vector costs beyond its count.
     estimate = planner.measured_timing_s(4)
     began = now[0]
     planner._low_rank_words(4)
     planner._cpu_words(planner.SPARSE, 4)
     took = now[0] - began
     low_rank = planner._measured_keys(4)[0][2]
-    assert estimate == pytest.approx(took - 0.02 * low_rank)
+    assert estimate == pytest.approx(took - 0.01 * low_rank / planner.LOW_RANK_COPY_COST)
     assert 0.5 * took < estimate < took
     assert planner.measured_timing_s(4) == 0.0  # timed: nothing left to time
     # The next job on this machine: nothing left to time, all on disk; with the
