@@ -44,6 +44,7 @@ first plan, before any step, sends them as rows, so a table goes dense only at a
 plan (with ``tfgc.keras.AutoPlanCallback``, or ``replan``).
 """
 
+import numbers
 from typing import Optional
 
 from tfgc.compressors.base import Compressor, check_number, check_positive_float
@@ -51,6 +52,14 @@ from tfgc.compressors.base import Compressor, check_number, check_positive_float
 
 # ``low_rank`` and ``critical_rank``: 0 (none) or one of the planner's ranks.
 _RANKS = (0, 1, 2, 4, 8)
+
+
+def _check_rank(name: str, value):
+    """Refuses a rank that is not an integer of ``_RANKS`` (not a bool, not 4.0)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) \
+            or value not in _RANKS:
+        raise ValueError(f"`{name}` must be an integer of 0 (none), 1, 2, 4 or 8, "
+                         f"got {value!r}")
 
 
 class Auto(Compressor):
@@ -116,8 +125,7 @@ class Auto(Compressor):
             # Not the default: a latency meant for a link the probe measures instead.
             raise ValueError(f"`latency_ms` ({latency_ms!r}) is the latency of a given link: "
                              "give `link_gbps` too, or neither (the probe measures both)")
-        if isinstance(low_rank, bool) or low_rank not in _RANKS:
-            raise ValueError(f"`low_rank` must be 0 (none), 1, 2, 4 or 8, got {low_rank!r}")
+        _check_rank("low_rank", low_rank)
         # Not ``low_rank``: that attribute (None here) says whether a compressor itself
         # sends low-rank factors, and the paths and embeddings read it so.
         self.budget_rank = int(low_rank)
@@ -125,9 +133,7 @@ class Auto(Compressor):
         if self.low_rank_steps == float("inf"):
             raise ValueError("`low_rank_steps` must be finite, got inf")
         if critical_rank is not None:
-            if isinstance(critical_rank, bool) or critical_rank not in _RANKS:
-                raise ValueError("`critical_rank` must be 0 (none), 1, 2, 4 or 8, got "
-                                 f"{critical_rank!r}")
+            _check_rank("critical_rank", critical_rank)
             if critical_rank and not self.budget_rank:
                 raise ValueError("`critical_rank` needs low-rank candidates: with "
                                  "`low_rank=0` no gradient goes low-rank at all")

@@ -233,8 +233,8 @@ _SPARSE_LABELS = frozenset(c.label for c in SPARSE)
 # greatest size; the other ranks and sizes are read off the lines between
 # (``_low_rank_words``). PowerSGD's work on an n-element matrix is n r multiply-adds
 # for each factor plus the factor's orthogonalisation, close to linear in r for the
-# ranks planned. Four timed codecs instead of twelve (most of their cost is tracing:
-# 4 workers on 2 cores spent 4.5 s on twelve).
+# ranks planned. Four timed codecs instead of twelve (each one's graphs are built
+# and optimised: 4 workers on 2 cores spent 4.5 s on twelve).
 LOW_RANK_TIMED = ((RANKS[0], RANKS[-1]), (CPU_SIZES[0], CPU_SIZES[-1]))
 # The candidates whose error is measured during training, and every candidate, in the
 # order the figures hold them and the plan's groups run.
@@ -287,12 +287,15 @@ def _codec(candidate: Candidate, shape: tf.TensorShape, num_workers: int):
     def context(index):
         return CompressContext(rank=0, num_workers=num_workers, index=index, step=step)
 
-    index = tf.TensorSpec([], tf.int64)
+    index = tf.TensorSpec([], tf.int32)  # as a step's Python int index folds in
     encode = tf.function(lambda v, i: tuple(compressor.compress(v, state, context(i))[0]),
                          autograph=False).get_concrete_function(
                              tf.TensorSpec(shape, tf.float32), index)
     payload = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype),
                                     encode.structured_outputs)
+    if not all(p.shape.is_fully_defined() for p in tf.nest.flatten(payload)):
+        raise ValueError(f"{candidate.spec!r}'s payload has a shape known only when it "
+                         f"runs ({payload}): its decoding cannot be timed as traced once")
     decode = tf.function(lambda p, i: compressor.decompress(p, shape, tf.float32, context(i)),
                          autograph=False).get_concrete_function(payload, index)
     _CODEC_KEPT[:] = [key, (encode, decode)]
@@ -307,17 +310,17 @@ def _call_seconds(candidate: Candidate, n: int, num_workers: int, copies: int,
     whose cost depends on it, where none is given).
 
     Each copy is a call of one traced encoding (decoding, ``_codec``) on its own input
-    and index; TensorFlow inlines the calls when it optimises the graph, so the copies
-    run as separately traced ones would, and Python traces the codec once rather than
-    once a copy, which was most of a timing's seconds (see docs/results.md, "Timing a
-    codec once")."""
+    and index; TensorFlow inlines the calls when it optimises the graph, so the graph
+    that runs holds the copies' operations as separately traced copies made it, and
+    Python traces the codec once rather than once a copy, which was about a third of a
+    timing's seconds (see docs/results.md, "Timing a codec once")."""
     if shape is None and candidate.rank is not None:
         side = int(round(math.sqrt(n)))  # a square matrix: the low-rank codec's work is n r
         shape = [side, max(n // side, 1)]
     shape = tf.TensorShape(shape or [n])
     encode_one, decode_one = _codec(candidate, shape, num_workers)
     xs = [tf.random.stateless_normal(shape, seed=[7, n + k]) for k in range(copies)]
-    indices = [tf.constant(k, tf.int64) for k in range(copies)]
+    indices = [tf.constant(k, tf.int32) for k in range(copies)]
     encode = tf.function(lambda vs: [encode_one(v, i) for v, i in zip(vs, indices)],
                          autograph=False)
     payloads = encode(xs)
@@ -378,8 +381,8 @@ def _cpu_seconds(candidate: Candidate, n: int, num_workers: int,
 _CPU_WORDS: Dict[Tuple[int, Tuple[str, ...]], List[int]] = {}
 # They are kept on disk as well (``cpu_cache_path``), by machine, TensorFlow, tfgc and
 # timing setup, so a later job on the same machine skips them: with 4 workers on 2 cores
-# they were 3-9 s of the first step (before the call's own cost was timed as well, which
-# added about a quarter on one process). "0" in this variable neither reads nor writes it; a
+# they are 5.5-5.9 s of the first step, 2.2-2.3 s on one idle process (see
+# docs/results.md, "Timing a codec once"). "0" in this variable neither reads nor writes it; a
 # path (a value with a "/") names the file to keep them in instead of the default.
 CPU_CACHE_ENV = "TFGC_AUTO_CPU_CACHE"
 
@@ -456,8 +459,10 @@ def _cached_words(key, length: int, measure, copies: int = 0) -> List[int]:
                      cpu_cache_path())
     else:
         began = time.perf_counter()
-        words = measure()
-        _CODEC_KEPT.clear()  # its state and graphs: the timing is done
+        try:
+            words = measure()
+        finally:
+            _CODEC_KEPT.clear()  # its state and graphs: the timing is done
         if copies:
             _COPY_SECONDS[key[0]] = (time.perf_counter() - began) / copies
         if _use_disk():
@@ -495,7 +500,7 @@ def measured_timing_s(num_workers: int, figures: Optional["Figures"] = None
     ``figures`` lack (all where None) on this worker now: none where this process or
     the disk keeps their timings, else the copies it would time at what a copy cost in
     the last timing on this machine; None where no timing on this machine says. (One
-    idle process on 2 cores: 7 ms a copy for the quantizers, 2.2-2.5 s in all, and
+    idle process on 2 cores: 7 ms a copy for the quantizers, 2.2-2.3 s in all, and
     0.9 s for the low-rank ones' 128 and 0.45 s for top-k's 80.)"""
     cache = _read_cpu_cache() if _use_disk() else {}
     left = sum(copies for kind, (key, length, copies) in zip((LOW_RANK, SPARSE),
