@@ -2380,6 +2380,15 @@ def test_cpu_timings_are_kept_on_disk_for_the_next_job_on_this_machine(monkeypat
     assert named.exists() and not (tmp_path / "auto" / "cpu.json").exists()
     new_process()
     assert planner._cpu_words(planner.CANDIDATES[1:], 4) == first and not timed
+    # A bare file name is a file in the working directory, not the default silently.
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    monkeypatch.setenv(planner.CPU_CACHE_ENV, "timings.json")
+    assert planner.cpu_cache_path() == str(named)
+    monkeypatch.setenv(planner.CPU_CACHE_ENV, "mine.json")
+    new_process()
+    planner._cpu_words(planner.CANDIDATES[1:], 4)
+    assert timed and (tmp_path / "elsewhere" / "mine.json").exists()
+    assert not (tmp_path / "auto" / "cpu.json").exists()
 
 
 def test_a_rank_change_keeps_the_residual_and_draws_a_new_query():

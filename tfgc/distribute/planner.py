@@ -382,17 +382,19 @@ _CPU_WORDS: Dict[Tuple[int, Tuple[str, ...]], List[int]] = {}
 # They are kept on disk as well (``cpu_cache_path``), by machine, TensorFlow, tfgc and
 # timing setup, so a later job on the same machine skips them: with 4 workers on 2 cores
 # they are 5.5-5.9 s of the first step, 2.2-2.3 s on one idle process (see
-# docs/results.md, "Timing a codec once"). "0" in this variable neither reads nor writes it; a
-# path (a value with a "/") names the file to keep them in instead of the default.
+# docs/results.md, "Timing a codec once"). "0" in this variable neither reads nor writes it,
+# "1" (or nothing) keeps the default file, and any other value is the path of the file to
+# keep them in (a relative one from the working directory).
 CPU_CACHE_ENV = "TFGC_AUTO_CPU_CACHE"
 
 
 def cpu_cache_path() -> str:
-    """Where the CPU timings are kept: the file ``$TFGC_AUTO_CPU_CACHE`` names where it
-    is a path, else ``auto/cpu.json`` under tfgc's cache root (``$TFGC_CACHE_DIR``, else
-    ``$XDG_CACHE_HOME/tfgc``, else ``~/.cache/tfgc``)."""
+    """Where the CPU timings are kept: the file ``$TFGC_AUTO_CPU_CACHE`` names, where
+    it is neither "0" (none: see ``_use_disk``) nor "1" nor empty, relative to the
+    working directory unless absolute; else ``auto/cpu.json`` under tfgc's cache root
+    (``$TFGC_CACHE_DIR``, else ``$XDG_CACHE_HOME/tfgc``, else ``~/.cache/tfgc``)."""
     setting = os.environ.get(CPU_CACHE_ENV, "").strip()
-    if os.sep in setting or (os.altsep and os.altsep in setting):
+    if setting not in ("", "0", "1"):
         return os.path.abspath(os.path.expanduser(setting))
     return os.path.join(ops_build.cache_root(), "auto", "cpu.json")
 
