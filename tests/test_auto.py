@@ -2106,7 +2106,7 @@ def test_a_timed_call_s_copies_are_calls_of_one_traced_codec_and_each_runs(monke
     # Each copy calls one traced encoding (decoding) with its own index and input; the
     # overhead's two calls on one size share it; and every copy runs: the timed calls
     # return each copy's payload and decoding, each its own input's.
-    monkeypatch.setattr(planner, "_CODEC_KEPT", [])
+    planner._codec.cache_clear()
     candidate = planner.BY_LABEL["qsgd8"]
     traces = []
     cls = type(candidate.compressor)
@@ -2138,11 +2138,12 @@ def test_every_candidate_s_codec_is_timed_from_one_trace(monkeypatch):
     # The real encodings and decodings of every candidate, low-rank and top-k too, go
     # through one traced codec: a payload of any of them comes back as its decoding's
     # input, and every timing is a time.
-    monkeypatch.setattr(planner, "_CODEC_KEPT", [])
-    for candidate in planner.ALL[1:]:
+    planner._codec.cache_clear()
+    for k, candidate in enumerate(planner.ALL[1:]):
         seconds = planner._call_seconds(candidate, 1 << 12, 2, 2, repeats=1)
         assert all(0 < t < 60 for t in seconds), (candidate.label, seconds)
-        assert planner._CODEC_KEPT[0][0] == candidate.spec
+        assert planner._codec.cache_info().misses == k + 1  # traced: its own codec
+    planner._codec.cache_clear()
 
 
 def test_low_rank_timings_of_two_ranks_and_sizes_give_every_rank_and_size(monkeypatch):

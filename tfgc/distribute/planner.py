@@ -268,18 +268,13 @@ def median_seconds(fn, repeats: int = REPEATS) -> float:
     return float(np.median(times))
 
 
-# The last codec ``_codec`` traced: its key and functions.
-_CODEC_KEPT: list = []
-
-
-def _codec(candidate: Candidate, shape: tf.TensorShape, num_workers: int):
-    """``candidate``'s encoding and decoding of a float32 tensor of ``shape``, each
-    traced once as a function of the tensor (the payload) and the copy's index. The
-    last one is kept for the next timing of the same codec and shape (the call
+@functools.lru_cache(maxsize=1)
+def _codec(candidate: Candidate, dims: Tuple[int, ...], num_workers: int):
+    """``candidate``'s encoding and decoding of a float32 tensor of shape ``dims``,
+    each traced once as a function of the tensor (the payload) and the copy's index.
+    The last one is kept for the next timing of the same codec and shape (the call
     overhead's two calls)."""
-    key = (candidate.spec, tuple(shape.as_list()), num_workers)
-    if _CODEC_KEPT and _CODEC_KEPT[0] == key:
-        return _CODEC_KEPT[1]
+    shape = tf.TensorShape(dims)
     compressor = candidate.compressor
     state = compressor.init_state(shape, tf.float32)
     step = tf.constant(0, tf.int64)
@@ -298,7 +293,6 @@ def _codec(candidate: Candidate, shape: tf.TensorShape, num_workers: int):
                          f"runs ({payload}): its decoding cannot be timed as traced once")
     decode = tf.function(lambda p, i: compressor.decompress(p, shape, tf.float32, context(i)),
                          autograph=False).get_concrete_function(payload, index)
-    _CODEC_KEPT[:] = [key, (encode, decode)]
     return encode, decode
 
 
@@ -318,7 +312,7 @@ def _call_seconds(candidate: Candidate, n: int, num_workers: int, copies: int,
         side = int(round(math.sqrt(n)))  # a square matrix: the low-rank codec's work is n r
         shape = [side, max(n // side, 1)]
     shape = tf.TensorShape(shape or [n])
-    encode_one, decode_one = _codec(candidate, shape, num_workers)
+    encode_one, decode_one = _codec(candidate, tuple(shape.as_list()), num_workers)
     xs = [tf.random.stateless_normal(shape, seed=[7, n + k]) for k in range(copies)]
     indices = [tf.constant(k, tf.int32) for k in range(copies)]
     encode = tf.function(lambda vs: [encode_one(v, i) for v, i in zip(vs, indices)],
@@ -464,7 +458,7 @@ def _cached_words(key, length: int, measure, copies: int = 0) -> List[int]:
         try:
             words = measure()
         finally:
-            _CODEC_KEPT.clear()  # its state and graphs: the timing is done
+            _codec.cache_clear()  # its state and graphs: the timing is done
         if copies:
             _COPY_SECONDS[key[0]] = (time.perf_counter() - began) / copies
         if _use_disk():
