@@ -44,10 +44,9 @@ first plan, before any step, sends them as rows, so a table goes dense only at a
 plan (with ``tfgc.keras.AutoPlanCallback``, or ``replan``).
 """
 
-import numbers
 from typing import Optional
 
-from tfgc.compressors.base import Compressor, check_number, check_positive_float
+from tfgc.compressors.base import Compressor, check_int, check_number, check_positive_float
 
 
 # ``low_rank`` and ``critical_rank``: 0 (none) or one of the planner's ranks.
@@ -55,11 +54,11 @@ _RANKS = (0, 1, 2, 4, 8)
 
 
 def _check_rank(name: str, value):
-    """Refuses a rank that is not an integer of ``_RANKS`` (not a bool, not 4.0)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) \
-            or value not in _RANKS:
-        raise ValueError(f"`{name}` must be an integer of 0 (none), 1, 2, 4 or 8, "
-                         f"got {value!r}")
+    """Refuses a rank that is not an integer (``check_int``: not a bool, not 4.0) of
+    ``_RANKS``."""
+    check_int(name, value, 0, _RANKS[-1])
+    if value not in _RANKS:
+        raise ValueError(f"`{name}` must be 0 (none), 1, 2, 4 or 8, got {value!r}")
 
 
 class Auto(Compressor):
