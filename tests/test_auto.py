@@ -747,9 +747,23 @@ def test_a_new_plan_is_taken_when_it_saves_more_than_a_change_costs():
     gain = kept.step_seconds() - new.step_seconds()
     assert gain > 0
     assert planner.change_pays(kept, new, 0.0)
+    # No slope measured (no pace at all here): the change must pay for its way back too.
+    assert planner.UNMEASURED_CHANGES == 2
+    assert planner.change_pays(kept, new, gain / 2 * 0.99)
+    assert not planner.change_pays(kept, new, gain / 2 * 1.01)
+    assert planner.change_pays(None, new, 1e9)  # the current plan is ruled out
+    # Where steps measured the slope (here exactly, four plans on one line), the change
+    # pays for itself alone.
+    points = [(c, 0.040 + c, 1e-9) for c in (0.01, 0.02, 0.03, 0.04)]
+    pace = planner.pace_from(points, 0.0)
+    assert pace.measured_slope and pace.scale == pytest.approx(1.0)
+    new, kept = (planner.make_plan(GRADIENTS, fig, 0.05, low_rank=low_rank, pace=pace,
+                                   only={e.name: e.label for e in plan.entries})
+                 for plan in (new, kept))
+    gain = planner.least_gain(kept, new)
+    assert gain > 0
     assert planner.change_pays(kept, new, gain * 0.99)
     assert not planner.change_pays(kept, new, gain * 1.01)
-    assert planner.change_pays(None, new, 1e9)  # the current plan is ruled out
 
 
 def test_the_pace_is_the_line_through_the_steps_that_ran():
@@ -1857,9 +1871,10 @@ def test_the_plan_callback_prices_a_change_by_the_step_that_retraces():
     np.testing.assert_allclose(timed, steps[-len(timed):], rtol=0.2, atol=2e-3)
 
 
-def _drive(callback, monkeypatch, durations, change_after=None):
+def _drive(callback, monkeypatch, durations, change_after=None, measuring_s=0.0):
     """Runs ``callback``'s hooks over steps of the given seconds on a fake clock, the
-    strategy's setting changed (a new generation) at the end of step ``change_after``."""
+    strategy's setting changed (a new generation) at the end of step ``change_after``,
+    and ``measuring_s`` of the first step's counted as the planner's measuring."""
     from tfgc.keras import callbacks as callbacks_module
     now = [0.0]
     monkeypatch.setattr(callbacks_module, "time",
@@ -1871,6 +1886,8 @@ def _drive(callback, monkeypatch, durations, change_after=None):
     for k, seconds in enumerate(durations):
         callback.on_train_batch_begin(k)
         now[0] += seconds
+        if k == 0:
+            cdo._auto.measuring_s += measuring_s  # pylint: disable=protected-access
         if k == change_after:
             cdo.overlap_bytes = cdo.overlap_bytes + 1
         callback.on_train_batch_end(k)
@@ -1882,23 +1899,32 @@ def test_the_plan_callback_times_settled_steps_and_prices_a_change_exactly(monke
     measured = []
     measure = cdo.measure_low_rank
     monkeypatch.setattr(cdo, "measure_low_rank",
-                        lambda step_s=None, step_se_s=None, steps_left=None:
-                        measured.append((step_s, step_se_s, steps_left))
-                        or measure(step_s, step_se_s, steps_left))
+                        lambda step_s=None, step_se_s=None, steps_left=None, min_gain_s=0.0:
+                        measured.append((step_s, step_se_s, steps_left, min_gain_s))
+                        or measure(step_s, step_se_s, steps_left, min_gain_s))
     callback = tfgc.keras.AutoPlanCallback(strategy, every_steps=50, link_margin=None)
     assert callback.SETTLE_STEPS == 1 and callback.LOW_RANK_AFTER == 2
-    # The trace, a settling step, three of the plan's, then (after a change) its
-    # retrace, a settling step and two of the new plan's.
+    # The trace (6 s of it the planner's measuring), a settling step, three of the
+    # plan's, then (after a change) its retrace, a settling step and two of the new
+    # plan's.
     _drive(callback, monkeypatch, [10.0, 2.0, 1.0, 0.8, 1.2, 5.0, 1.5, 0.9, 1.1],
-           change_after=4)
+           change_after=4, measuring_s=6.0)
     # Measured once, after the second of the plan's steps, at the lesser of the two,
     # with the error of two steps of their spread (1.4826 times the median absolute
-    # deviation, 0.1 s), and the fit's steps after it (five of nine).
-    assert measured == [(pytest.approx(0.8), pytest.approx(1.4826 * 0.1), 5)]
+    # deviation, 0.1 s), and the fit's steps after it (five of nine). No change was
+    # timed yet: the first trace stands for one, its excess and the settling step's
+    # over the ordinary step then (1.0), less the measuring, over the interval (50
+    # steps, more than the fit's left).
+    trace_s = (10.0 - 6.0 - 1.0) + (2.0 - 1.0)
+    assert measured == [(pytest.approx(0.8), pytest.approx(1.4826 * 0.1), 5,
+                         pytest.approx(trace_s / 50))]
     assert list(callback._plan_steps) == pytest.approx([0.9, 1.1])  # pylint: disable=protected-access
     # The retrace's and the settling step's excess over the median of the ordinary
     # steps (1.0, 0.8 and 1.2, priced once the settling step ended; the trace's and the
     # first settling step's are not among them).
+    assert callback.change_s == pytest.approx((5.0 - 1.0) + (1.5 - 1.0))
+    # A later fit's first trace does not stand for a change once one was timed.
+    _drive(callback, monkeypatch, [20.0, 1.0, 1.0, 1.0, 1.0])
     assert callback.change_s == pytest.approx((5.0 - 1.0) + (1.5 - 1.0))
 
 

@@ -121,10 +121,12 @@ def check_run(out, model, precision, i, spec, trainable_only=False, skipped_step
         # as rows or as a dense table, they must not. auto under AutoPlanCallback treats
         # every gradient as critical until two intervals compare (ACCORDION), which caps
         # it at bf16: half of every value, the rows' int32 indices whole (68 of 132 bytes
-        # a row) and their blocks' padding, 0.52 of what "none" sends (the runs on a
-        # 10 Mbit/s link measured that); a later plan is taken only where it pays over
-        # the few steps left (on AUTO's 1 Mbit/s link the runs measured 0.36).
-        limit = 0.55 if spec.startswith("auto") else 0.5
+        # a row), their blocks' padding and the control words, 0.52-0.57 of what "none"
+        # sends (0.52 measured on a 10 Mbit/s link, 0.566 on AUTO's 1 Mbit/s one). A
+        # later plan is taken only where it pays for its retrace, and for the way back
+        # while no slope is measured, over the few steps left: on these 24 steps a
+        # trace costs more than any plan saves, and the first plan stays.
+        limit = 0.6 if spec.startswith("auto") else 0.5
         assert stats["total_payload_bytes"] < limit * dense["stats"]["total_payload_bytes"], \
             stats
     if model == "transformer" and spec.startswith("auto"):

@@ -214,6 +214,10 @@ class AutoPlanner:
         # than the plan's: ``_moved_link``) made afresh, and how
         # many times the plans went back to plans that ran faster (``_decide``).
         self.measurements = 0
+        # Their seconds in all: they run inside the trace of a plan's first step, which
+        # ``AutoPlanCallback`` takes, less them, for what a retrace costs until a change
+        # of plan has been timed.
+        self.measuring_s = 0.0
         self.relinked = 0
         self.went_back = 0
         # The intervals whose steps were timed (``_timed``), this worker's count: a
@@ -405,6 +409,7 @@ class AutoPlanner:
                 started = time.perf_counter()
                 figures = planner.measure(self._ops, auto.link_gbps, auto.latency_ms)
                 self.measurements += 1
+                self.measuring_s += time.perf_counter() - started
                 logging.info("tfgc: compressor='auto' measured in %.1f s: %s",
                              time.perf_counter() - started, figures.describe())
             self._figures = (generation, figures)
@@ -1167,24 +1172,26 @@ class AutoPlanner:
             (frozenset(g[0] for g in lay.gradients) if lay.critical == "all" else lay.critical)
             for lay in trained))
 
-    def measure_low_rank(self, step_s=None, step_se_s=None, steps_left=None) -> bool:
+    def measure_low_rank(self, step_s=None, step_se_s=None, steps_left=None,
+                         min_gain_s: float = 0.0) -> bool:
         """See ``CompressedAllReduce.measure_low_rank``."""
         _check_step(step_s, step_se_s)
         _check_steps_left(steps_left)
+        check_number("min_gain_s", min_gain_s, 0)
         active = self._active()
         if not self._tracked or not active or not self._ops.compressor.budget_rank:
             return False
         # Worker 0's count of the steps each layout summed: those that train now.
         with tf.init_scope():
             summed = [lay.summed_steps() for lay in active]
-        first = self._first_floats(summed + [_or_nan(step_s), _or_nan(step_se_s)]
+        first = self._first_floats(summed + [min_gain_s, _or_nan(step_s), _or_nan(step_se_s)]
                                    + self._timing_words(steps_left), most=1)
-        step_s, step_se_s = float(first[-4]), float(first[-3])
-        ran = [lay for lay, count in zip(active, first[:-4]) if count]
+        min_gain_s, step_s, step_se_s = (float(v) for v in first[-5:-2])
+        ran = [lay for lay, count in zip(active, first[:-5]) if count]
         self._timed(ran, step_s, step_se_s)
         if not ran or not self._measured(ran, step_s, *first[-2:]):
             return False
-        return self._take(self._decide(ran), self._figures[1])
+        return self._take(self._decide(ran, min_gain_s), self._figures[1])
 
     def _timing_words(self, steps_left):
         """The steps left (NaN: unknown) and the seconds timing the measured candidates
@@ -1312,9 +1319,13 @@ class AutoPlanner:
         logging.info("tfgc: compressor='auto' keeps its plan: the new one would %s a "
                      "step at the measured pace and %s at the worst pace the steps "
                      "allow, which does not cover a change (%.3f ms a step over the "
-                     "steps it would run)",
+                     "steps it would run%s)",
                      saved(kept.paced_seconds() - plan.paced_seconds()),
-                     saved(planner.least_gain(kept, plan)), min_gain_s * 1e3)
+                     saved(planner.least_gain(kept, plan)),
+                     planner.required_gain(plan, min_gain_s) * 1e3,
+                     "" if plan.pace is not None and plan.pace.measured_slope
+                     else ", and the change back its steps may call for: no slope is "
+                     "measured yet")
         if kept.key() in timed:
             # The new plan was predicted to beat every plan timed but does not pay for
             # a change: a plan timed faster than the current one still may.

@@ -809,11 +809,12 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         return self._auto_planner("adapt").adapt(threshold, min_gain_s, step_s, step_se_s,
                                                  steps_left, learning_rate)
 
-    def measure_low_rank(self, step_s=None, step_se_s=None, steps_left=None) -> bool:
+    def measure_low_rank(self, step_s=None, step_se_s=None, steps_left=None,
+                         min_gain_s: float = 0.0) -> bool:
         """Under ``compressor="auto"`` with regimes tracked and ``low_rank`` on: measures
         every matrix's low-rank error now (on the last step's gradients, as ``adapt``
         does at an interval's end) and plans again; True when the plan changed.
-        ``step_s`` and ``step_se_s`` as for ``adapt`` (worker 0's).
+        ``step_s``, ``step_se_s`` and ``min_gain_s`` as for ``adapt`` (worker 0's).
         The first time, it also times the low-rank and top-k candidates' CPU cost
         (seconds with a cold cache: ``planner.measured_timing_s``), unless what the
         matrices cost a step now, over ``steps_left`` steps (worker 0's; None: unknown),
@@ -823,8 +824,14 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         ``tfgc.keras.AutoPlanCallback`` calls it once the first plan's steps have been
         timed, so that low rank need not wait for an interval. Eager; every worker must
         call it at the same point."""
-        return self._auto_planner("measure_low_rank").measure_low_rank(step_s, step_se_s,
-                                                                       steps_left)
+        return self._auto_planner("measure_low_rank").measure_low_rank(
+            step_s, step_se_s, steps_left, min_gain_s)
+
+    @property
+    def measuring_s(self) -> float:
+        """Under ``compressor="auto"``: the seconds this process spent measuring the link
+        and the CPU for plans' first steps (inside their traces); 0 otherwise."""
+        return self._auto.measuring_s if self._compressor.plans_per_tensor else 0.0
 
     def low_rank_untimed(self):
         """Under ``compressor="auto"``: why the low-rank and top-k candidates are left

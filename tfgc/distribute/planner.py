@@ -1532,10 +1532,28 @@ def change_pays(kept: Optional[Plan], new: Plan, min_gain_s: float) -> bool:
     """Whether to take ``new`` over the current plan, ``kept`` (the current choice priced
     anew by ``make_plan(..., only=...)``; None where the regimes or budgets now rule it
     out): it must save at least ``min_gain_s`` seconds a step, what changing costs
-    spread over the steps the new plan would run. Plans are compared as the planner
-    chose them (``Plan.paced_seconds``), under the new plan's pace and, where the steps
-    measured its slope, under the paces at both ends of the slope's interval too."""
-    return kept is None or bool(least_gain(kept, new) >= min_gain_s)
+    spread over the steps the new plan would run, or ``UNMEASURED_CHANGES`` times that
+    where the steps have not measured the pace's slope (``required_gain``). Plans are
+    compared as the planner chose them (``Plan.paced_seconds``), under the new plan's
+    pace and, where the steps measured its slope, under the paces at both ends of the
+    slope's interval too."""
+    return kept is None or bool(least_gain(kept, new) >= required_gain(new, min_gain_s))
+
+
+# A change of plan that only the link probe's prediction says pays (no slope measured
+# yet: one plan timed) is a trial: where its steps say otherwise, the plan timed before
+# it is taken back (``prefer_timed``), a second retrace. So it must pay for both. On
+# 4 workers sharing 2 cores the probe priced the CNN's float32 all-reduce at 15.6 ms
+# where the steps showed 2-4 ms, and changes that saved 1-3 ms a step by the probe
+# cost their retraces and a way back (docs/results.md, "The CNN on the 10 Gbit/s link").
+UNMEASURED_CHANGES = 2
+
+
+def required_gain(new: Plan, min_gain_s: float) -> float:
+    """What ``new`` must save a step to be taken (``change_pays``): ``min_gain_s``, or
+    ``UNMEASURED_CHANGES`` times it where its pace has no measured slope."""
+    measured = new.pace is not None and new.pace.measured_slope
+    return min_gain_s * (1 if measured else UNMEASURED_CHANGES)
 
 
 def least_gain(kept: Plan, new: Plan) -> float:

@@ -303,9 +303,13 @@ class AutoPlanCallback(keras.callbacks.Callback):
     A new plan takes effect at the next step (a new train function, as a compressor
     switch). That step's retrace costs seconds, so the callback times it and the steps
     that settle after it (their durations beyond the median of the ordinary steps,
-    ``change_s``) and, at later intervals' ends, asks a new plan to save at least that
-    much over the rest of the fit (or over an interval, where the fit's length is
-    unknown) before it is taken (``min_gain_s`` of ``CompressedAllReduce.adapt``).
+    ``change_s``) and, at the low-rank measurement and intervals' ends, asks a new plan
+    to save at least that much over the rest of the fit (or over an interval, where the
+    fit's length is unknown) before it is taken (``min_gain_s`` of
+    ``CompressedAllReduce.adapt``; twice that while the steps have not measured the
+    pace's slope: ``planner.required_gain``). Until a change has been timed, the fit's
+    first step stands for it: its excess over the ordinary steps, less what the
+    planner measured in it (``CompressedAllReduce.measuring_s``), is a trace's cost.
     What the callback's own work took is in ``measure_s`` (the low-rank timings) and
     ``costs`` (per interval's end). Adds ``auto_critical`` (how many gradients are
     critical) and ``auto_replanned`` (1 if the link changed the plan) to the epoch's
@@ -400,6 +404,10 @@ class AutoPlanCallback(keras.callbacks.Callback):
         # The first step of the call now running, and how many steps a call ran last.
         self._first_batch, self._per_call = None, 1
         self.change_s = 0.0
+        # Whether ``change_s`` is a change of plan's yet, rather than a fit's first
+        # trace's; and the planner's measuring seconds when the fit began.
+        self._change_timed = False
+        self._measuring_from = 0.0
         self._restart_timing(None)
         # (epoch, critical names, whether the link changed the plan) per interval.
         self.history = []
@@ -415,8 +423,10 @@ class AutoPlanCallback(keras.callbacks.Callback):
         self._generation = generation
         self._traced = False
         self._after_change = False
-        # The retrace's step and those settling after it: (seconds a step, steps).
+        # The retrace's step and those settling after it: (seconds a step, steps); and
+        # whether that retrace is a fit's first trace.
         self._change_steps = None
+        self._first_trace = False
         self._settling = 0  # steps after a trace still to settle before timing the plan
         self._plan_steps = collections.deque(maxlen=256)
 
@@ -425,6 +435,7 @@ class AutoPlanCallback(keras.callbacks.Callback):
         self._fit_steps = 0
         self._first_epoch = self._first_step = None
         self._restart_timing(self._strategy.cross_device_ops.generation)
+        self._measuring_from = self._strategy.cross_device_ops.measuring_s
         if self._threshold is not None:
             self._strategy.cross_device_ops.track_regimes()
 
@@ -484,7 +495,8 @@ class AutoPlanCallback(keras.callbacks.Callback):
             self._measured = True
             began = time.perf_counter()
             self._strategy.cross_device_ops.measure_low_rank(
-                steps_left=self._steps_left(self._per_call), **self._plan_step())
+                steps_left=self._steps_left(self._per_call),
+                min_gain_s=self.change_s / self._payback_steps(), **self._plan_step())
             self.measure_s = time.perf_counter() - began
         self._steps += self._per_call
         self._fit_steps += self._per_call
@@ -505,6 +517,7 @@ class AutoPlanCallback(keras.callbacks.Callback):
             # the first step comes before any). A change before the last was priced
             # is not priced at all: its retrace and this one are not told apart.
             self._after_change, self._change_steps = False, [(seconds, steps)]
+            self._first_trace = False
             self._settling = self.SETTLE_STEPS
         elif self._settling > 0:
             # Warming up after a trace: neither an ordinary step nor the plan's.
@@ -517,9 +530,16 @@ class AutoPlanCallback(keras.callbacks.Callback):
         else:
             self._traced = True  # a fit's first step traces: not an ordinary one
             self._settling = self.SETTLE_STEPS
+            if not self._change_timed:
+                # Until a change of plan is timed, the trace stands for what its retrace
+                # costs, less what the planner measured in it (the link and the CPU).
+                measured = self._strategy.cross_device_ops.measuring_s - self._measuring_from
+                self._change_steps = [(max(seconds - measured / steps, 0.0), steps)]
+                self._first_trace = True
         if self._change_steps is not None and self._settling == 0 and self._durations:
             ordinary = float(np.median(self._durations))
             self.change_s = sum(n * max(s - ordinary, 0.0) for s, n in self._change_steps)
+            self._change_timed = self._change_timed or not self._first_trace
             self._change_steps = None
 
     def _note_change(self):
