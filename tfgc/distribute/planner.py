@@ -81,7 +81,9 @@ more than its extra steps cost (a slow link), and not where compute is most of t
 step (a fast one). The fit weighs each plan by its step's standard error, and a change
 of plan is taken only where it pays at both ends of the slope's interval as well
 (``change_pays``): two plans whose steps differ by less than their noise do not swap
-back and forth.
+back and forth. Before the steps have measured a slope (one plan timed), a change rests
+on the link probe's prediction alone, and must pay for the change back as well
+(``UNMEASURED_CHANGES``).
 """
 
 import dataclasses
