@@ -495,7 +495,9 @@ def _worker(args, rank, prefix, phase):
                        if k and d * 1e3 > 3 * median_ms],
     }
     if auto is not None:
-        # What auto's own measurements and plan changes cost, inside the training time.
+        # What auto's own measurements and plan changes cost, inside the training time
+        # (``change_s``: the last change's retrace, or the first step's trace where no
+        # change was timed).
         plan = strategy.compression_plan()
         result["auto"] = {"measure_s": auto.measure_s, "change_s": auto.change_s,
                           "intervals": auto.costs, "plans": plans.changes}

@@ -1928,6 +1928,19 @@ def test_the_plan_callback_times_settled_steps_and_prices_a_change_exactly(monke
     assert callback.change_s == pytest.approx((5.0 - 1.0) + (1.5 - 1.0))
 
 
+def test_until_a_change_is_timed_the_costliest_first_step_stands_for_one(monkeypatch):
+    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
+    callback = tfgc.keras.AutoPlanCallback(strategy, every_steps=50, link_margin=None)
+    _drive(callback, monkeypatch, [4.0, 1.0, 1.0, 1.0])
+    assert callback.change_s == pytest.approx(4.0 - 1.0)
+    # A second fit whose first step reused the traced function: its small excess does
+    # not replace the trace's; a costlier one does.
+    _drive(callback, monkeypatch, [1.5, 1.0, 1.0, 1.0])
+    assert callback.change_s == pytest.approx(4.0 - 1.0)
+    _drive(callback, monkeypatch, [6.0, 1.0, 1.0, 1.0])
+    assert callback.change_s == pytest.approx(6.0 - 1.0)
+
+
 def test_a_plans_step_error_comes_from_its_own_steps_once_it_has_enough(monkeypatch):
     strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
     callback = tfgc.keras.AutoPlanCallback(strategy, every_steps=100, link_margin=None)
@@ -1993,7 +2006,7 @@ def test_the_first_low_rank_measurement_is_the_interval_end_when_they_meet(monke
     cdo = strategy.cross_device_ops
     measured = []
     monkeypatch.setattr(cdo, "measure_low_rank",
-                        lambda step_s=None, step_se_s=None, steps_left=None:
+                        lambda step_s=None, step_se_s=None, steps_left=None, min_gain_s=0.0:
                         measured.append(step_s))
     callback = tfgc.keras.AutoPlanCallback(strategy, every_steps=4, link_margin=None)
     # The fourth step is both the second of the plan's timed steps and the interval's
@@ -2312,6 +2325,23 @@ def test_candidates_whose_timing_cannot_pay_are_left_untimed_until_it_can(monkey
     assert timed and auto.untimed is None
 
 
+def test_the_low_rank_measurement_asks_worker_0s_least_gain_of_a_new_plan(monkeypatch):
+    # ``measure_low_rank``'s least gain reaches the decision as worker 0 gave it, beside
+    # the step and the steps left (one all-gather of them all).
+    ops, auto = _tracking_planner()
+    fig = figures(link_gbps=1.0)
+    lay = _timed_layout(ops, auto, fig, planner.make_plan(GRADIENTS, fig, 0.05), [])
+    lay.summed = tf.Variable(1.0)  # worker 0 summed a step of it: it trains
+    asked = []
+    monkeypatch.setattr(auto, "_measured", lambda ran, step_s, steps_left, timing_s:
+                        asked.append((step_s, steps_left)) or True)
+    monkeypatch.setattr(auto, "_decide", lambda ran, min_gain_s=0.0:
+                        asked.append(min_gain_s) or {})
+    monkeypatch.setattr(auto, "_take", lambda plans, figures: False)
+    ops.measure_low_rank(step_s=0.5, steps_left=300, min_gain_s=0.25)
+    assert asked == [(0.5, 300.0), 0.25]
+
+
 def test_the_steps_left_and_the_timings_cost_decide_whether_low_rank_is_timed(monkeypatch,
                                                                              tmp_path):
     # Through ``measure_low_rank``: every worker's words gathered (worker 0's steps,
@@ -2578,6 +2608,9 @@ def test_the_plan_callback_refuses_what_it_cannot_use():
             strategy.cross_device_ops.adapt(steps_left=steps_left)
         with pytest.raises(ValueError, match="`steps_left`"):
             strategy.cross_device_ops.measure_low_rank(steps_left=steps_left)
+    for min_gain_s in (-1.0, float("nan"), "some"):
+        with pytest.raises(ValueError, match="`min_gain_s`"):
+            strategy.cross_device_ops.measure_low_rank(min_gain_s=min_gain_s)
     # Tracked, but nothing planned (a model whose gradients the policy all sends dense):
     # an interval ends with no regime, rather than stopping the fit.
     strategy.cross_device_ops.track_regimes()

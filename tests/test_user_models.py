@@ -130,9 +130,10 @@ def check_run(out, model, precision, i, spec, trainable_only=False, skipped_step
         assert stats["total_payload_bytes"] < limit * dense["stats"]["total_payload_bytes"], \
             stats
     if model == "transformer" and spec.startswith("auto"):
-        # Under AutoPlanCallback auto sends the embedding's rows quantized, or, once a
-        # step has counted them, the table summed dense in its plan where that is
-        # faster (on this slow link, low-rank): compressed either way, never float32.
+        # Under AutoPlanCallback auto sends the embedding's rows quantized (its first
+        # plan, kept over these 24 steps), or, once a step has counted them and where a
+        # change pays, the table summed dense in its plan where that is faster:
+        # compressed either way, never float32.
         embedding = r0["embedding"]
         assert embedding["tables"] and embedding["uncompressed"] == [], embedding
         ((_, dense, label),) = embedding["plan_tables"]

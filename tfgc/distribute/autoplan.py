@@ -400,7 +400,9 @@ class AutoPlanner:
                 labels, rows_label = self._take_part(lay, part, self._record_intervals)
         else:
             figures, labels, rows_label = self._restored_figures(lay)
+            started = time.perf_counter()
             moved = figures is not None and self._moved_link(lay, figures)
+            self.measuring_s += time.perf_counter() - started  # the link, probed again
             if moved:
                 figures, labels, rows_label = moved, None, None
                 for part in self._saved_layouts.values():
@@ -1270,8 +1272,9 @@ class AutoPlanner:
     def _plan_again(self, lay, current, min_gain_s: float = 0.0, ran=None):
         """The plan for ``lay`` from the current figures, regimes and errors: one that
         differs from ``current``, unless ``current`` still keeps within the regimes and
-        budgets and the new one is predicted to save less than ``min_gain_s`` a step,
-        under the pace and the paces its measured slope allows (``planner.change_pays``):
+        budgets and the new one is predicted to save less than ``min_gain_s`` a step
+        (twice that while no slope is measured: ``planner.required_gain``), under the
+        pace and the paces its measured slope allows (``planner.change_pays``):
         a change retraces the train function, which costs seconds, and a new rank that
         saves a tenth of a millisecond does not pay that back, nor does one that only
         the steps' noise favours; then ``current`` priced anew. Once two plans or more

@@ -786,9 +786,11 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         again, critical ones limited to bf16's error. A new plan whose predicted step
         (``Plan.paced_seconds``, under the measured pace and the paces at both ends of
         its slope's interval: ``planner.change_pays``) is less than ``min_gain_s``
-        seconds shorter than the current plan's (priced anew) is not taken while the
+        seconds shorter than the current plan's (priced anew; twice that while the
+        steps have measured no slope: ``planner.required_gain``) is not taken while the
         current one still keeps within the regimes and budgets (``AutoPlanCallback``
-        passes what a change cost the last time, spread over the rest of the fit).
+        passes what a change cost the last time, or the fit's first trace until one is
+        timed, spread over the rest of the fit).
         ``step_s``: the current plan's measured step in seconds (its median; None: not
         timed), which weighs the low-rank error's extra steps against the time a step
         saves (``planner.Pace``), and ``step_se_s`` its standard error (None: unknown,
@@ -830,8 +832,9 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
     @property
     def measuring_s(self) -> float:
         """Under ``compressor="auto"``: the seconds this process spent measuring the link
-        and the CPU for plans' first steps (inside their traces); 0 otherwise."""
-        return self._auto.measuring_s if self._compressor.plans_per_tensor else 0.0
+        and the CPU inside plans' first steps (their traces), a restored plan's probe of
+        the link included."""
+        return self._auto.measuring_s
 
     def low_rank_untimed(self):
         """Under ``compressor="auto"``: why the low-rank and top-k candidates are left

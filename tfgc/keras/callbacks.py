@@ -434,10 +434,11 @@ class AutoPlanCallback(keras.callbacks.Callback):
         self._measured = False
         self._fit_steps = 0
         self._first_epoch = self._first_step = None
-        self._restart_timing(self._strategy.cross_device_ops.generation)
-        self._measuring_from = self._strategy.cross_device_ops.measuring_s
+        cdo = self._strategy.cross_device_ops
         if self._threshold is not None:
-            self._strategy.cross_device_ops.track_regimes()
+            cdo.track_regimes()  # a plan made before retraces: at the first step
+        self._restart_timing(cdo.generation)
+        self._measuring_from = cdo.measuring_s
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
@@ -508,7 +509,9 @@ class AutoPlanCallback(keras.callbacks.Callback):
     def _time_step(self, steps=1):
         """The step's seconds (a call's over its ``steps``): what a change of plan cost,
         when the step followed one (its retrace and the steps that settle after it),
-        else one more ordinary step (of the plan's, once settled)."""
+        else one more ordinary step (of the plan's, once settled). Until a change has
+        been timed, a fit's first step (a trace, less the planner's measuring in it)
+        stands for one: the most any fit's first step cost."""
         if self._began is None:
             return
         seconds = (time.perf_counter() - self._began) / steps
@@ -538,7 +541,9 @@ class AutoPlanCallback(keras.callbacks.Callback):
                 self._first_trace = True
         if self._change_steps is not None and self._settling == 0 and self._durations:
             ordinary = float(np.median(self._durations))
-            self.change_s = sum(n * max(s - ordinary, 0.0) for s, n in self._change_steps)
+            priced = sum(n * max(s - ordinary, 0.0) for s, n in self._change_steps)
+            # A later fit's first step may reuse the traced function: the most stands.
+            self.change_s = max(self.change_s, priced) if self._first_trace else priced
             self._change_timed = self._change_timed or not self._first_trace
             self._change_steps = None
 
