@@ -81,9 +81,10 @@ more than its extra steps cost (a slow link), and not where compute is most of t
 step (a fast one). The fit weighs each plan by its step's standard error, and a change
 of plan is taken only where it pays at both ends of the slope's interval as well
 (``change_pays``): two plans whose steps differ by less than their noise do not swap
-back and forth. Before the steps have measured a slope (one plan timed), a change rests
-on the link probe's prediction alone, and must pay for the change back as well
-(``UNMEASURED_CHANGES``).
+back and forth. Before the steps have measured a slope (one plan timed, or plans whose
+predictions are too close to tell apart), a change rests on the link probe's prediction
+alone, and must pay for the change back as well (``UNMEASURED_CHANGES``; on a given
+link the pace's line is what may call for it).
 """
 
 import dataclasses
@@ -1543,7 +1544,7 @@ def change_pays(kept: Optional[Plan], new: Plan, min_gain_s: float) -> bool:
 
 
 # A change of plan that only the link probe's prediction says pays (no slope measured
-# yet: one plan timed) is a trial: where its steps say otherwise, the plan timed before
+# yet: one plan timed, or predictions too close to tell apart) is a trial: where its steps say otherwise, the plan timed before
 # it is taken back (``prefer_timed``), a second retrace. So it must pay for both. On
 # 4 workers sharing 2 cores the probe priced the CNN's float32 all-reduce at 15.6 ms
 # where the steps showed 2-4 ms, and changes that saved 1-3 ms a step by the probe
