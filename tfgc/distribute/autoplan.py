@@ -1308,7 +1308,7 @@ class AutoPlanner:
         if plan.key() == current.key():
             return plan
         kept = None
-        if min_gain_s > 0 or (plan.pace is not None and plan.pace.measured_slope):
+        if min_gain_s > 0 or plan.slope_measured:
             # Priced now: among the timed plans already, where it is one.
             kept = (timed[current.key()][0] if current.key() in timed
                     else self._as_running(lay, figures, current))
@@ -1326,9 +1326,8 @@ class AutoPlanner:
                      saved(kept.paced_seconds() - plan.paced_seconds()),
                      saved(planner.least_gain(kept, plan)),
                      planner.required_gain(plan, min_gain_s) * 1e3,
-                     "" if plan.pace is not None and plan.pace.measured_slope
-                     else ", and the change back its steps may call for: no slope is "
-                     "measured yet")
+                     "" if plan.slope_measured else ", and the change back its steps may "
+                     "call for: no slope is measured yet")
         if kept.key() in timed:
             # The new plan was predicted to beat every plan timed but does not pay for
             # a change: a plan timed faster than the current one still may.

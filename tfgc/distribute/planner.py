@@ -1254,6 +1254,11 @@ class Plan:
         return frozenset(t.place for t in self.tables if t.dense)
 
     @property
+    def slope_measured(self) -> bool:
+        """Whether the steps that ran measured its pace's slope (``Pace.measured_slope``)."""
+        return self.pace is not None and self.pace.measured_slope
+
+    @property
     def low_rank_share(self) -> float:
         """The share of the low-rank budget the plan's low-rank gradients use."""
         return self.low_rank_error / self.low_rank_budget if self.low_rank_budget else 0.0
@@ -1544,19 +1549,19 @@ def change_pays(kept: Optional[Plan], new: Plan, min_gain_s: float) -> bool:
 
 
 # A change of plan that only the link probe's prediction says pays (no slope measured
-# yet: one plan timed, or predictions too close to tell apart) is a trial: where its steps say otherwise, the plan timed before
-# it is taken back (``prefer_timed``), a second retrace. So it must pay for both. On
-# 4 workers sharing 2 cores the probe priced the CNN's float32 all-reduce at 15.6 ms
-# where the steps showed 2-4 ms, and changes that saved 1-3 ms a step by the probe
-# cost their retraces and a way back (docs/results.md, "The CNN on the 10 Gbit/s link").
+# yet: one plan timed, or predictions too close to tell apart) is a trial: where its
+# steps say otherwise, the plan timed before it is taken back (``prefer_timed``), a
+# second retrace. So it must pay for both. On 4 workers sharing 2 cores the probe
+# priced the CNN's float32 all-reduce at 15.6 ms where the steps showed 2-4 ms, and
+# changes that saved 1-3 ms a step by the probe cost their retraces and a way back
+# (docs/results.md, "The CNN on the 10 Gbit/s link").
 UNMEASURED_CHANGES = 2
 
 
 def required_gain(new: Plan, min_gain_s: float) -> float:
     """What ``new`` must save a step to be taken (``change_pays``): ``min_gain_s``, or
     ``UNMEASURED_CHANGES`` times it where its pace has no measured slope."""
-    measured = new.pace is not None and new.pace.measured_slope
-    return min_gain_s * (1 if measured else UNMEASURED_CHANGES)
+    return min_gain_s * (1 if new.slope_measured else UNMEASURED_CHANGES)
 
 
 def least_gain(kept: Plan, new: Plan) -> float:

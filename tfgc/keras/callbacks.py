@@ -497,7 +497,7 @@ class AutoPlanCallback(keras.callbacks.Callback):
             began = time.perf_counter()
             self._strategy.cross_device_ops.measure_low_rank(
                 steps_left=self._steps_left(self._per_call),
-                min_gain_s=self.change_s / self._payback_steps(), **self._plan_step())
+                min_gain_s=self._min_gain_s(), **self._plan_step())
             self.measure_s = time.perf_counter() - began
         self._steps += self._per_call
         self._fit_steps += self._per_call
@@ -600,6 +600,11 @@ class AutoPlanCallback(keras.callbacks.Callback):
         return max(int(params["steps"]) * epochs - (self._first_step or 0)
                    - self._fit_steps - running, 0)
 
+    def _min_gain_s(self):
+        """What a new plan must save a step to pay for its change: ``change_s`` over
+        ``_payback_steps``."""
+        return self.change_s / self._payback_steps()
+
     def _payback_steps(self):
         """The steps over which a change of plan must pay for itself: what is left of the
         fit (Keras' ``epochs`` times ``steps``), or an interval where that is unknown or
@@ -652,7 +657,7 @@ class AutoPlanCallback(keras.callbacks.Callback):
         began = time.perf_counter()
         if self._threshold is not None:
             critical = cdo.adapt(self._threshold,
-                                 min_gain_s=self.change_s / self._payback_steps(),
+                                 min_gain_s=self._min_gain_s(),
                                  steps_left=self._steps_left(),
                                  learning_rate=self._learning_rate(), **self._plan_step())
             self._measured = True  # the low-rank errors too, where they are candidates
