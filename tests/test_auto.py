@@ -1941,6 +1941,41 @@ def test_until_a_change_is_timed_the_costliest_first_step_stands_for_one(monkeyp
     assert callback.change_s == pytest.approx(6.0 - 1.0)
 
 
+def test_an_interval_that_ends_before_the_first_trace_is_priced_still_pays_for_it(monkeypatch):
+    # An interval of two steps ends before any ordinary step is timed: the first trace
+    # and its settling step, whole (less the planner's measuring), bound what a change
+    # costs, rather than nothing.
+    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
+    cdo = strategy.cross_device_ops
+    asked = []
+    monkeypatch.setattr(cdo, "capture_gradients", lambda: None)
+    monkeypatch.setattr(cdo, "adapt", lambda threshold, min_gain_s=0.0, **kwargs:
+                        asked.append(min_gain_s) or frozenset())
+    callback = tfgc.keras.AutoPlanCallback(strategy, every_steps=2, link_margin=None)
+    _drive(callback, monkeypatch, [10.0, 2.0, 1.0, 1.0, 1.0, 1.0], measuring_s=6.0)
+    # Six steps: intervals end at steps 2, 4 and 6, over the steps left (4, 2, 0; at
+    # least an interval's 2). At step 2: (10 - 6) + 2 s; later, priced against the
+    # ordinary steps (1 s): (10 - 6 - 1) + (2 - 1).
+    assert asked == pytest.approx([6.0 / 4, 4.0 / 2, 4.0 / 2])
+    assert callback.change_s == pytest.approx(4.0)
+    # A single call of steps_per_execution steps (4 here) over the first interval:
+    # the call's seconds less the measuring, and no ordinary step to price it against.
+    asked.clear()
+    fresh = tfgc.keras.AutoPlanCallback(strategy, every_steps=4, link_margin=None)
+    from tfgc.keras import callbacks as callbacks_module
+    now = [0.0]
+    monkeypatch.setattr(callbacks_module, "time",
+                        type("Clock", (), {"perf_counter": staticmethod(lambda: now[0])}))
+    fresh.set_params({"epochs": 1, "steps": 8, "verbose": 0})
+    fresh.on_train_begin()
+    fresh.on_epoch_begin(0)
+    fresh.on_train_batch_begin(0)
+    now[0] += 12.0
+    cdo._auto.measuring_s += 5.0  # pylint: disable=protected-access
+    fresh.on_train_batch_end(3)
+    assert asked == pytest.approx([7.0 / 4])
+
+
 def test_a_plans_step_error_comes_from_its_own_steps_once_it_has_enough(monkeypatch):
     strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
     callback = tfgc.keras.AutoPlanCallback(strategy, every_steps=100, link_margin=None)
@@ -2325,6 +2360,44 @@ def test_candidates_whose_timing_cannot_pay_are_left_untimed_until_it_can(monkey
     assert timed and auto.untimed is None
 
 
+def test_a_timing_must_pay_for_the_change_it_would_lead_to(monkeypatch):
+    # What the measured candidates could save a step is less what a change of plan must
+    # save to pay for its retrace: twice the least gain before the steps measured a
+    # slope (the change, and the way back), once after.
+    ops, auto = _tracking_planner()
+    fig = figures(link_gbps=1.0)
+    current = planner.make_plan(GRADIENTS, fig, 0.05)
+    lay = _timed_layout(ops, auto, fig, current, [])
+    lay.matrices = [0, 1, 2]
+    timed = []
+    monkeypatch.setattr(planner, "measure_low_rank", lambda o, f: timed.append(f) or f)
+    monkeypatch.setattr(auto, "_measure_low_rank", lambda lay: {})
+    saving, steps = auto._saving_bound([lay], 10.0), 100
+    gain = saving / 4
+    assert not current.slope_measured
+    # Without a change's price it would pay; with it, (saving - 2 gain) falls short.
+    timing_s = 0.75 * saving * steps
+    assert planner.timing_pays(saving, steps, timing_s)
+    assert not auto._measured([lay], 10.0, steps, timing_s, min_gain_s=gain)
+    assert not timed and f"{2 * gain * 1e3:.2f} ms of which a change" in auto.untimed
+    auto._measured([lay], 10.0, steps, 0.45 * saving * steps, min_gain_s=gain)
+    assert timed and auto.untimed is None
+    # Once the steps measured the pace's slope, a change pays for itself alone.
+    timed.clear()
+    measured = planner.Pace(0.01, 1.0, others=(planner.Pace(0.01, 0.9), planner.Pace(0.01, 1.1)))
+    lay.plan = (ops.generation, dataclasses.replace(current, pace=measured))
+    assert lay.plan[1].slope_measured
+    saving = auto._saving_bound([lay], 10.0)
+    auto._measured([lay], 10.0, steps, 0.7 * saving * steps, min_gain_s=saving / 4)
+    assert timed
+    # A least gain beyond the saving: never timed (unless it costs nothing: kept on disk).
+    timed.clear()
+    assert not auto._measured([lay], 10.0, steps, 1e-3, min_gain_s=2 * saving)
+    assert not timed
+    auto._measured([lay], 10.0, steps, 0.0, min_gain_s=2 * saving)
+    assert timed
+
+
 def test_the_low_rank_measurement_asks_worker_0s_least_gain_of_a_new_plan(monkeypatch):
     # ``measure_low_rank``'s least gain reaches the decision as worker 0 gave it, beside
     # the step and the steps left (one all-gather of them all).
@@ -2333,13 +2406,13 @@ def test_the_low_rank_measurement_asks_worker_0s_least_gain_of_a_new_plan(monkey
     lay = _timed_layout(ops, auto, fig, planner.make_plan(GRADIENTS, fig, 0.05), [])
     lay.summed = tf.Variable(1.0)  # worker 0 summed a step of it: it trains
     asked = []
-    monkeypatch.setattr(auto, "_measured", lambda ran, step_s, steps_left, timing_s:
-                        asked.append((step_s, steps_left)) or True)
+    monkeypatch.setattr(auto, "_measured", lambda ran, step_s, steps_left, timing_s,
+                        min_gain_s: asked.append((step_s, steps_left, min_gain_s)) or True)
     monkeypatch.setattr(auto, "_decide", lambda ran, min_gain_s=0.0:
                         asked.append(min_gain_s) or {})
     monkeypatch.setattr(auto, "_take", lambda plans, figures: False)
     ops.measure_low_rank(step_s=0.5, steps_left=300, min_gain_s=0.25)
-    assert asked == [(0.5, 300.0), 0.25]
+    assert asked == [(0.5, 300.0, 0.25), 0.25]
 
 
 def test_the_steps_left_and_the_timings_cost_decide_whether_low_rank_is_timed(monkeypatch,

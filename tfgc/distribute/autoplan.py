@@ -1158,7 +1158,7 @@ class AutoPlanner:
             lay.norms = now
             lay.learning_rate = rate
         if self._ops.compressor.budget_rank and ran:
-            self._measured(ran, step_s, *first[-2:])
+            self._measured(ran, step_s, *first[-2:], min_gain_s=min_gain_s)
         # Planned again every time: the regimes, the low-rank errors or the steps timed
         # (the pace) may have moved, and a new plan is taken only where it pays. A
         # layout that no step summed in the interval (a model not trained in it) is
@@ -1191,7 +1191,7 @@ class AutoPlanner:
         min_gain_s, step_s, step_se_s = (float(v) for v in first[-5:-2])
         ran = [lay for lay, count in zip(active, first[:-5]) if count]
         self._timed(ran, step_s, step_se_s)
-        if not ran or not self._measured(ran, step_s, *first[-2:]):
+        if not ran or not self._measured(ran, step_s, *first[-2:], min_gain_s=min_gain_s):
             return False
         return self._take(self._decide(ran, min_gain_s), self._figures[1])
 
@@ -1227,22 +1227,29 @@ class AutoPlanner:
         return min(total, step_s) if measured else total
 
     def _measured(self, layouts, step_s=float("nan"), steps_left=float("nan"),
-                  timing_s=float("nan")) -> bool:
+                  timing_s=float("nan"), min_gain_s: float = 0.0) -> bool:
         """Measures the low-rank errors of ``layouts`` again (and, the first time, the
         low-rank candidates' CPU cost); whether they changed. Where their CPU cost is
         not measured yet and timing it (``timing_s`` seconds) cannot pay over the
         ``steps_left`` steps left of the fit (``planner.timing_pays``), neither is
-        measured: they could not be planned in time to win back what they cost. Worker
-        0's ``steps_left`` and ``timing_s``."""
+        measured: they could not be planned in time to win back what they cost. What
+        they could save a step is less the gain a change of plan must make
+        (``planner.required_gain`` of ``min_gain_s``, as the current plans' slopes
+        stand): a timing is repaid only through a change, which pays for its retrace
+        first. Worker 0's ``steps_left``, ``timing_s`` and ``min_gain_s``."""
         figures = self._figures[1]
         if not planner.measured(figures):
             saving_s = self._saving_bound(layouts, step_s)
-            if not planner.timing_pays(saving_s, steps_left, timing_s):
+            change_s = max(planner.required_gain(lay.plan[1], min_gain_s)
+                           for lay in layouts)
+            if not planner.timing_pays(max(saving_s - change_s, 0.0), steps_left, timing_s):
                 note = (f"tfgc: compressor='auto' left the low-rank and top-k candidates "
                         f"untimed: they could save at most {saving_s * 1e3:.2f} ms a step, "
-                        f"{saving_s * steps_left:.1f} s over the {steps_left:.0f} steps left "
-                        f"of the fit, and timing them would take about {timing_s:.1f} s "
-                        "(a longer fit times them, and keeps their timings for later jobs)")
+                        f"{change_s * 1e3:.2f} ms of which a change of plan needs for its "
+                        f"retrace; {max(saving_s - change_s, 0.0) * steps_left:.1f} s over the "
+                        f"{steps_left:.0f} steps left of the fit, and timing them would "
+                        f"take about {timing_s:.1f} s (a longer fit times them, and keeps "
+                        "their timings for later jobs)")
                 if self.untimed is None:  # said once, not at every interval's end
                     logging.info("%s", note)
                     self.untimed = note

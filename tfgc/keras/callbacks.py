@@ -309,7 +309,8 @@ class AutoPlanCallback(keras.callbacks.Callback):
     ``CompressedAllReduce.adapt``; twice that while the steps have not measured the
     pace's slope: ``planner.required_gain``). Until a change has been timed, the fit's
     first step stands for it: its excess over the ordinary steps, less what the
-    planner measured in it (``CompressedAllReduce.measuring_s``), is a trace's cost.
+    planner measured in it (``CompressedAllReduce.measuring_s``), is a trace's cost
+    (and where an interval ends before an ordinary step is timed, its whole seconds).
     What the callback's own work took is in ``measure_s`` (the low-rank timings) and
     ``costs`` (per interval's end). Adds ``auto_critical`` (how many gradients are
     critical) and ``auto_replanned`` (1 if the link changed the plan) to the epoch's
@@ -601,9 +602,24 @@ class AutoPlanCallback(keras.callbacks.Callback):
                    - self._fit_steps - running, 0)
 
     def _min_gain_s(self):
-        """What a new plan must save a step to pay for its change: ``change_s`` over
-        ``_payback_steps``."""
-        return self.change_s / self._payback_steps()
+        """What a new plan must save a step to pay for its change: ``_change_price``
+        over ``_payback_steps``."""
+        return self._change_price() / self._payback_steps()
+
+    def _change_price(self):
+        """What a change of plan costs as far as the steps tell now: ``change_s``, but
+        while a retrace (or, before any change is timed, the fit's first trace) waits
+        for ordinary steps to be priced against, at least its steps' seconds beyond
+        the ordinary steps timed so far (all of them where none is): an interval of
+        one or two steps, or one ``steps_per_execution`` call, ends before those. The
+        bound holds the ordinary steps in them too, so it errs on the side of keeping
+        the plan."""
+        pending = self._change_steps
+        if pending is None:
+            return self.change_s
+        ordinary = float(np.median(self._durations)) if self._durations else 0.0
+        bound = sum(n * max(s - ordinary, 0.0) for s, n in pending)
+        return max(self.change_s, bound) if self._first_trace else bound
 
     def _payback_steps(self):
         """The steps over which a change of plan must pay for itself: what is left of the
