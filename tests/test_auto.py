@@ -1710,6 +1710,38 @@ def test_a_table_planned_alone_goes_as_the_fastest_of_quantized_and_float32_rows
                                    rows_label=label, **kwargs).tables[0].label == label
 
 
+def test_a_dense_table_loses_its_own_low_rank_share_and_lends_none_to_the_others():
+    # The low-rank budget is what PowerSGD at rank 2 would lose on each measured
+    # matrix. A table summed dense may lose up to its own share; the other gradients
+    # keep to theirs whichever way the table goes. Before, a dense table's share joined
+    # the others': sent whole, it let them lose more, so dense won for the budget it
+    # freed rather than for its time.
+    fig = all_figures(0.1)
+    gradients = [("table", (2000, 256), "float32"), ("fc", (2048, 2048), "float32")]
+    measured = {"table": spectrum_errors(10.0 * np.ones(256)),  # rank 2 loses 99 %
+                "fc": spectrum_errors([1.0, 1.0] + [0.05] * 500)}  # rank 1: 69 %, 2: 38 %
+    low_rank = planner.LowRank(2, measured)
+    own = {name: sq * rel[2] for name, (sq, rel) in measured.items()}
+    assert own["table"] > 100 * own["fc"]
+    (alone,) = planner.make_plan(gradients[1:], fig, 0.05, low_rank=low_rank).entries
+    # Alone, the fewest bytes its share allows: rank 2 (rank 1 would lose 69 %).
+    assert alone.label == "psgd2"
+    for dense in (frozenset(), frozenset({0}), None):
+        plan = planner.plan_tables(gradients, {0: (2000, 8000)}, fig, 0.05, dense=dense,
+                                   low_rank=low_rank)
+        entries = {e.name: e for e in plan.entries}
+        assert entries["fc"].label == alone.label, (dense, plan.table())
+        assert measured["fc"][0] * entries["fc"].error <= own["fc"] * (1 + 1e-9)
+        table = entries.get("table")
+        assert (table is not None) == (dense == frozenset({0}) or (
+            dense is None and plan.tables[0].dense))
+        if table is not None and table.candidate.error_key is not None:
+            assert table.error <= measured["table"][1][2]
+        # The plan counts every share it may spend: the table's too where it went dense.
+        assert plan.low_rank_budget == pytest.approx(
+            own["fc"] + (own["table"] if table is not None else 0.0))
+
+
 def test_the_plans_all_float32_figure_holds_the_tables_rows_as_the_stock_gather():
     # The plan table's "all float32" line: the planned gradients on one all-reduce, and
     # a table sent as rows as the stock gather sends its rows (every occurrence's

@@ -1500,13 +1500,18 @@ def _step_seconds(choice, link, num_workers, cost=lambda o: o["cpu"] + o["wire"]
             + sum(link.latency(path, num_workers) for path in used.values()))
 
 
-def _consolidate(choice, options, budget, link, num_workers):
+def _consolidate(choice, options, budget, link, num_workers, shared_limit=1.0):
     """Merges a candidate's group into another where the latency of its own collectives
     costs more than the group saves: the per-gradient choice does not see that a
     candidate chosen for one small gradient adds its path's hops to the step.
     Float32 gradients join the dense all-reduce that the biases take anyway, so they
-    add none. Moves a whole group at a time, the move that saves the most first."""
+    add none. Moves a whole group at a time, the move that saves the most first; none
+    loses more of the low-rank budget than the choice did, or than ``shared_limit`` of it
+    outside the dense tables (``make_plan``'s)."""
     choice = list(choice)
+
+    def shared(c):
+        return sum(o["charged"] for o in c)
 
     def step_time(c):  # the low-rank error's price included
         return _step_seconds(c, link, num_workers, _cost)
@@ -1526,7 +1531,8 @@ def _consolidate(choice, options, budget, link, num_workers):
                         alt = [x for x in options[i] if x["candidate"].label == target]
                         moved[i] = alt[0] if alt else None
                 if any(o is None for o in moved) or sum(o["mass"] for o in moved) > budget \
-                        or sum(o["lr"] for o in moved) > max(1.0, sum(o["lr"] for o in choice)):
+                        or sum(o["lr"] for o in moved) > max(1.0, sum(o["lr"] for o in choice)) \
+                        or shared(moved) > max(shared_limit, shared(choice)) + 1e-12:
                     continue
                 saved = now - step_time(moved)
                 if saved > 0 and (best is None or saved > best[0]):
@@ -1665,8 +1671,11 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
     (``Pace.low_rank_steps`` of a step) times 1/4 to 4.
 
     ``capped`` (name -> bound): gradients outside the error budget that take only
-    quantizers of at most that bound (or low rank): the dense embedding tables
-    (``plan_tables``).
+    quantizers of at most that bound, or a measured candidate that loses at most what
+    PowerSGD at the low-rank budget's rank would lose on them: the dense embedding
+    tables (``plan_tables``). Their shares of the low-rank budget are their own: the
+    other gradients together lose at most their own shares, whatever the tables go
+    as.
 
     ``held`` (name -> the label it went as): gradients that may not go lossier than the
     plan that ran (after a learning-rate decay, ``AutoPlanner.adapt``; they are in
@@ -1689,9 +1698,19 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
     link = figures.link()
     total = sum(int(np.prod(shape, dtype=np.int64)) for name, shape, _ in gradients
                 if name not in capped) or 1
-    lr_budget = 0.0
+    lr_budget = shared_budget = 0.0
     if low_rank is not None:
         lr_budget = low_rank.budget({name: shape for name, shape, _ in gradients})
+        # A dense table (``capped``) may lose low-rank what PowerSGD at the budget's
+        # rank would lose on it and no more; the others, their own shares together. So
+        # a table's way (rows or dense) leaves theirs as it is. (Tables that could
+        # borrow from the others' shares won less: the multiplier of the budget kept a
+        # table's cheap excess and moved a matrix a rank up to pay for it, where the
+        # table at its own share and the matrix as it was ran faster.)
+        shared_budget = low_rank.budget({name: shape for name, shape, _ in gradients
+                                         if name not in capped})
+    # The others' whole budget, as a share of ``lr_budget`` (``lr`` is in its units).
+    shared_limit = shared_budget / lr_budget if lr_budget > 0 else 0.0
     if forced and only is None:
         raise ValueError("make_plan(forced=True) needs `only`")
     options, unfit = [], {}
@@ -1743,7 +1762,8 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
                 sq, rel = low_rank.errors[name]
                 bound = rel.get(candidate.error_key)
                 if bound is None or sq * bound > lr_budget \
-                        or (name in critical and not bound <= low_rank.critical_error):
+                        or (name in critical and not bound <= low_rank.critical_error) \
+                        or (name in capped and not bound <= rel[low_rank.rank]):
                     continue
                 lr = sq * bound / lr_budget if lr_budget > 0 else 0.0
             path = path_of(candidate, w)
@@ -1753,18 +1773,23 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
                              wire=sent * link.beta, bound=bound,
                              mass=(0.0 if candidate.error_key is not None or name in capped
                                    else bound * n / total),
-                             lr=lr, pen=0.0, dense=n * tf_dtype.size))
+                             lr=lr, charged=0.0 if name in capped else lr,
+                             pen=0.0, dense=n * tf_dtype.size))
         options.append((name, tuple(shape), dtype, mine))
     if only is not None and (
             any(not mine for _, _, _, mine in options)
             or not forced and (
                 sum(mine[0]["mass"] for _, _, _, mine in options) > error_budget + 1e-12
-                or sum(mine[0]["lr"] for _, _, _, mine in options) > 1.0 + 1e-9)):
+                or sum(mine[0]["charged"] for _, _, _, mine in options)
+                > shared_limit + 1e-9)):
         return None
 
-    def solve(price):
-        """The plan's choice when each unit of the low-rank budget costs ``price`` s."""
-        priced = [[dict(o, pen=price * o["lr"]) for o in mine] for _, _, _, mine in options]
+    def solve(price, steps=0.0):
+        """The plan's choice when each unit of the low-rank budget outside the dense
+        tables costs ``price`` s, and each unit of it all ``steps`` s more (the steps
+        its error adds, under the pace)."""
+        priced = [[dict(o, pen=price * o["charged"] + steps * o["lr"]) for o in mine]
+                  for _, _, _, mine in options]
 
         def pick(lam):
             return [min(mine, key=lambda o: (_cost(o) + lam * o["mass"], o["mass"], o["order"]))
@@ -1786,26 +1811,33 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
                         sum(_cost(o) for o in choice):
                     choice = exact
         budgeted = choice
-        choice = _consolidate(choice, priced, max(error_budget, mass(choice)), link, w)
+        choice = _consolidate(choice, priced, max(error_budget, mass(choice)), link, w,
+                              shared_limit)
         return lam, budgeted, choice, pick(0.0)
 
     def used(solved):
+        """The share of the low-rank budget the choice loses (the dense tables' too)."""
         return sum(o["lr"] for o in solved[2])
+
+    def over(solved):
+        """Whether the choice loses more than the others' budget (the dense tables keep
+        to their own shares)."""
+        return sum(o["charged"] for o in solved[2]) > shared_limit + 1e-9
 
     price = 0.0
     solved = solve(price)
-    if used(solved) > 1.0 + 1e-9 and not forced:
+    if over(solved) and not forced:
         # The price of a whole budget: from the step's seconds up, until the choice
         # fits (at a price high enough, only options that lose nothing remain).
         hi = sum(max(o["cpu"] + o["wire"] for o in mine) for _, _, _, mine in options) or 1.0
         for _ in range(60):
-            if used(solve(hi)) <= 1.0 + 1e-9:
+            if not over(solve(hi)):
                 break
             hi *= 4.0
         lo = 0.0
         for _ in range(32):
             mid = (lo + hi) / 2.0
-            if used(solve(mid)) <= 1.0 + 1e-9:
+            if not over(solve(mid)):
                 hi = mid
             else:
                 lo = mid
@@ -1817,8 +1849,8 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
 
         # A whole budget's steps, in the predicted seconds the options are priced in.
         unit = pace.low_rank_steps * paced(solved) / pace.scale
-        tries = [solved] + [solve(price + unit * f) for f in (0.25, 0.5, 1.0, 2.0, 4.0)]
-        tries.append(solve(price + unit * 1e6))  # nothing low-rank that loses anything
+        tries = [solved] + [solve(price, unit * f) for f in (0.25, 0.5, 1.0, 2.0, 4.0)]
+        tries.append(solve(price, unit * 1e6))  # nothing low-rank that loses anything
         solved = min(tries, key=lambda t: (paced(t), used(t)))
     lam, budgeted, choice, fastest = solved
     entries = []
@@ -1943,9 +1975,11 @@ def plan_tables(gradients: Sequence[Tuple[str, Sequence[int], str]],
     in the quantizer ``row_candidate`` picks beside the plan that sends every table as
     rows, or summed into a dense gradient that the plan prices as any other
     (``DENSIFY_PASSES`` added), with a quantizer of at most that one's bound, or low
-    rank within the low-rank budget (to which the table's own measured error then
-    adds its share, as any matrix's does). Neither way counts in the quantizers' error
-    budget, which stays the other gradients', so the choice is one of time: ``dense``
+    rank or top-k within its own share of the low-rank budget (what PowerSGD at the
+    budget's rank loses on it). Neither way adds to the quantizers' error budget or
+    to the other gradients' low-rank budget, which stay theirs, so the choice is one
+    of time (where a dense table's share was the others' too, a table sent whole lent
+    it to them, and dense won for the budget it freed): ``dense``
     (a set of places among the tables) fixes which go dense; None takes the least
     ``Plan.paced_seconds`` among every choice for the counted tables (all rows or all
     dense beyond ``TABLE_CHOICES`` of them; ties keep rows), uncounted ones as rows.
