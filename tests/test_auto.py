@@ -1737,9 +1737,46 @@ def test_a_dense_table_loses_its_own_low_rank_share_and_lends_none_to_the_others
             dense is None and plan.tables[0].dense))
         if table is not None and table.candidate.error_key is not None:
             assert table.error <= measured["table"][1][2]
-        # The plan counts every share it may spend: the table's too where it went dense.
-        assert plan.low_rank_budget == pytest.approx(
-            own["fc"] + (own["table"] if table is not None else 0.0))
+        # The budget is every matrix's share, the table's too whichever way it goes: a
+        # share is in the same units for every choice.
+        assert plan.low_rank_budget == pytest.approx(own["fc"] + own["table"])
+
+
+def test_a_dense_tables_share_does_not_make_the_others_steps_cheaper():
+    # Under a pace, a plan's low-rank error costs steps in proportion to its share of
+    # the budget. The budget was that of the gradients planned, so a table summed dense
+    # whose own rank-2 loss is large made every other gradient's share small: the rows
+    # plan (the hidden matrix at 100 % of a budget of its own) paid a whole budget's
+    # steps, the dense one (the same matrix, the table quantized) almost none, and dense
+    # won for it on a step three times as long (a cluster test's plan sent a 16-row
+    # table of 4096 top-k over an all-gather for this, on a slow machine).
+    fig = all_figures(0.1)
+    gradients = [("table", (2000, 256), "float32"), ("fc", (2048, 2048), "float32")]
+    measured = {"table": spectrum_errors(10.0 * np.ones(256)),  # rank 2 loses 99 %
+                "fc": spectrum_errors([1.0, 1.0] + [0.05] * 500)}
+    low_rank = planner.LowRank(2, measured)
+    pace = planner.Pace(compute_s=0.05, scale=1.0, low_rank_steps=1.0)
+    for rows in (50, 400):
+        tables = {0: (rows, 4 * rows)}
+        plans = {d: planner.plan_tables(gradients, tables, fig, 0.05, dense=frozenset(d),
+                                        low_rank=low_rank, pace=pace) for d in ((), (0,))}
+        rows_plan, dense_plan = plans[()], plans[(0,)]
+        assert not rows_plan.tables[0].dense and dense_plan.tables[0].dense
+        # The same budget either way, and the same share for the same matrix's loss.
+        assert rows_plan.low_rank_budget == pytest.approx(dense_plan.low_rank_budget)
+        fc = {p: [e for e in plan.entries if e.name == "fc"][0] for p, plan in plans.items()}
+        for p, plan in plans.items():
+            table = [e for e in plan.entries if e.name == "table"]
+            lost = measured["fc"][0] * fc[p].error + (
+                measured["table"][0] * table[0].error
+                if table and table[0].candidate.error_key is not None else 0.0)
+            assert plan.low_rank_share == pytest.approx(lost / plan.low_rank_budget)
+        # Here the rows are the faster step; the choice takes them, by time.
+        assert rows_plan.step_seconds() < dense_plan.step_seconds()
+        chosen = planner.plan_tables(gradients, tables, fig, 0.05, low_rank=low_rank, pace=pace)
+        assert not chosen.tables[0].dense, chosen.table()
+        assert chosen.paced_seconds() == pytest.approx(
+            min(p.paced_seconds() for p in plans.values()))
 
 
 def test_the_plans_all_float32_figure_holds_the_tables_rows_as_the_stock_gather():

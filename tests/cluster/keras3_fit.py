@@ -170,13 +170,17 @@ def main(out_dir):
 
     class Stop(keras.callbacks.Callback):
         # The first AUTO_STEPS of a long training: the low-rank candidates' timing pays
-        # over the steps it has left, as it would not over a fit of AUTO_STEPS.
+        # over the steps it has left, as it would not over a fit of AUTO_STEPS. Long
+        # enough for it to pay on machines of this class that run the step several
+        # times slower than others (under a fit of 100 * AUTO_STEPS, one that ran the
+        # benchmarks' steps 3-4 times slower planned no low rank until the second
+        # interval).
         def on_train_batch_end(self, batch, logs=None):
             if batch + 1 >= AUTO_STEPS:
                 self.model.stop_training = True
 
     auto_callback = tfgc.keras.AutoPlanCallback(strategy, every_steps=AUTO_EVERY)
-    history = model.fit(train, epochs=1, steps_per_epoch=100 * AUTO_STEPS, verbose=0,
+    history = model.fit(train, epochs=1, steps_per_epoch=1000 * AUTO_STEPS, verbose=0,
                         callbacks=[auto_callback, Plans(), Stop()])
     save(out_dir, "auto", rank,
          {"loss": [float(v) for v in history.history["loss"]], "plans": plans,

@@ -1645,7 +1645,9 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
               pace: Optional[Pace] = None,
               capped: Optional[Dict[str, float]] = None,
               forced: bool = False,
-              held: Optional[Dict[str, str]] = None) -> Optional[Plan]:
+              held: Optional[Dict[str, str]] = None,
+              budget_of: Optional[Sequence[Tuple[str, Sequence[int], str]]] = None
+              ) -> Optional[Plan]:
     """The plan for ``gradients`` (name, static shape, dtype name), in their order.
 
     Every candidate's cost and error for every gradient, then the Lagrangian choice
@@ -1677,6 +1679,14 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
     other gradients together lose at most their own shares, whatever the tables go
     as.
 
+    ``budget_of``: the gradients whose loss under PowerSGD at the budget's rank is the
+    whole low-rank budget (default ``gradients``), a superset of them. ``plan_tables``
+    gives every gradient, its tables whichever way they go: a share of the budget, and
+    the steps it costs, are then in the same units for every choice of the tables.
+    (Measured against the budget of the gradients planned, a dense table whose own
+    low-rank loss is large made the budget larger and every other gradient's share
+    smaller: its steps looked cheaper by that, and dense won for it.)
+
     ``held`` (name -> the label it went as): gradients that may not go lossier than the
     plan that ran (after a learning-rate decay, ``AutoPlanner.adapt``; they are in
     ``critical`` too): a quantizer of at most the bound of the one it went as (of the
@@ -1700,7 +1710,8 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
                 if name not in capped) or 1
     lr_budget = shared_budget = 0.0
     if low_rank is not None:
-        lr_budget = low_rank.budget({name: shape for name, shape, _ in gradients})
+        lr_budget = low_rank.budget({name: shape for name, shape, _ in
+                                     (gradients if budget_of is None else budget_of)})
         # A dense table (``capped``) may lose low-rank what PowerSGD at the budget's
         # rank would lose on it and no more; the others, their own shares together. So
         # a table's way (rows or dense) leaves theirs as it is. (Tables that could
@@ -2007,7 +2018,7 @@ def plan_tables(gradients: Sequence[Tuple[str, Sequence[int], str]],
     def planned(choice, capped=None):
         return make_plan([g for k, g in enumerate(gradients)
                           if k not in places or places[k] in choice], figures, error_budget,
-                         capped=capped, **kwargs)
+                         capped=capped, budget_of=gradients, **kwargs)
 
     plans = {}
     critical = frozenset(kwargs.get("critical") or ())
