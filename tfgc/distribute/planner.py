@@ -1862,6 +1862,10 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
         unit = pace.low_rank_steps * paced(solved) / pace.scale
         tries = [solved] + [solve(price, unit * f) for f in (0.25, 0.5, 1.0, 2.0, 4.0)]
         tries.append(solve(price, unit * 1e6))  # nothing low-rank that loses anything
+        # Only the tries within the others' budget: the steps' price alone does not hold
+        # a gradient to its share (with a dense table's large share priced, a matrix
+        # went to rank 1, beyond its own rank 2).
+        tries = [t for t in tries if not over(t)] or [solved]
         solved = min(tries, key=lambda t: (paced(t), used(t)))
     lam, budgeted, choice, fastest = solved
     entries = []
