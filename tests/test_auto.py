@@ -1783,6 +1783,34 @@ def test_a_dense_tables_share_does_not_make_the_others_steps_cheaper():
             min(p.paced_seconds() for p in plans.values()))
 
 
+@pytest.mark.parametrize("decay", [0.3, 0.7])
+def test_under_a_pace_a_dense_table_leaves_the_others_their_whole_share(decay):
+    # The price of the others' low-rank budget is the least that keeps them within it,
+    # found for each price of the steps the plan weighs. It was found once, with no
+    # steps priced, where the table summed dense went low rank and the matrix with it;
+    # priced steps moved the table to 8-bit, and the matrix, still paying the price
+    # that had held them both, went to rank 4 or 8-bit (1.2x and 1.8x the step here)
+    # where its own share is rank 2. The plan is the fastest of every pair of options
+    # the budgets allow.
+    fig = all_figures(1.0)
+    gradients = [("table", (2000, 256), "float32"), ("fc", (2048, 2048), "float32")]
+    measured = {"table": spectrum_errors(10.0 * np.ones(256)),
+                "fc": spectrum_errors(decay ** np.arange(2048))}
+    kwargs = dict(low_rank=planner.LowRank(2, measured),
+                  pace=planner.Pace(compute_s=0.05, scale=1.0, low_rank_steps=1.0),
+                  capped={"table": planner.BY_LABEL["rqsgd8"].variance_bound(2000 * 256)})
+    plan = planner.make_plan(gradients, fig, 0.05, **kwargs)
+    labels = [c.label for c in planner.ALL]
+    allowed = [p for p in (planner.make_plan(gradients, fig, 0.05, only={"table": a, "fc": b},
+                                             **kwargs)
+                           for a in labels for b in labels) if p is not None]
+    fastest = min(allowed, key=lambda p: p.paced_seconds())
+    assert plan.paced_seconds() == pytest.approx(fastest.paced_seconds(), rel=1e-9), \
+        (plan.table(), fastest.table())
+    # Which is the matrix at its own share's rank, the table quantized.
+    assert [e.label for e in plan.entries] == ["rqsgd8", "psgd2"], plan.table()
+
+
 def test_the_plans_all_float32_figure_holds_the_tables_rows_as_the_stock_gather():
     # The plan table's "all float32" line: the planned gradients on one all-reduce, and
     # a table sent as rows as the stock gather sends its rows (every occurrence's

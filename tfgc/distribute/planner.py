@@ -1669,8 +1669,9 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
     With ``pace`` (from the steps that ran), the low-rank error also costs steps: of
     the choices at a few prices of the low-rank budget, from the least that keeps
     within it to one that sends nothing low-rank, the plan is the one with the least
-    ``Pace.seconds``. The prices are the least one plus the steps a whole budget adds
-    (``Pace.low_rank_steps`` of a step) times 1/4 to 4.
+    ``Pace.seconds``. The steps a whole budget adds (``Pace.low_rank_steps`` of a
+    step) are priced at 0 and at 1/4 to 4 times their seconds; at each, the others'
+    budget at the least price that keeps them within it.
 
     ``capped`` (name -> bound): gradients outside the error budget that take only
     quantizers of at most that bound, or a measured candidate that loses at most what
@@ -1835,37 +1836,43 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
         to their own shares)."""
         return sum(o["charged"] for o in solved[2]) > shared_limit + 1e-9
 
-    price = 0.0
-    solved = solve(price)
-    if over(solved) and not forced:
-        # The price of a whole budget: from the step's seconds up, until the choice
-        # fits (at a price high enough, only options that lose nothing remain).
+    def within(steps=0.0):
+        """The choice at the least price of the others' budget that keeps them within
+        it, with each unit of the whole budget costing ``steps`` s more. The price is
+        bisected for each ``steps``: the steps' price moves the choice (a table summed
+        dense goes quantized, and the groups it made with the others go with it), so a
+        price that held the others at one ``steps`` need not at another. (Found once,
+        with no steps priced, it let a matrix go to rank 1, beyond its own rank 2, once
+        priced steps moved a dense table to 8-bit; and it kept matrices at rank 4 or
+        8-bit where rank 2 was within their share and faster.)"""
+        solved = solve(0.0, steps)
+        if forced or not over(solved):
+            return solved
+        # From the step's seconds up, until the choice fits (at a price high enough,
+        # only options that lose nothing remain), then down to the least that does.
         hi = sum(max(o["cpu"] + o["wire"] for o in mine) for _, _, _, mine in options) or 1.0
         for _ in range(60):
-            if not over(solve(hi)):
+            if not over(solve(hi, steps)):
                 break
             hi *= 4.0
         lo = 0.0
         for _ in range(32):
             mid = (lo + hi) / 2.0
-            if not over(solve(mid)):
+            if not over(solve(mid, steps)):
                 hi = mid
             else:
                 lo = mid
-        price = hi
-        solved = solve(price)
+        return solve(hi, steps)
+
+    solved = within()
     if pace is not None and pace.low_rank_steps > 0 and only is None and used(solved) > 0:
         def paced(solved):
             return pace.seconds(_step_seconds(solved[2], link, w), used(solved))
 
         # A whole budget's steps, in the predicted seconds the options are priced in.
         unit = pace.low_rank_steps * paced(solved) / pace.scale
-        tries = [solved] + [solve(price, unit * f) for f in (0.25, 0.5, 1.0, 2.0, 4.0)]
-        tries.append(solve(price, unit * 1e6))  # nothing low-rank that loses anything
-        # Only the tries within the others' budget: the steps' price alone does not hold
-        # a gradient to its share (with a dense table's large share priced, a matrix
-        # went to rank 1, beyond its own rank 2).
-        tries = [t for t in tries if not over(t)] or [solved]
+        tries = [solved] + [within(unit * f) for f in (0.25, 0.5, 1.0, 2.0, 4.0)]
+        tries.append(within(unit * 1e6))  # nothing low-rank that loses anything
         solved = min(tries, key=lambda t: (paced(t), used(t)))
     lam, budgeted, choice, fastest = solved
     entries = []
