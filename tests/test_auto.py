@@ -840,9 +840,26 @@ def test_the_pace_weighs_each_plan_by_its_error_and_bounds_its_slope():
     weighed = planner.pace_from(line + [(0.040, 0.070, 0.010)], 0.0)
     tilted = planner.pace_from(line + [(0.040, 0.070, 0.0002)], 0.0)
     assert abs(weighed.scale - 0.5) < 0.05 < abs(tilted.scale - 0.5)
-    # Noise wider than the bounds: the ends are held at them.
+    # Noise that takes an end past its bound: that end is held there.
+    errors = [math.hypot(0.004, planner.PACE_DRIFT * t) for t in (0.045, 0.055)]
+    half = planner.PACE_Z * math.hypot(*errors) / 0.020
+    assert 0.5 - half < planner.PACE_SCALE[0] < 0.5 + half < planner.PACE_SCALE[1]
+    low = planner.pace_from([(0.010, 0.045, 0.004), (0.030, 0.055, 0.004)], 0.3)
+    assert low.measured_slope and low.scale == pytest.approx(0.5)
+    assert [p.scale for p in low.others[:2]] == pytest.approx(
+        [planner.PACE_SCALE[0], 0.5 + half])
+    # Noise that takes both past theirs says nothing of the slope: the plans count as
+    # one (the prediction as it is, at the points' weighted mean), and no slope is
+    # measured, so a change is weighed as one the steps have not priced yet. (Held at
+    # both bounds, a change that loses low rank had to pay as if communication cost
+    # 0.05 of its prediction, and a plan 30 % faster was not taken.)
     wide = planner.pace_from([(0.010, 0.045, 0.02), (0.030, 0.055, 0.02)], 0.3)
-    assert [p.scale for p in wide.others[:2]] == list(planner.PACE_SCALE)
+    errors = [math.hypot(0.02, planner.PACE_DRIFT * t) for t in (0.045, 0.055)]
+    assert 0.5 - planner.PACE_Z * math.hypot(*errors) / 0.020 < planner.PACE_SCALE[0]
+    w = np.array(errors) ** -2
+    x, y = np.average([0.010, 0.030], weights=w), np.average([0.045, 0.055], weights=w)
+    assert not wide.measured_slope and wide.others == ()
+    assert (wide.scale, wide.compute_s) == (1.0, pytest.approx(y - x))
     # Three plans that scatter about their line more than their errors say: the
     # interval widens by the square root of chi^2 over n - 2; on a line, it does not.
     comm = [0.010, 0.020, 0.030]
