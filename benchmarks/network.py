@@ -152,6 +152,10 @@ def parse_args(argv=None):
                         "predicts: whether the planner's prices order the plans as they "
                         "run (default: none). They run within the auto run's --timeout: "
                         "raise it for many labels or a slow link")
+    p.add_argument("--worker_log", choices=["warning", "info"], default="warning",
+                   help="what each worker's log (w<i>.log in the run's scratch folder, "
+                        "named at the start) holds of tfgc's absl logging: 'info' keeps "
+                        "auto's plans and why it kept or changed one (default warning)")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds per run (one cluster); its workers are killed after that")
     p.add_argument("--out", default=DEFAULT_OUT,
@@ -247,7 +251,17 @@ OWN = "own"
 
 
 def worker_main(args):
+    set_worker_log(args.worker_log)
     run_worker(args.result_prefix, lambda rank, prefix, phase: _worker(args, prefix, phase))
+
+
+def set_worker_log(level):
+    """absl's verbosity in a worker (``--worker_log``): at 'info' its log keeps tfgc's
+    plan tables and the reasons auto keeps or changes a plan."""
+    from absl import logging as absl_logging
+
+    absl_logging.set_verbosity({"warning": absl_logging.WARNING,
+                                "info": absl_logging.INFO}[level])
 
 
 def run_worker(result_prefix, body):
@@ -629,18 +643,26 @@ def _failure_reason(run_dir, index, code, logs):
     return f"worker {index} {what}" + (f": {lines[-1][:200]}" if lines else ""), None
 
 
-def run_once(cluster, run, args, run_dir, port):
-    """Runs one configuration on ``cluster``; returns per-worker results or raises."""
-    prefix = os.path.join(run_dir, "result")
-    threads = args.threads if args.threads >= 0 else max(1, (os.cpu_count() or 1) // cluster.n)
+def worker_command(run, args, prefix, num_workers):
+    """The command each worker of a run of ``num_workers`` starts with (``--worker``,
+    writing its results under ``prefix``)."""
+    threads = args.threads if args.threads >= 0 else max(1, (os.cpu_count() or 1) // num_workers)
     cmd = [sys.executable, os.path.abspath(__file__), "--worker",
            "--model", run["model"], "--config", run["config"], "--result_prefix", prefix,
            "--dataset", args.dataset, "--batch_size", str(args.batch_size),
            "--steps", str(run["steps"]), "--warmup", str(run["warmup"]),
            "--threads", str(threads), "--min_elements", str(args.min_elements),
-           "--learning_rate", str(args.learning_rate), "--auto_plan", args.auto_plan]
+           "--learning_rate", str(args.learning_rate), "--auto_plan", args.auto_plan,
+           "--worker_log", args.worker_log]
     if args.auto_pins and run["kind"] == "main":
         cmd += ["--auto_pins"] + list(args.auto_pins)
+    return cmd
+
+
+def run_once(cluster, run, args, run_dir, port):
+    """Runs one configuration on ``cluster``; returns per-worker results or raises."""
+    prefix = os.path.join(run_dir, "result")
+    cmd = worker_command(run, args, prefix, cluster.n)
     supervise(cluster, cmd, run_dir, port, args.timeout, "--timeout")
     results = []
     for i in range(cluster.n):

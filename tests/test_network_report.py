@@ -252,3 +252,25 @@ def test_pinned_steps_time_each_label_and_the_run_s_own_plan_in_two_passes():
     # Given back: the planner's choice, nothing pinned.
     assert not any(e.reason.startswith("pinned")
                    for e in strategy.compression_plan().entries)
+
+
+def test_the_workers_log_what_they_are_told_to():
+    # --worker_log reaches each worker's command line, which parses it back, and sets
+    # absl's verbosity there: at 'info' a worker's log keeps auto's reasons for keeping
+    # or changing its plan, which the default leaves out.
+    from absl import logging as absl_logging
+
+    run = network.plan_runs(_args())[0]
+    for level, verbosity in (("info", absl_logging.INFO), ("warning", absl_logging.WARNING)):
+        args = _args() if level == "warning" else _args("--worker_log", level)
+        cmd = network.worker_command(run, args, "/tmp/x/result", 2)
+        worker = network.parse_args(cmd[2:])
+        assert worker.worker and worker.worker_log == level
+        before = absl_logging.get_verbosity()
+        try:
+            network.set_worker_log(worker.worker_log)
+            assert absl_logging.get_verbosity() == verbosity
+        finally:
+            absl_logging.set_verbosity(before)
+    with pytest.raises(SystemExit):
+        _args("--worker_log", "debug")
