@@ -1127,6 +1127,11 @@ def pace_from(points: Sequence[Tuple[float, ...]], low_rank_steps: float) -> Opt
         chi2 = float(np.sum(weight * (step - fitted) ** 2))
         return max(1.0, math.sqrt(chi2 / (len(kept) - 2)))
 
+    def as_one():
+        """The slope where the plans count as one: the prediction as it is, unless the
+        step is shorter than it."""
+        return y / x if x > y else 1.0
+
     def informs(centre, half):
         """Whether the slope's interval leaves out some of ``PACE_SCALE``: one that
         spans it all says nothing the bounds do not."""
@@ -1139,7 +1144,7 @@ def pace_from(points: Sequence[Tuple[float, ...]], low_rank_steps: float) -> Opt
         half = PACE_Z / math.sqrt(sxx) * scatter(y + centre * (comm - x))
         measured = informs(centre, half)
     if not measured:
-        centre = y / x if x > y else 1.0
+        centre = as_one()
     scale = bounded(centre)
     compute = y - scale * x
     origin = compute < 0.0
@@ -1152,7 +1157,7 @@ def pace_from(points: Sequence[Tuple[float, ...]], low_rank_steps: float) -> Opt
             half = PACE_Z / math.sqrt(max(sww, 1e-30)) * scatter(centre * comm)
             if not informs(centre, half):
                 measured, origin = False, False
-                scale = bounded(y / x if x > y else 1.0)
+                scale = bounded(as_one())
                 compute = max(y - scale * x, 0.0)
 
     def line(s):
@@ -1853,6 +1858,10 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
         to their own shares)."""
         return sum(o["charged"] for o in solved[2]) > shared_limit + 1e-9
 
+    # The bisection's first price of a whole budget: the slowest step the options make.
+    first_price = sum(max(o["cpu"] + o["wire"] for o in mine)
+                      for _, _, _, mine in options) or 1.0
+
     def within(steps=0.0):
         """The choice at the least price of the others' budget that keeps them within
         it, with each unit of the whole budget costing ``steps`` s more. The price is
@@ -1867,7 +1876,7 @@ def make_plan(gradients: Sequence[Tuple[str, Sequence[int], str]], figures: Figu
             return solved
         # From the step's seconds up, until the choice fits (at a price high enough,
         # only options that lose nothing remain), then down to the least that does.
-        hi = sum(max(o["cpu"] + o["wire"] for o in mine) for _, _, _, mine in options) or 1.0
+        hi = first_price
         for _ in range(60):
             if not over(solve(hi, steps)):
                 break
