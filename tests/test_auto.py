@@ -821,9 +821,12 @@ def test_the_pace_weighs_each_plan_by_its_error_and_bounds_its_slope():
     # Each end's line passes through the points' mean, weighed by the errors.
     w = np.array(errors) ** -2
     x, y = np.average([0.010, 0.030], weights=w), np.average([0.045, 0.055], weights=w)
-    for other in pace.others:
+    for other in pace.others + pace.near:
         assert other.compute_s + other.scale * x == pytest.approx(y)
-        assert other.low_rank_steps == 0.3 and not other.others
+        assert other.low_rank_steps == 0.3 and not other.others and not other.near
+    # A trial's lines: at TRIAL_Z standard errors of the slope, not PACE_Z.
+    near = half * planner.TRIAL_Z / planner.PACE_Z
+    assert [p.scale for p in pace.near] == pytest.approx([0.5 - near, 0.5 + near])
     # A point without an error (none given, None, NaN) has PACE_PRIOR of its step; an
     # error of 0, the drift's alone.
     unknown = planner.pace_from([(0.010, 0.045, 0.1 * 0.045), (0.030, 0.055, 0.1 * 0.055)], 0.3)
@@ -858,7 +861,7 @@ def test_the_pace_weighs_each_plan_by_its_error_and_bounds_its_slope():
     assert 0.5 - planner.PACE_Z * math.hypot(*errors) / 0.020 < planner.PACE_SCALE[0]
     w = np.array(errors) ** -2
     x, y = np.average([0.010, 0.030], weights=w), np.average([0.045, 0.055], weights=w)
-    assert not wide.measured_slope and wide.others == ()
+    assert not wide.measured_slope and wide.others == () == wide.near
     assert (wide.scale, wide.compute_s) == (1.0, pytest.approx(y - x))
     # Three plans that scatter about their line more than their errors say: the
     # interval widens by the square root of chi^2 over n - 2; on a line, it does not.
@@ -902,7 +905,9 @@ def test_a_pace_beside_other_sets_prices_their_communication_with_its_own():
     pace = planner.pace_from([(0.040, 0.045, 0.01), (0.080, 0.055, 0.01)], 0.3)
     beside = pace.beside(0.012)
     assert beside.shared_s == 0.012 and len(beside.others) == len(pace.others) == 3
-    for whole, part in zip((pace,) + pace.others, (beside,) + beside.others):
+    assert len(beside.near) == len(pace.near) >= 2
+    for whole, part in zip((pace,) + pace.others + pace.near,
+                           (beside,) + beside.others + beside.near):
         for comm, share in ((0.0, 0.0), (0.020, 0.5), (0.050, 1.0)):
             assert part.seconds(comm, share) == pytest.approx(whole.seconds(comm + 0.012, share))
         assert (part.scale, part.low_rank_steps) == (whole.scale, whole.low_rank_steps)
@@ -921,7 +926,7 @@ def test_a_checkpoints_timed_steps_read_back_with_or_without_their_errors():
         assert math.isnan(steps[key][2])
 
 
-def test_a_change_must_pay_at_every_slope_the_steps_allow():
+def test_a_change_must_pay_at_every_slope_the_steps_allow_or_lose_nothing_near_it():
     # The current plan sends low rank (fewer bytes, more steps); the other quantizes.
     # The steps say the link weighs less than predicted (a slope of 0.15): at that
     # slope the low-rank plan's extra steps cost more than its bytes save, but from
@@ -942,36 +947,58 @@ def test_a_change_must_pay_at_every_slope_the_steps_allow():
                                   only=labels[name], pace=pace)
                 for name in ("free", "quantized")]
 
-    # The low-rank plan ran long (its step known within 0.3 ms); the quantized one
-    # ran two steps, whose spread gives an error of 10 ms, or many (0.3 ms).
-    outcomes = {}
-    for se in (0.010, 0.0003):
-        pace = planner.pace_from([(c_free, compute + slope * c_free, 0.0003),
-                                  (c_quantized, compute + slope * c_quantized, se)], 3.0)
-        assert pace.scale == pytest.approx(slope) and pace.measured_slope
-        kept, new = priced(pace)
-        # At the fitted slope the quantized plan is faster to the same accuracy...
-        assert kept.paced_seconds() - new.paced_seconds() > 0.002
-        outcomes[se] = (planner.change_pays(kept, new, 0.0),
-                        max(p.scale for p in pace.others))
-    # ... but two noisy steps allow slopes where the low-rank plan is: no change. Many
-    # steps pin the slope where the quantized plan stays faster: the change is taken.
-    assert outcomes[0.010][0] is False and outcomes[0.010][1] > 0.35
-    assert outcomes[0.0003][0] is True and outcomes[0.0003][1] < 0.3
     # The crossing the comment above states: with this compute, the
     # quantized plan gains at a slope of 0.15 and 0.3, and loses at 0.35.
     for scale, sign in ((0.15, 1), (0.3, 1), (0.35, -1)):
         kept, new = priced(planner.Pace(compute, scale, 3.0))
         assert sign * (kept.paced_seconds() - new.paced_seconds()) > 0, scale
+    # The low-rank plan ran long (its step known within 0.3 ms); the quantized one
+    # ran a few steps, whose spread gives an error of 20 ms or 10 ms, or many (0.3 ms).
+    found = {}
+    for se in (0.020, 0.010, 0.0003):
+        pace = planner.pace_from([(c_free, compute + slope * c_free, 0.0003),
+                                  (c_quantized, compute + slope * c_quantized, se)], 3.0)
+        assert pace.scale == pytest.approx(slope) and pace.measured_slope
+        kept, new = priced(pace)
+        fitted = kept.paced_seconds() - new.paced_seconds()
+        # At the fitted slope the quantized plan is faster to the same accuracy.
+        assert fitted > 0.002
+        found[se] = (pace, kept, new, fitted)
+    # 20 ms: the slopes within one standard error reach past the crossing (0.35):
+    # the change may lose there, and is not taken, even for free.
+    pace, kept, new, _ = found[0.020]
+    assert max(p.scale for p in pace.near) > 0.35
+    assert not planner.change_pays(kept, new, 0.0) and not planner.is_trial(kept, new, 0.0)
+    # 10 ms: the interval's end (0.45) is past the crossing, but one standard error
+    # (0.3) is not: a trial, which must save twice what a change costs at the fitted
+    # slope, as one before a slope is measured.
+    pace, kept, new, fitted = found[0.010]
+    assert max(p.scale for p in pace.others) > 0.35 > 0.3 > max(p.scale for p in pace.near)
+    assert planner.least_gain(kept, new) < 0 < planner.least_gain(kept, new, near=True)
+    assert planner.is_trial(kept, new, 0.0)
+    assert planner.change_pays(kept, new, fitted / planner.UNMEASURED_CHANGES * 0.99)
+    assert not planner.change_pays(kept, new, fitted / planner.UNMEASURED_CHANGES * 1.01)
+    # Many steps pin the slope where the quantized plan stays faster: the change pays
+    # for itself alone at every slope they allow.
+    pace, kept, new, fitted = found[0.0003]
+    least = planner.least_gain(kept, new)
+    assert max(p.scale for p in pace.others) < 0.3 and 0 < least < fitted
+    assert planner.change_pays(kept, new, least * 0.99)
+    # Past that, as a trial, up to half the fitted gain.
+    assert fitted / planner.UNMEASURED_CHANGES > least
+    assert planner.change_pays(kept, new, fitted / planner.UNMEASURED_CHANGES * 0.99)
+    assert not planner.change_pays(kept, new, fitted / planner.UNMEASURED_CHANGES * 1.01)
 
 
-def test_the_planner_keeps_its_plan_unless_a_change_pays_at_every_slope():
+def test_the_planner_keeps_its_plan_unless_a_change_pays_at_every_slope_or_is_a_trial(caplog):
     # AutoPlanner._plan_again, as adapt and measure_low_rank call it, on a one-worker
     # strategy's planner given figures for 4 workers, measured errors and two plans'
     # steps on a slope of 0.3. The current plan is the planner's choice at the least
     # slope two noisy steps allow (0.05). No least gain is asked (min_gain_s 0), yet
-    # the kept plan is priced too: under that interval the new plan loses at its low
-    # end, so the plan stays; steps that pin the slope near 0.3 change it.
+    # the kept plan is priced too: where the new plan loses within one standard error
+    # of the slope, the plan stays; where it loses only further out, it is a trial,
+    # taken where it saves twice the gain asked at the fitted slope; steps that pin
+    # the slope near 0.3 change it.
     strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
     ops = strategy.cross_device_ops
     auto = ops._auto  # pylint: disable=protected-access
@@ -992,7 +1019,7 @@ def test_the_planner_keeps_its_plan_unless_a_change_pays_at_every_slope():
     assert least.scale == planner.PACE_SCALE[0]
     current = planner.make_plan(GRADIENTS, fig, 0.05, low_rank=low_rank, pace=least)
     outcomes = {}
-    for se in (0.010, 0.0003):
+    for se, min_gain_s in ((0.020, 0.0), (0.005, 0.0), (0.005, None), (0.0003, 0.0)):
         # pylint: disable=protected-access
         lay = auto._layout(gradients)
         lay.critical, auto._low_rank = frozenset(), dict(MEASURED)
@@ -1002,15 +1029,31 @@ def test_the_planner_keeps_its_plan_unless_a_change_pays_at_every_slope():
         fresh = auto._planned(lay, fig)
         assert fresh.pace.measured_slope and fresh.pace.scale == pytest.approx(slope)
         assert fresh.key() != current.key()  # the planner alone would change
+        kept = auto._as_running(lay, fig, current)
+        fitted = kept.paced_seconds() - fresh.paced_seconds()
+        near, least = (planner.least_gain(kept, fresh, near) for near in (True, False))
+        assert fitted > 0
+        if se == 0.005:
+            assert least < 0 < near  # a trial
+            if min_gain_s is None:  # more than half the fitted gain: not taken
+                min_gain_s = fitted / planner.UNMEASURED_CHANGES * 1.01
         generation = ops.generation
-        changed = auto._take({lay: auto._plan_again(lay, current, 0.0)}, fig)
-        outcomes[se] = changed
+        caplog.clear()
+        caplog.set_level(logging.INFO, logger="absl")
+        changed = auto._take({lay: auto._plan_again(lay, current, min_gain_s)}, fig)
+        outcomes[se, min_gain_s == 0] = changed
+        # A trial says so, with what it would save and lose.
+        tried = [r.getMessage() for r in caplog.records if "tries a new plan" in r.getMessage()]
+        assert len(tried) == int(changed and least < 0)
+        if tried:
+            assert f"lose {-least * 1e3:.3f} ms at the worst pace" in tried[0]
         assert (ops.generation == generation + 1) == changed
         assert auto.plan.key() == (fresh.key() if changed else current.key())
         if not changed:
             # The kept plan priced anew, under the pace the steps measured.
             assert auto.plan.pace == fresh.pace
-    assert outcomes == {0.010: False, 0.0003: True}
+    assert outcomes == {(0.020, True): False, (0.005, True): True, (0.005, False): False,
+                        (0.0003, True): True}
 
 
 def test_a_timed_plan_is_priced_from_its_own_step_moved_along_the_slope():
@@ -1551,6 +1594,11 @@ def test_a_new_plan_that_does_not_pay_leaves_a_faster_timed_plan_to_be_taken(mon
     worst = (f"save {least * 1e3:.3f} ms" if least >= 0 else f"lose {-least * 1e3:.3f} ms")
     said = [r.getMessage() for r in caplog.records if "keeps its plan" in r.getMessage()]
     assert len(said) == 1 and f"{worst} at the worst pace the steps allow" in said[0]
+    # ... and why it is not a trial either: what it would save or lose within one
+    # standard error of the slope.
+    near = planner.least_gain(kept, new, near=True)
+    assert (f"at one standard error of its slope, where it would "
+            f"{'save' if near >= 0 else 'lose'} {abs(near) * 1e3:.3f} ms") in said[0]
 
 
 TABLE_AFTER = 2  # the embedding table's index among TABLE_GRADIENTS

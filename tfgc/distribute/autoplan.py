@@ -1210,8 +1210,10 @@ class AutoPlanner:
         """At most what the measured candidates could save a step: what the gradients
         they may take (the matrices) cost in the current plans, CPU and wire, scaled as
         the steps that ran measured the plans' communication (the steepest slope their
-        noise allows; where not measured yet, the most ``planner.Pace`` allows), and no
-        more than the step measured (on a measured link: a given one, ``Auto.link_gbps``,
+        noise allows where they measured one; where they did not, the scale of the pace
+        they give, the prediction as it is or the step over it where the step is the
+        shorter: ``planner.pace_from``; before any step, the most ``planner.Pace``
+        allows), and no more than the step measured (on a measured link: a given one, ``Auto.link_gbps``,
         is not the one the steps ran on, and its savings are the ones planned for)."""
         total = 0.0
         for lay in layouts:
@@ -1281,8 +1283,9 @@ class AutoPlanner:
         differs from ``current``, unless ``current`` still keeps within the regimes and
         budgets and the new one is predicted to save less than ``min_gain_s`` a step
         (twice that while no slope is measured: ``planner.required_gain``), under the
-        pace and the paces its measured slope allows (``planner.change_pays``):
-        a change retraces the train function, which costs seconds, and a new rank that
+        pace and the paces its measured slope allows (``planner.change_pays``; or
+        twice that at the pace, as a trial, where it loses nothing within one
+        standard error of the slope: ``planner.is_trial``): a change retraces the train function, which costs seconds, and a new rank that
         saves a tenth of a millisecond does not pay that back, nor does one that only
         the steps' noise favours; then ``current`` priced anew. Once two plans or more
         have been timed on a measured link, the plans timed beside the other layouts'
@@ -1319,22 +1322,37 @@ class AutoPlanner:
             # Priced now: among the timed plans already, where it is one.
             kept = (timed[current.key()][0] if current.key() in timed
                     else self._as_running(lay, figures, current))
-        if planner.change_pays(kept, plan, min_gain_s):
-            return plan
-        # Not taken: ``kept`` is not None here (``change_pays`` takes any plan over none).
         def saved(seconds):
             return (f"save {seconds * 1e3:.3f} ms" if seconds >= 0
                     else f"lose {-seconds * 1e3:.3f} ms")
 
+        if planner.change_pays(kept, plan, min_gain_s):
+            if kept is not None and planner.least_gain(kept, plan) < planner.required_gain(
+                    plan, min_gain_s):
+                logging.info("tfgc: compressor='auto' tries a new plan: it would %s a step "
+                             "at the measured pace, %s within one standard error of its "
+                             "slope and %s at the worst pace the steps allow; its steps "
+                             "will say whether it stays",
+                             saved(kept.paced_seconds(plan.pace) - plan.paced_seconds()),
+                             saved(planner.least_gain(kept, plan, near=True)),
+                             saved(planner.least_gain(kept, plan)))
+            return plan
+        # Not taken: ``kept`` is not None here (``change_pays`` takes any plan over none).
+        trial = ""
+        if plan.slope_measured:
+            trial = (f"; nor is it a trial, which must save "
+                     f"{planner.UNMEASURED_CHANGES * min_gain_s * 1e3:.3f} ms at the "
+                     f"measured pace and lose nothing at one standard error of its slope, "
+                     f"where it would {saved(planner.least_gain(kept, plan, near=True))}")
         logging.info("tfgc: compressor='auto' keeps its plan: the new one would %s a "
                      "step at the measured pace and %s at the worst pace the steps "
                      "allow, which does not cover a change (%.3f ms a step over the "
-                     "steps it would run%s)",
-                     saved(kept.paced_seconds() - plan.paced_seconds()),
+                     "steps it would run%s)%s",
+                     saved(kept.paced_seconds(plan.pace) - plan.paced_seconds()),
                      saved(planner.least_gain(kept, plan)),
                      planner.required_gain(plan, min_gain_s) * 1e3,
                      "" if plan.slope_measured else ", and the change back its steps may "
-                     "call for: no slope is measured yet")
+                     "call for: no slope is measured yet", trial)
         if kept.key() in timed:
             # The new plan was predicted to beat every plan timed but does not pay for
             # a change: a plan timed faster than the current one still may.

@@ -787,7 +787,9 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         (``Plan.paced_seconds``, under the measured pace and the paces at both ends of
         its slope's interval: ``planner.change_pays``) is less than ``min_gain_s``
         seconds shorter than the current plan's (priced anew; twice that while the
-        steps have measured no slope: ``planner.required_gain``) is not taken while the
+        steps have measured no slope: ``planner.required_gain``, or where it is a
+        trial, saving twice that at the measured pace and nothing less within one
+        standard error of its slope: ``planner.is_trial``) is not taken while the
         current one still keeps within the regimes and budgets (``AutoPlanCallback``
         passes what a change cost the last time, or the fit's first trace until one is
         timed, spread over the rest of the fit).

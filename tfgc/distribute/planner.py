@@ -81,7 +81,9 @@ more than its extra steps cost (a slow link), and not where compute is most of t
 step (a fast one). The fit weighs each plan by its step's standard error, and a change
 of plan is taken only where it pays at both ends of the slope's interval as well
 (``change_pays``): two plans whose steps differ by less than their noise do not swap
-back and forth. Before the steps have measured a slope (one plan timed, or plans whose
+back and forth. Or as a trial, which must pay twice at the fitted slope and lose
+nothing within one standard error of it (``is_trial``): its own steps then say whether
+it stays. Before the steps have measured a slope (one plan timed, or plans whose
 predictions are too close to tell apart), a change rests on the link probe's prediction
 alone, and must pay for the change back as well (``UNMEASURED_CHANGES``; on a given
 link the pace's line is what may call for it).
@@ -1009,6 +1011,9 @@ PACE_PRIOR = 0.1
 # The slopes the steps allow: this many standard errors either side of the fitted one
 # (about 95 %). A change of plan must pay along the lines at both ends.
 PACE_Z = 2.0
+# Or it is a trial (``change_pays``): it pays twice at the fitted slope and loses
+# nothing at this many standard errors either side of it (about 68 % between them).
+TRIAL_Z = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1028,7 +1033,8 @@ class Pace:
     ``others``: the paces at the ends of the slope's interval, where the steps measured
     it, and at the bend between them where there is one (``pace_from``); a change of
     plan must pay under each of them too (``change_pays``), so that two noisy steps do
-    not swing the plan back and forth.
+    not swing the plan back and forth. ``near``: the same at ``TRIAL_Z`` standard
+    errors, where a change that is a trial must lose nothing.
     """
 
     compute_s: float
@@ -1037,6 +1043,7 @@ class Pace:
     others: Tuple["Pace", ...] = ()
     # The other sets' predicted communication in ``compute_s`` (``beside``), seconds.
     shared_s: float = 0.0
+    near: Tuple["Pace", ...] = ()
 
     @property
     def shared_compute_s(self) -> float:
@@ -1064,7 +1071,8 @@ class Pace:
         return dataclasses.replace(
             self, compute_s=self.compute_s + self.scale * others_s,
             shared_s=self.shared_s + others_s,
-            others=tuple(p.beside(others_s) for p in self.others))
+            others=tuple(p.beside(others_s) for p in self.others),
+            near=tuple(p.beside(others_s) for p in self.near))
 
 
 def step_error(point: Tuple[float, ...]) -> float:
@@ -1163,13 +1171,18 @@ def pace_from(points: Sequence[Tuple[float, ...]], low_rank_steps: float) -> Opt
     def line(s):
         return Pace(0.0 if origin else max(y - s * x, 0.0), s, lrs)
 
-    others = ()
-    if measured:
-        ends = (bounded(centre - half), bounded(centre + half))
-        others = tuple(line(s) for s in ends)
+    def lines(reach):
+        """The lines at the ends of ``reach`` either side of the fitted slope, and at
+        the bend between them where there is one."""
+        ends = (bounded(centre - reach), bounded(centre + reach))
+        found = tuple(line(s) for s in ends)
         if compute > 0.0 and x > 0.0 and ends[0] < y / x < ends[1]:
-            others += (line(y / x),)
-    return Pace(compute, scale, lrs, others)
+            found += (line(y / x),)
+        return found
+
+    if not measured:
+        return Pace(compute, scale, lrs)
+    return Pace(compute, scale, lrs, lines(half), near=lines(half * TRIAL_Z / PACE_Z))
 
 
 # -- choosing -----------------------------------------------------------------------
@@ -1567,13 +1580,26 @@ def _consolidate(choice, options, budget, link, num_workers, shared_limit=1.0):
 def change_pays(kept: Optional[Plan], new: Plan, min_gain_s: float) -> bool:
     """Whether to take ``new`` over the current plan, ``kept`` (the current choice priced
     anew by ``make_plan(..., only=...)``; None where the regimes or budgets now rule it
-    out): it must save at least ``min_gain_s`` seconds a step, what changing costs
-    spread over the steps the new plan would run, or ``UNMEASURED_CHANGES`` times that
-    where the steps have not measured the pace's slope (``required_gain``). Plans are
-    compared as the planner chose them (``Plan.paced_seconds``), under the new plan's
-    pace and, where the steps measured its slope, under the paces at both ends of the
-    slope's interval too."""
-    return kept is None or bool(least_gain(kept, new) >= required_gain(new, min_gain_s))
+    out). Plans are compared as the planner chose them (``Plan.paced_seconds``), under
+    the new plan's pace and, where the steps measured its slope, under the paces the
+    slope's interval allows too (``least_gain``). ``new`` is taken where it saves at
+    least ``min_gain_s`` seconds a step under each of them (what changing costs spread
+    over the steps the new plan would run), or ``UNMEASURED_CHANGES`` times that where
+    the steps have not measured the pace's slope (``required_gain``).
+
+    Or as a trial (``is_trial``): where the slope is measured and the change pays
+    ``UNMEASURED_CHANGES`` times ``min_gain_s`` at the fitted slope, and loses nothing
+    at ``TRIAL_Z`` standard errors of it, though it may at ``PACE_Z``. Its own steps
+    then say whether it is faster, and ``prefer_timed`` goes back to the plan before it
+    where they say it is not; so it pays for the change back, as a change does before
+    a slope is measured. (Asked to pay at every slope the steps allow, the GAN at
+    1 Gbit/s kept a plan that ran 89 ms a step, where a change it weighed saved 22.9 ms
+    at the fitted slope and lost 2.5 ms at the interval's end: PowerSGD on every
+    matrix ran 40 ms.)"""
+    if kept is None:
+        return True
+    return bool(least_gain(kept, new) >= required_gain(new, min_gain_s)
+                or is_trial(kept, new, min_gain_s))
 
 
 # A change of plan that only the link probe's prediction says pays (no slope measured
@@ -1592,13 +1618,29 @@ def required_gain(new: Plan, min_gain_s: float) -> float:
     return min_gain_s * (1 if new.slope_measured else UNMEASURED_CHANGES)
 
 
-def least_gain(kept: Plan, new: Plan) -> float:
+def _gains(kept: Plan, new: Plan, paces) -> List[float]:
+    return [kept.paced_seconds(p) - new.paced_seconds(p) for p in paces]
+
+
+def least_gain(kept: Plan, new: Plan, near: bool = False) -> float:
     """The least that ``new`` saves a step over ``kept`` under its pace and the paces
-    the measured steps allow (``Pace.others``): the gain is linear in the slope but
-    for a bend where the line's compute reaches 0, so the interval's ends and that
-    bend bound it."""
-    paces = [new.pace] + list(new.pace.others if new.pace is not None else ())
-    return float(min(kept.paced_seconds(p) - new.paced_seconds(p) for p in paces))
+    the measured steps allow (``Pace.others``; ``near``: those at ``TRIAL_Z`` standard
+    errors, ``Pace.near``): the gain is linear in the slope but for a bend where the
+    line's compute reaches 0, so the interval's ends and that bend bound it."""
+    pace = new.pace
+    paces = [pace] + list(() if pace is None else pace.near if near else pace.others)
+    return float(min(_gains(kept, new, paces)))
+
+
+def is_trial(kept: Plan, new: Plan, min_gain_s: float) -> bool:
+    """Whether ``new`` is taken over ``kept`` as a trial (``change_pays``): a measured
+    slope, ``UNMEASURED_CHANGES`` times ``min_gain_s`` saved a step at it, and nothing
+    lost at ``TRIAL_Z`` standard errors either side."""
+    if not new.slope_measured:
+        return False
+    (fitted,) = _gains(kept, new, [new.pace])
+    return bool(fitted >= UNMEASURED_CHANGES * min_gain_s
+                and least_gain(kept, new, near=True) >= 0.0)
 
 
 def timed_seconds(plan: Plan, point: Tuple[float, ...],

@@ -295,7 +295,8 @@ class AutoPlanCallback(keras.callbacks.Callback):
     step (the median of its settled steps, the least of them while fewer than three)
     and that step's standard error, from which the planner weighs the steps a
     low-rank plan adds against the time it saves (``Auto.low_rank_steps``), and takes
-    a change only where it pays for every slope the steps' noise allows. It passes the
+    a change only where it pays for every slope the steps' noise allows, or as a trial
+    that its steps may send back (``planner.change_pays``). It passes the
     steps left of the fit as well: the first measurement times the low-rank and top-k
     codecs (seconds, on a machine whose cache lacks them) only where what the matrices
     cost a step could, over those steps, pay for it (``planner.timing_pays``).
