@@ -1213,8 +1213,9 @@ class AutoPlanner:
         noise allows where they measured one; where they did not, the scale of the pace
         they give, the prediction as it is or the step over it where the step is the
         shorter: ``planner.pace_from``; before any step, the most ``planner.Pace``
-        allows), and no more than the step measured (on a measured link: a given one, ``Auto.link_gbps``,
-        is not the one the steps ran on, and its savings are the ones planned for)."""
+        allows), and no more than the step measured (on a measured link: a given one,
+        ``Auto.link_gbps``, is not the one the steps ran on, and its savings are the
+        ones planned for)."""
         total = 0.0
         for lay in layouts:
             plan = lay.plan[1]
@@ -1285,8 +1286,9 @@ class AutoPlanner:
         (twice that while no slope is measured: ``planner.required_gain``), under the
         pace and the paces its measured slope allows (``planner.change_pays``; or
         twice that at the pace, as a trial, where it loses nothing within one
-        standard error of the slope: ``planner.is_trial``): a change retraces the train function, which costs seconds, and a new rank that
-        saves a tenth of a millisecond does not pay that back, nor does one that only
+        standard error of the slope: ``planner.is_trial``): a change retraces the
+        train function, which costs seconds, and a new rank that saves a tenth of a
+        millisecond does not pay that back, nor does one that only
         the steps' noise favours; then ``current`` priced anew. Once two plans or more
         have been timed on a measured link, the plans timed beside the other layouts'
         plans of now (made again from their keys: ``_timed_plans``) weigh by their own
