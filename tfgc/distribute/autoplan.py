@@ -1329,15 +1329,14 @@ class AutoPlanner:
                     else f"lose {-seconds * 1e3:.3f} ms")
 
         if planner.change_pays(kept, plan, min_gain_s):
-            if kept is not None and planner.least_gain(kept, plan) < planner.required_gain(
-                    plan, min_gain_s):
+            least = None if kept is None else planner.least_gain(kept, plan)
+            if least is not None and least < planner.required_gain(plan, min_gain_s):
                 logging.info("tfgc: compressor='auto' tries a new plan: it would %s a step "
                              "at the measured pace, %s within one standard error of its "
                              "slope and %s at the worst pace the steps allow; its steps "
                              "will say whether it stays",
-                             saved(kept.paced_seconds(plan.pace) - plan.paced_seconds()),
-                             saved(planner.least_gain(kept, plan, near=True)),
-                             saved(planner.least_gain(kept, plan)))
+                             saved(planner.fitted_gain(kept, plan)),
+                             saved(planner.least_gain(kept, plan, near=True)), saved(least))
             return plan
         # Not taken: ``kept`` is not None here (``change_pays`` takes any plan over none).
         trial = ""
@@ -1350,7 +1349,7 @@ class AutoPlanner:
                      "step at the measured pace and %s at the worst pace the steps "
                      "allow, which does not cover a change (%.3f ms a step over the "
                      "steps it would run%s)%s",
-                     saved(kept.paced_seconds(plan.pace) - plan.paced_seconds()),
+                     saved(planner.fitted_gain(kept, plan)),
                      saved(planner.least_gain(kept, plan)),
                      planner.required_gain(plan, min_gain_s) * 1e3,
                      "" if plan.slope_measured else ", and the change back its steps may "

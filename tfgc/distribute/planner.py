@@ -1622,6 +1622,11 @@ def _gains(kept: Plan, new: Plan, paces) -> List[float]:
     return [kept.paced_seconds(p) - new.paced_seconds(p) for p in paces]
 
 
+def fitted_gain(kept: Plan, new: Plan) -> float:
+    """What ``new`` saves a step over ``kept`` under its own pace (the fitted slope)."""
+    return float(_gains(kept, new, [new.pace])[0])
+
+
 def least_gain(kept: Plan, new: Plan, near: bool = False) -> float:
     """The least that ``new`` saves a step over ``kept`` under its pace and the paces
     the measured steps allow (``Pace.others``; ``near``: those at ``TRIAL_Z`` standard
@@ -1638,8 +1643,7 @@ def is_trial(kept: Plan, new: Plan, min_gain_s: float) -> bool:
     lost at ``TRIAL_Z`` standard errors either side."""
     if not new.slope_measured:
         return False
-    (fitted,) = _gains(kept, new, [new.pace])
-    return bool(fitted >= UNMEASURED_CHANGES * min_gain_s
+    return bool(fitted_gain(kept, new) >= UNMEASURED_CHANGES * min_gain_s
                 and least_gain(kept, new, near=True) >= 0.0)
 
 
