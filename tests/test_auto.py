@@ -978,6 +978,20 @@ def test_a_change_must_pay_at_every_slope_the_steps_allow_or_lose_nothing_near_i
     assert planner.is_trial(kept, new, 0.0)
     assert planner.change_pays(kept, new, fitted / planner.UNMEASURED_CHANGES * 0.99)
     assert not planner.change_pays(kept, new, fitted / planner.UNMEASURED_CHANGES * 1.01)
+    # A wrong trial runs its steps at the interval's end: where they are half of those
+    # the change pays over, it must save half what it would lose there as well.
+    loss = -planner.least_gain(kept, new)
+    assert planner.trial_gain(kept, new, 0.001, 0.5) == pytest.approx(
+        planner.UNMEASURED_CHANGES * 0.001 + 0.5 * loss)
+    assert fitted > 0.5 * loss
+    paid = (fitted - 0.5 * loss) / planner.UNMEASURED_CHANGES
+    assert planner.change_pays(kept, new, paid * 0.99, 0.5)
+    assert not planner.change_pays(kept, new, paid * 1.01, 0.5)
+    assert planner.change_pays(kept, new, paid * 1.01, 0.0)
+    # Nothing lost anywhere in the interval: the trial's steps add nothing to pay.
+    pace, kept_certain, new_certain, _ = found[0.0003]
+    assert planner.trial_gain(kept_certain, new_certain, 0.001, 1.0) == pytest.approx(
+        planner.UNMEASURED_CHANGES * 0.001)
     # Many steps pin the slope where the quantized plan stays faster: the change pays
     # for itself alone at every slope they allow.
     pace, kept, new, fitted = found[0.0003]
@@ -988,6 +1002,17 @@ def test_a_change_must_pay_at_every_slope_the_steps_allow_or_lose_nothing_near_i
     assert fitted / planner.UNMEASURED_CHANGES > least
     assert planner.change_pays(kept, new, fitted / planner.UNMEASURED_CHANGES * 0.99)
     assert not planner.change_pays(kept, new, fitted / planner.UNMEASURED_CHANGES * 1.01)
+
+
+def test_a_trials_share_is_its_steps_over_those_a_change_pays_over():
+    assert planner.trial_share_of(50, 1000) == pytest.approx(0.05)
+    # The fit's last interval, or a fit of unknown length: the change pays over the
+    # trial's own steps, all of them at stake.
+    assert planner.trial_share_of(50, 20) == 1.0
+    assert planner.trial_share_of(50, None) == planner.trial_share_of(50, float("nan")) == 1.0
+    # Not priced.
+    assert planner.trial_share_of(None, 1000) == planner.trial_share_of(0, 1000) == 0.0
+    assert planner.trial_share_of(float("nan"), 1000) == 0.0
 
 
 def test_the_planner_keeps_its_plan_unless_a_change_pays_at_every_slope_or_is_a_trial(caplog):
@@ -1583,7 +1608,7 @@ def test_a_new_plan_that_does_not_pay_leaves_a_faster_timed_plan_to_be_taken(mon
     assert new.paced_seconds() < min(planner.timed_seconds(*v)[0] for v in timed.values())
     # The kept plan is priced (a measured slope), as a change that does not pay needs.
     assert new.pace.measured_slope
-    monkeypatch.setattr(planner, "change_pays", lambda kept, new, min_gain_s: False)
+    monkeypatch.setattr(planner, "change_pays", lambda kept, new, min_gain_s, share: False)
     caplog.set_level(logging.INFO, logger="absl")
     assert auto._decide([lay])[lay].key() == free.key()
     assert auto.went_back == 1
@@ -2065,9 +2090,11 @@ def test_the_plan_callback_times_settled_steps_and_prices_a_change_exactly(monke
     measured = []
     measure = cdo.measure_low_rank
     monkeypatch.setattr(cdo, "measure_low_rank",
-                        lambda step_s=None, step_se_s=None, steps_left=None, min_gain_s=0.0:
-                        measured.append((step_s, step_se_s, steps_left, min_gain_s))
-                        or measure(step_s, step_se_s, steps_left, min_gain_s))
+                        lambda step_s=None, step_se_s=None, steps_left=None, min_gain_s=0.0,
+                        trial_steps=None:
+                        measured.append((step_s, step_se_s, steps_left, min_gain_s,
+                                         trial_steps))
+                        or measure(step_s, step_se_s, steps_left, min_gain_s, trial_steps))
     callback = tfgc.keras.AutoPlanCallback(strategy, every_steps=50, link_margin=None)
     assert callback.SETTLE_STEPS == 1 and callback.LOW_RANK_AFTER == 2
     # The trace (6 s of it the planner's measuring), a settling step, three of the
@@ -2080,10 +2107,11 @@ def test_the_plan_callback_times_settled_steps_and_prices_a_change_exactly(monke
     # deviation, 0.1 s), and the fit's steps after it (five of nine). No change was
     # timed yet: the first trace stands for one, its excess and the settling step's
     # over the ordinary step then (1.0), less the measuring, over the interval (50
-    # steps, more than the fit's left).
+    # steps, more than the fit's left). A trial taken then would run to the interval's
+    # end: 46 steps after the fourth.
     trace_s = (10.0 - 6.0 - 1.0) + (2.0 - 1.0)
     assert measured == [(pytest.approx(0.8), pytest.approx(1.4826 * 0.1), 5,
-                         pytest.approx(trace_s / 50))]
+                         pytest.approx(trace_s / 50), 46)]
     assert list(callback._plan_steps) == pytest.approx([0.9, 1.1])  # pylint: disable=protected-access
     # The retrace's and the settling step's excess over the median of the ordinary
     # steps (1.0, 0.8 and 1.2, priced once the settling step ended; the trace's and the
@@ -2115,14 +2143,17 @@ def test_an_interval_that_ends_before_the_first_trace_is_priced_still_pays_for_i
     cdo = strategy.cross_device_ops
     asked = []
     monkeypatch.setattr(cdo, "capture_gradients", lambda: None)
+    trials = []
     monkeypatch.setattr(cdo, "adapt", lambda threshold, min_gain_s=0.0, **kwargs:
-                        asked.append(min_gain_s) or frozenset())
+                        asked.append(min_gain_s) or trials.append(kwargs["trial_steps"])
+                        or frozenset())
     callback = tfgc.keras.AutoPlanCallback(strategy, every_steps=2, link_margin=None)
     _drive(callback, monkeypatch, [10.0, 2.0, 1.0, 1.0, 1.0, 1.0], measuring_s=6.0)
     # Six steps: intervals end at steps 2, 4 and 6, over the steps left (4, 2, 0; at
     # least an interval's 2). At step 2: (10 - 6) + 2 s; later, priced against the
     # ordinary steps (1 s): (10 - 6 - 1) + (2 - 1).
     assert asked == pytest.approx([6.0 / 4, 4.0 / 2, 4.0 / 2])
+    assert trials == [2, 2, 2]  # a plan taken at an interval's end runs the next
     assert callback.change_s == pytest.approx(4.0)
     # A single call of steps_per_execution steps (4 here) over the first interval:
     # the call's seconds less the measuring, and no ordinary step to price it against.
@@ -2207,8 +2238,8 @@ def test_the_first_low_rank_measurement_is_the_interval_end_when_they_meet(monke
     cdo = strategy.cross_device_ops
     measured = []
     monkeypatch.setattr(cdo, "measure_low_rank",
-                        lambda step_s=None, step_se_s=None, steps_left=None, min_gain_s=0.0:
-                        measured.append(step_s))
+                        lambda step_s=None, step_se_s=None, steps_left=None, min_gain_s=0.0,
+                        trial_steps=None: measured.append(step_s))
     callback = tfgc.keras.AutoPlanCallback(strategy, every_steps=4, link_margin=None)
     # The fourth step is both the second of the plan's timed steps and the interval's
     # end, whose adapt measures the low-rank errors: no second measurement, then or
@@ -2574,11 +2605,17 @@ def test_the_low_rank_measurement_asks_worker_0s_least_gain_of_a_new_plan(monkey
     asked = []
     monkeypatch.setattr(auto, "_measured", lambda ran, step_s, steps_left, timing_s,
                         min_gain_s: asked.append((step_s, steps_left, min_gain_s)) or True)
-    monkeypatch.setattr(auto, "_decide", lambda ran, min_gain_s=0.0:
-                        asked.append(min_gain_s) or {})
+    monkeypatch.setattr(auto, "_decide", lambda ran, min_gain_s=0.0, trial_share=0.0:
+                        asked.append((min_gain_s, trial_share)) or {})
     monkeypatch.setattr(auto, "_take", lambda plans, figures: False)
-    ops.measure_low_rank(step_s=0.5, steps_left=300, min_gain_s=0.25)
-    assert asked == [(0.5, 300.0, 0.25), 0.25]
+    ops.measure_low_rank(step_s=0.5, steps_left=300, min_gain_s=0.25, trial_steps=30)
+    # A trial's 30 steps are a tenth of the 300 a change pays over.
+    assert asked == [(0.5, 300.0, 0.25), (0.25, pytest.approx(0.1))]
+    asked.clear()
+    ops.measure_low_rank(step_s=0.5, steps_left=None, min_gain_s=0.25, trial_steps=30)
+    assert asked[-1] == (0.25, 1.0)  # a fit of unknown length: over the trial's own
+    with pytest.raises(ValueError, match="trial_steps"):
+        ops.measure_low_rank(step_s=0.5, trial_steps=-1)
 
 
 def test_the_steps_left_and_the_timings_cost_decide_whether_low_rank_is_timed(monkeypatch,

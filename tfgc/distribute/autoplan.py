@@ -1101,12 +1101,14 @@ class AutoPlanner:
                        retrace=True)
 
     def adapt(self, threshold: float, min_gain_s: float = 0.0, step_s=None,
-              step_se_s=None, steps_left=None, learning_rate=None) -> frozenset:
+              step_se_s=None, steps_left=None, learning_rate=None,
+              trial_steps=None) -> frozenset:
         """See ``CompressedAllReduce.adapt``."""
         check_number("threshold", threshold, 0, strict=True)
         check_number("min_gain_s", min_gain_s, 0)
         _check_step(step_s, step_se_s)
         _check_steps_left(steps_left)
+        _check_steps_left(trial_steps, "trial_steps")
         if learning_rate is not None:
             check_number("learning_rate", learning_rate, 0, also=" or None")
         if not self._tracked:
@@ -1130,9 +1132,9 @@ class AutoPlanner:
                     total.assign(tf.zeros_like(total))
                 lay.restart_counts()
         first = self._first_floats(values + [min_gain_s, _or_nan(step_s), _or_nan(step_se_s),
-                                             _or_nan(learning_rate)]
+                                             _or_nan(learning_rate), _or_nan(trial_steps)]
                                    + self._timing_words(steps_left), most=1)
-        min_gain_s, step_s, step_se_s, rate = (float(v) for v in first[-6:-2])
+        min_gain_s, step_s, step_se_s, rate, trial_steps = (float(v) for v in first[-7:-2])
         rate = rate if math.isfinite(rate) else None
         ran = [lay for lay in active if first[starts[lay] + len(lay.gradients)]]
         self._timed(ran, step_s, step_se_s)
@@ -1164,7 +1166,8 @@ class AutoPlanner:
         # layout that no step summed in the interval (a model not trained in it) is
         # left as it was, and a new generation leaves it behind (its train function,
         # traced again, plans it again from its regimes; the planner may forget it).
-        self._take(self._decide(ran, min_gain_s), self._figures[1])
+        self._take(self._decide(ran, min_gain_s, _trial_share(trial_steps, first)),
+                   self._figures[1])
         # What is critical now in the models trained in the interval: one whose every
         # step was skipped for a non-finite gradient (nothing summed) keeps the regimes
         # it had, and its plan still follows them; a model not trained in it is left
@@ -1175,10 +1178,11 @@ class AutoPlanner:
             for lay in trained))
 
     def measure_low_rank(self, step_s=None, step_se_s=None, steps_left=None,
-                         min_gain_s: float = 0.0) -> bool:
+                         min_gain_s: float = 0.0, trial_steps=None) -> bool:
         """See ``CompressedAllReduce.measure_low_rank``."""
         _check_step(step_s, step_se_s)
         _check_steps_left(steps_left)
+        _check_steps_left(trial_steps, "trial_steps")
         check_number("min_gain_s", min_gain_s, 0)
         active = self._active()
         if not self._tracked or not active or not self._ops.compressor.budget_rank:
@@ -1186,14 +1190,16 @@ class AutoPlanner:
         # Worker 0's count of the steps each layout summed: those that train now.
         with tf.init_scope():
             summed = [lay.summed_steps() for lay in active]
-        first = self._first_floats(summed + [min_gain_s, _or_nan(step_s), _or_nan(step_se_s)]
+        first = self._first_floats(summed + [min_gain_s, _or_nan(step_s), _or_nan(step_se_s),
+                                             _or_nan(trial_steps)]
                                    + self._timing_words(steps_left), most=1)
-        min_gain_s, step_s, step_se_s = (float(v) for v in first[-5:-2])
-        ran = [lay for lay, count in zip(active, first[:-5]) if count]
+        min_gain_s, step_s, step_se_s, trial_steps = (float(v) for v in first[-6:-2])
+        ran = [lay for lay, count in zip(active, first[:-6]) if count]
         self._timed(ran, step_s, step_se_s)
         if not ran or not self._measured(ran, step_s, *first[-2:], min_gain_s=min_gain_s):
             return False
-        return self._take(self._decide(ran, min_gain_s), self._figures[1])
+        return self._take(self._decide(ran, min_gain_s, _trial_share(trial_steps, first)),
+                          self._figures[1])
 
     def _timing_words(self, steps_left):
         """The steps left (NaN: unknown) and the seconds timing the measured candidates
@@ -1279,14 +1285,16 @@ class AutoPlanner:
         self._low_rank = low_rank
         return changed
 
-    def _plan_again(self, lay, current, min_gain_s: float = 0.0, ran=None):
+    def _plan_again(self, lay, current, min_gain_s: float = 0.0, ran=None,
+                    trial_share: float = 0.0):
         """The plan for ``lay`` from the current figures, regimes and errors: one that
         differs from ``current``, unless ``current`` still keeps within the regimes and
         budgets and the new one is predicted to save less than ``min_gain_s`` a step
         (twice that while no slope is measured: ``planner.required_gain``), under the
         pace and the paces its measured slope allows (``planner.change_pays``; or
-        twice that at the pace, as a trial, where it loses nothing within one
-        standard error of the slope: ``planner.is_trial``): a change retraces the
+        twice that at the pace, and ``trial_share`` of what it would lose at the worst
+        of them, as a trial, where it loses nothing within one standard error of the
+        slope: ``planner.is_trial``): a change retraces the
         train function, which costs seconds, and a new rank that saves a tenth of a
         millisecond does not pay that back, nor does one that only
         the steps' noise favours; then ``current`` priced anew. Once two plans or more
@@ -1328,7 +1336,7 @@ class AutoPlanner:
             return (f"save {seconds * 1e3:.3f} ms" if seconds >= 0
                     else f"lose {-seconds * 1e3:.3f} ms")
 
-        if planner.change_pays(kept, plan, min_gain_s):
+        if planner.change_pays(kept, plan, min_gain_s, trial_share):
             least = None if kept is None else planner.least_gain(kept, plan)
             if least is not None and least < planner.required_gain(plan, min_gain_s):
                 logging.info("tfgc: compressor='auto' tries a new plan: it would %s a step "
@@ -1342,9 +1350,11 @@ class AutoPlanner:
         trial = ""
         if plan.slope_measured:
             trial = (f"; nor is it a trial, which must save "
-                     f"{planner.UNMEASURED_CHANGES * min_gain_s * 1e3:.3f} ms at the "
-                     f"measured pace and lose nothing at one standard error of its slope, "
-                     f"where it would {saved(planner.least_gain(kept, plan, near=True))}")
+                     f"{planner.trial_gain(kept, plan, min_gain_s, trial_share) * 1e3:.3f} "
+                     f"ms at the measured pace (twice the change, and what it would lose "
+                     f"over its trial's steps at the worst pace) and lose nothing at one "
+                     f"standard error of its slope, where it would "
+                     f"{saved(planner.least_gain(kept, plan, near=True))}")
         logging.info("tfgc: compressor='auto' keeps its plan: the new one would %s a "
                      "step at the measured pace and %s at the worst pace the steps "
                      "allow, which does not cover a change (%.3f ms a step over the "
@@ -1397,7 +1407,7 @@ class AutoPlanner:
         plan = self._planned(lay, figures, only=labels, dense=dense, rows_label=rows_label)
         return plan if plan is not None and plan.key() == key else None
 
-    def _decide(self, ran, min_gain_s: float = 0.0):
+    def _decide(self, ran, min_gain_s: float = 0.0, trial_share: float = 0.0):
         """The plans to take for the layouts in ``ran`` (those that trained in the
         interval): each one's ``_plan_again``, then, where several ran (a step reduces
         each of them), the whole step's choice among the sets of plans that ran
@@ -1405,7 +1415,8 @@ class AutoPlanner:
         current one nor the planner's choice, the step's plans went back to plans
         timed faster: counted once (``went_back``) and said. Every worker calls it at
         the same point."""
-        plans = {lay: self._plan_again(lay, lay.plan[1], min_gain_s, ran) for lay in ran}
+        plans = {lay: self._plan_again(lay, lay.plan[1], min_gain_s, ran, trial_share)
+                 for lay in ran}
         if len(ran) > 1 and self._pin is None and not self._ops.compressor.link_gbps:
             plans = self._joint_back(ran, plans, min_gain_s)
         back = [lay for lay in ran
@@ -1586,9 +1597,15 @@ def _check_step(step_s, step_se_s=None):
         raise ValueError(f"`step_se_s` must be finite, got {step_se_s!r}")
 
 
-def _check_steps_left(steps_left):
+def _check_steps_left(steps_left, name="steps_left"):
     if steps_left is not None:
-        check_number("steps_left", steps_left, 0, also=" or None")
+        check_number(name, steps_left, 0, also=" or None")
+
+
+def _trial_share(trial_steps, first):
+    """``planner.trial_share_of`` worker 0's ``trial_steps`` (NaN: None) and steps left
+    (``_timing_words``' first word in ``first``, as ``_first_floats`` returns them)."""
+    return planner.trial_share_of(trial_steps, float(first[-2]))
 
 
 def _or_nan(step_s):

@@ -778,7 +778,8 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         self._auto_planner("track_regimes").track_regimes()
 
     def adapt(self, threshold: float = 0.5, min_gain_s: float = 0.0, step_s=None,
-              step_se_s=None, steps_left=None, learning_rate=None) -> frozenset:
+              step_se_s=None, steps_left=None, learning_rate=None,
+              trial_steps=None) -> frozenset:
         """Under ``compressor="auto"`` after ``track_regimes``: ends an interval. The norm
         of each planned gradient's sum over the interval is compared with the previous
         interval's (``planner.critical_layers``: a change of ``threshold`` or more, or
@@ -788,11 +789,12 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         its slope's interval: ``planner.change_pays``) is less than ``min_gain_s``
         seconds shorter than the current plan's (priced anew; twice that while the
         steps have measured no slope: ``planner.required_gain``, or where it is a
-        trial, saving twice that at the measured pace and nothing less within one
-        standard error of its slope: ``planner.is_trial``) is not taken while the
-        current one still keeps within the regimes and budgets (``AutoPlanCallback``
-        passes what a change cost the last time, or the fit's first trace until one is
-        timed, spread over the rest of the fit).
+        trial, saving twice that at the measured pace, with what it would lose over
+        ``trial_steps`` steps at the worst pace its slope allows, and nothing less
+        within one standard error of its slope: ``planner.is_trial``) is not taken
+        while the current one still keeps within the regimes and budgets
+        (``AutoPlanCallback`` passes what a change cost the last time, or the fit's
+        first trace until one is timed, spread over the rest of the fit).
         ``step_s``: the current plan's measured step in seconds (its median; None: not
         timed), which weighs the low-rank error's extra steps against the time a step
         saves (``planner.Pace``), and ``step_se_s`` its standard error (None: unknown,
@@ -804,21 +806,26 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         where it fell by ``threshold`` or more since the previous interval's end
         (``planner.learning_rate_fell``: ACCORDION's rule at a decay), every gradient
         the interval trained is critical for the next interval and held: no lossier
-        than the plan that ran sent it (``planner.make_plan``'s ``held``). The norms,
-        ``min_gain_s``, the step, ``steps_left`` and the rate are worker 0's
+        than the plan that ran sent it (``planner.make_plan``'s ``held``).
+        ``trial_steps``: the steps a plan taken as a trial runs before its own steps
+        are weighed (``AutoPlanCallback``: its interval; None: not priced), of the
+        ``steps_left`` (or, where fewer or unknown, of its own) that a change pays
+        over (``planner.trial_share_of``). The norms, ``min_gain_s``, the step,
+        ``steps_left``, ``trial_steps`` and the rate are worker 0's
         (all-gathered), so every worker decides the same; every worker must call it at
         the same point. Returns the names in a critical regime now, of the models the
         interval trained: one whose every step was skipped for a non-finite gradient
         keeps the regimes it had."""
         return self._auto_planner("adapt").adapt(threshold, min_gain_s, step_s, step_se_s,
-                                                 steps_left, learning_rate)
+                                                 steps_left, learning_rate, trial_steps)
 
     def measure_low_rank(self, step_s=None, step_se_s=None, steps_left=None,
-                         min_gain_s: float = 0.0) -> bool:
+                         min_gain_s: float = 0.0, trial_steps=None) -> bool:
         """Under ``compressor="auto"`` with regimes tracked and ``low_rank`` on: measures
         every matrix's low-rank error now (on the last step's gradients, as ``adapt``
         does at an interval's end) and plans again; True when the plan changed.
-        ``step_s``, ``step_se_s`` and ``min_gain_s`` as for ``adapt`` (worker 0's).
+        ``step_s``, ``step_se_s``, ``min_gain_s`` and ``trial_steps`` as for ``adapt``
+        (worker 0's).
         The first time, it also times the low-rank and top-k candidates' CPU cost
         (seconds with a cold cache: ``planner.measured_timing_s``), unless what the
         matrices cost a step now, over ``steps_left`` steps (worker 0's; None: unknown),
@@ -829,7 +836,7 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         timed, so that low rank need not wait for an interval. Eager; every worker must
         call it at the same point."""
         return self._auto_planner("measure_low_rank").measure_low_rank(
-            step_s, step_se_s, steps_left, min_gain_s)
+            step_s, step_se_s, steps_left, min_gain_s, trial_steps)
 
     @property
     def measuring_s(self) -> float:

@@ -81,9 +81,10 @@ more than its extra steps cost (a slow link), and not where compute is most of t
 step (a fast one). The fit weighs each plan by its step's standard error, and a change
 of plan is taken only where it pays at both ends of the slope's interval as well
 (``change_pays``): two plans whose steps differ by less than their noise do not swap
-back and forth. Or as a trial, which must pay twice at the fitted slope and lose
-nothing within one standard error of it (``is_trial``): its own steps then say whether
-it stays. Before the steps have measured a slope (one plan timed, or plans whose
+back and forth. Or as a trial, which must pay twice at the fitted slope, and for what
+it would lose at the interval's worst end over the steps it runs before they are
+weighed, and lose nothing within one standard error of it (``is_trial``): its own
+steps then say whether it stays. Before the steps have measured a slope (one plan timed, or plans whose
 predictions are too close to tell apart), a change rests on the link probe's prediction
 alone, and must pay for the change back as well (``UNMEASURED_CHANGES``; on a given
 link the pace's line is what may call for it).
@@ -1577,7 +1578,8 @@ def _consolidate(choice, options, budget, link, num_workers, shared_limit=1.0):
         choice = best[1]
 
 
-def change_pays(kept: Optional[Plan], new: Plan, min_gain_s: float) -> bool:
+def change_pays(kept: Optional[Plan], new: Plan, min_gain_s: float,
+                trial_share: float = 0.0) -> bool:
     """Whether to take ``new`` over the current plan, ``kept`` (the current choice priced
     anew by ``make_plan(..., only=...)``; None where the regimes or budgets now rule it
     out). Plans are compared as the planner chose them (``Plan.paced_seconds``), under
@@ -1588,18 +1590,19 @@ def change_pays(kept: Optional[Plan], new: Plan, min_gain_s: float) -> bool:
     the steps have not measured the pace's slope (``required_gain``).
 
     Or as a trial (``is_trial``): where the slope is measured and the change pays
-    ``UNMEASURED_CHANGES`` times ``min_gain_s`` at the fitted slope, and loses nothing
-    at ``TRIAL_Z`` standard errors of it, though it may at ``PACE_Z``. Its own steps
-    then say whether it is faster, and ``prefer_timed`` goes back to the plan before it
-    where they say it is not; so it pays for the change back, as a change does before
-    a slope is measured. (Asked to pay at every slope the steps allow, the GAN at
-    1 Gbit/s kept a plan that ran 89 ms a step, where a change it weighed saved 22.9 ms
-    at the fitted slope and lost 2.5 ms at the interval's end: PowerSGD on every
-    matrix ran 40 ms.)"""
+    ``UNMEASURED_CHANGES`` times ``min_gain_s`` at the fitted slope, with what it
+    would lose over its trial at the worst pace (``trial_share`` of the steps it is
+    priced over: ``trial_gain``), and loses nothing at ``TRIAL_Z`` standard errors of
+    it, though it may at ``PACE_Z``. Its own steps then say whether it is faster, and
+    ``prefer_timed`` goes back to the plan before it where they say it is not; so it
+    pays for the change back, as a change does before a slope is measured. (Asked to
+    pay at every slope the steps allow, the GAN at 1 Gbit/s kept a plan that ran 89 ms
+    a step, where a change it weighed saved 22.9 ms at the fitted slope and lost
+    2.5 ms at the interval's end: PowerSGD on every matrix ran 40 ms.)"""
     if kept is None:
         return True
     return bool(least_gain(kept, new) >= required_gain(new, min_gain_s)
-                or is_trial(kept, new, min_gain_s))
+                or is_trial(kept, new, min_gain_s, trial_share))
 
 
 # A change of plan that only the link probe's prediction says pays (no slope measured
@@ -1637,14 +1640,36 @@ def least_gain(kept: Plan, new: Plan, near: bool = False) -> float:
     return float(min(_gains(kept, new, paces)))
 
 
-def is_trial(kept: Plan, new: Plan, min_gain_s: float) -> bool:
+def is_trial(kept: Plan, new: Plan, min_gain_s: float, trial_share: float = 0.0) -> bool:
     """Whether ``new`` is taken over ``kept`` as a trial (``change_pays``): a measured
-    slope, ``UNMEASURED_CHANGES`` times ``min_gain_s`` saved a step at it, and nothing
-    lost at ``TRIAL_Z`` standard errors either side."""
+    slope, ``trial_gain`` saved a step at it, and nothing lost at ``TRIAL_Z`` standard
+    errors either side."""
     if not new.slope_measured:
         return False
-    return bool(fitted_gain(kept, new) >= UNMEASURED_CHANGES * min_gain_s
+    return bool(fitted_gain(kept, new) >= trial_gain(kept, new, min_gain_s, trial_share)
                 and least_gain(kept, new, near=True) >= 0.0)
+
+
+def trial_gain(kept: Plan, new: Plan, min_gain_s: float, trial_share: float = 0.0) -> float:
+    """What ``new`` must save a step at the fitted slope to be a trial (``is_trial``):
+    ``UNMEASURED_CHANGES`` times ``min_gain_s`` (the change and the way back), and
+    ``trial_share`` of what it would lose a step at the worst pace the steps allow
+    (``least_gain``, where negative). ``trial_share``: the share of the steps that
+    ``min_gain_s`` spreads a change over (``trial_share_of``) that a trial runs before
+    its own steps are weighed; a wrong one runs them all at its own pace."""
+    return (UNMEASURED_CHANGES * min_gain_s
+            + min(trial_share, 1.0) * max(-least_gain(kept, new), 0.0))
+
+
+def trial_share_of(trial_steps: Optional[float], steps_left: Optional[float]) -> float:
+    """The share of a change's steps that its trial runs (``trial_gain``): ``trial_steps``
+    (those before the planner weighs the trial's own steps: ``AutoPlanCallback``'s
+    interval; None or 0: not priced) over the steps a change pays over, the fit's
+    ``steps_left`` or, where fewer or unknown (None), the trial's own."""
+    if not trial_steps or not math.isfinite(trial_steps):
+        return 0.0
+    left = steps_left if steps_left is not None and math.isfinite(steps_left) else 0.0
+    return float(trial_steps / max(trial_steps, left))
 
 
 def timed_seconds(plan: Plan, point: Tuple[float, ...],

@@ -296,7 +296,10 @@ class AutoPlanCallback(keras.callbacks.Callback):
     and that step's standard error, from which the planner weighs the steps a
     low-rank plan adds against the time it saves (``Auto.low_rank_steps``), and takes
     a change only where it pays for every slope the steps' noise allows, or as a trial
-    that its steps may send back (``planner.change_pays``). It passes the
+    that its steps may send back (``planner.change_pays``), where what it saves over
+    the fit at the fitted pace covers its change, the change back and what it would
+    lose, at the slowest pace the steps allow, over the steps up to the next
+    interval's end, which it runs before its steps are weighed. It passes the
     steps left of the fit as well: the first measurement times the low-rank and top-k
     codecs (seconds, on a machine whose cache lacks them) only where what the matrices
     cost a step could, over those steps, pay for it (``planner.timing_pays``).
@@ -499,7 +502,8 @@ class AutoPlanCallback(keras.callbacks.Callback):
             began = time.perf_counter()
             self._strategy.cross_device_ops.measure_low_rank(
                 steps_left=self._steps_left(self._per_call),
-                min_gain_s=self._min_gain_s(), **self._plan_step())
+                min_gain_s=self._min_gain_s(),
+                trial_steps=self._trial_steps(self._per_call), **self._plan_step())
             self.measure_s = time.perf_counter() - began
         self._steps += self._per_call
         self._fit_steps += self._per_call
@@ -587,6 +591,14 @@ class AutoPlanCallback(keras.callbacks.Callback):
         if self._every_steps is not None:
             return self._every_steps
         return max(1, ((self.params or {}).get("steps") or 1) * self._every)
+
+    def _trial_steps(self, running=0):
+        """The steps a plan taken now runs before the planner weighs its steps (the next
+        interval's end), after those counted and ``running`` more: to the next multiple
+        of ``every_steps``, or a whole interval where intervals are epochs."""
+        if self._every_steps is None:
+            return self._interval_steps()
+        return self._every_steps - (self._steps + running) % self._every_steps
 
     def _steps_left(self, running=0):
         """The steps left of the fit after those counted and ``running`` more (Keras'
@@ -676,6 +688,7 @@ class AutoPlanCallback(keras.callbacks.Callback):
             critical = cdo.adapt(self._threshold,
                                  min_gain_s=self._min_gain_s(),
                                  steps_left=self._steps_left(),
+                                 trial_steps=self._trial_steps(),
                                  learning_rate=self._learning_rate(), **self._plan_step())
             self._measured = True  # the low-rank errors too, where they are candidates
         adapted = time.perf_counter()
