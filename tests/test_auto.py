@@ -2062,10 +2062,12 @@ def test_the_plan_callback_prices_a_change_by_the_step_that_retraces():
     np.testing.assert_allclose(timed, steps[-len(timed):], rtol=0.2, atol=2e-3)
 
 
-def _drive(callback, monkeypatch, durations, change_after=None, measuring_s=0.0):
+def _drive(callback, monkeypatch, durations, change_after=None, measuring_s=0.0,
+           end=False):
     """Runs ``callback``'s hooks over steps of the given seconds on a fake clock, the
-    strategy's setting changed (a new generation) at the end of step ``change_after``,
-    and ``measuring_s`` of the first step's counted as the planner's measuring."""
+    strategy's setting changed (a new generation) at the end of step ``change_after``
+    (or of each step in it, a collection), ``measuring_s`` of the first step's counted
+    as the planner's measuring, and the fit ended (``end``)."""
     from tfgc.keras import callbacks as callbacks_module
     now = [0.0]
     monkeypatch.setattr(callbacks_module, "time",
@@ -2079,9 +2081,12 @@ def _drive(callback, monkeypatch, durations, change_after=None, measuring_s=0.0)
         now[0] += seconds
         if k == 0:
             cdo._auto.measuring_s += measuring_s  # pylint: disable=protected-access
-        if k == change_after:
+        if k == change_after or (not isinstance(change_after, int)
+                                 and k in (change_after or ())):
             cdo.overlap_bytes = cdo.overlap_bytes + 1
         callback.on_train_batch_end(k)
+    if end:
+        callback.on_train_end()
 
 
 def test_the_plan_callback_times_settled_steps_and_prices_a_change_exactly(monkeypatch):
@@ -2120,6 +2125,31 @@ def test_the_plan_callback_times_settled_steps_and_prices_a_change_exactly(monke
     # A later fit's first trace does not stand for a change once one was timed.
     _drive(callback, monkeypatch, [20.0, 1.0, 1.0, 1.0, 1.0])
     assert callback.change_s == pytest.approx((5.0 - 1.0) + (1.5 - 1.0))
+
+
+def test_the_plan_callback_warns_where_changes_of_plan_take_much_of_the_fit(monkeypatch,
+                                                                           caplog):
+    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
+    caplog.set_level(logging.WARNING, logger="absl")
+    # Two changes, each a retrace of 6 s and a settling step of 1 s over ordinary steps
+    # of 1 s: 5 s each, 10 s of a fit of 25 s. The first step's trace is not a change.
+    callback = tfgc.keras.AutoPlanCallback(strategy, threshold=None, every_steps=4,
+                                           link_margin=None)
+    durations = [3.0, 1.0, 1.0, 1.0, 1.0, 6.0, 1.0, 1.0, 1.0, 6.0, 1.0, 1.0, 1.0]
+    _drive(callback, monkeypatch, durations, change_after={4, 8}, end=True)
+    assert callback.retraces == pytest.approx([5.0, 5.0])
+    warned = [r.getMessage() for r in caplog.records if "changes of plan took" in r.getMessage()]
+    assert len(warned) == 1
+    assert "2 changes of plan took 10.0 s of this fit's 25.0 s (40%" in warned[0]
+    assert "every_steps=4" in warned[0]
+    # The same two changes in a fit five times as long: under RETRACE_SHARE, no word;
+    # nor for one change alone, however costly.
+    caplog.clear()
+    _drive(callback, monkeypatch, durations + [1.0] * 90, change_after={4, 8}, end=True)
+    assert callback.retraces == pytest.approx([5.0, 5.0])
+    _drive(callback, monkeypatch, durations[:8], change_after={4}, end=True)
+    assert callback.retraces == pytest.approx([5.0])
+    assert not [r for r in caplog.records if "changes of plan took" in r.getMessage()]
 
 
 def test_until_a_change_is_timed_the_costliest_first_step_stands_for_one(monkeypatch):

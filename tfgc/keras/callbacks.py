@@ -316,7 +316,12 @@ class AutoPlanCallback(keras.callbacks.Callback):
     planner measured in it (``CompressedAllReduce.measuring_s``), is a trace's cost
     (and where an interval ends before an ordinary step is timed, its whole seconds).
     What the callback's own work took is in ``measure_s`` (the low-rank timings) and
-    ``costs`` (per interval's end). Adds ``auto_critical`` (how many gradients are
+    ``costs`` (per interval's end), and what the fit's changes of plan cost in
+    ``retraces`` (each timed one's seconds). Where those are ``RETRACE_SHARE`` of the
+    fit or more over two changes or more, it warns at the fit's end: a retrace of a
+    large model takes seconds (EfficientNetB0 on 2 cores: 11-17 s), and where the
+    regimes move at every interval's end (a short interval sums few gradients, whose
+    norms move more), so does the plan. Adds ``auto_critical`` (how many gradients are
     critical) and ``auto_replanned`` (1 if the link changed the plan) to the epoch's
     logs. Every worker must run it (Keras calls every worker's callbacks at the same
     point).
@@ -359,6 +364,9 @@ class AutoPlanCallback(keras.callbacks.Callback):
     # ``SPREAD_PRIOR`` of the step (``planner.PACE_PRIOR``, from the stored runs).
     SPREAD_FROM = 8
     SPREAD_PRIOR = planner.PACE_PRIOR
+    # The share of a fit's seconds that its timed changes of plan may take before the
+    # callback warns at the fit's end.
+    RETRACE_SHARE = 0.2
 
     def __init__(self, strategy, threshold=0.5, link_margin=0.25, every_epochs: int = 1,
                  every_steps=None, link_share: float = 0.02, watch_learning_rate: bool = True):
@@ -422,6 +430,9 @@ class AutoPlanCallback(keras.callbacks.Callback):
         # whether a new plan came of them.
         self.measure_s = 0.0
         self.costs = []
+        # The seconds each change of plan of the fit cost, as timed (``_time_step``).
+        self.retraces = []
+        self._fit_began = None
 
     def _restart_timing(self, generation):
         """A fit begins: its first step traces, and no change is pending."""
@@ -438,6 +449,8 @@ class AutoPlanCallback(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self._measured = False
         self._fit_steps = 0
+        self.retraces = []
+        self._fit_began = time.perf_counter()
         self._first_epoch = self._first_step = None
         cdo = self._strategy.cross_device_ops
         if self._threshold is not None:
@@ -551,7 +564,29 @@ class AutoPlanCallback(keras.callbacks.Callback):
             # A later fit's first step may reuse the traced function: the most stands.
             self.change_s = max(self.change_s, priced) if self._first_trace else priced
             self._change_timed = self._change_timed or not self._first_trace
+            if not self._first_trace:
+                self.retraces.append(priced)
             self._change_steps = None
+
+    def on_train_end(self, logs=None):
+        if self._fit_began is None:
+            return
+        fit_s = time.perf_counter() - self._fit_began
+        spent = float(sum(self.retraces))
+        if len(self.retraces) < 2 or spent < self.RETRACE_SHARE * fit_s:
+            return
+        interval = (f"every_steps={self._every_steps}" if self._every_steps is not None
+                    else f"every_epochs={self._every}")
+        ordinary = float(np.median(self._durations)) if self._durations else 0.0
+        logging.warning(
+            "tfgc: AutoPlanCallback: %d changes of plan took %.1f s of this fit's %.1f s "
+            "(%.0f%%; %.1f s each, where the interval's %d steps took about %.1f s): a "
+            "change retraces the train function, and where the critical regimes move at "
+            "every interval's end, the plan does too. A longer interval than %s sums "
+            "more steps, whose norms move less, and changes less often",
+            len(self.retraces), spent, fit_s, 100 * spent / fit_s,
+            spent / len(self.retraces), self._interval_steps(),
+            self._interval_steps() * ordinary, interval)
 
     def _note_change(self):
         generation = self._strategy.cross_device_ops.generation
