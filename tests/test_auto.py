@@ -2141,7 +2141,17 @@ def test_the_plan_callback_warns_where_changes_of_plan_take_much_of_the_fit(monk
     warned = [r.getMessage() for r in caplog.records if "changes of plan took" in r.getMessage()]
     assert len(warned) == 1
     assert "2 changes of plan took 10.0 s of this fit's 25.0 s (40%" in warned[0]
-    assert "every_steps=4" in warned[0]
+    assert "every_steps=4 plans again less often" in warned[0]
+    # With regimes, the message names them: they move more over a short interval.
+    cdo = strategy.cross_device_ops
+    monkeypatch.setattr(cdo, "capture_gradients", lambda: None)
+    monkeypatch.setattr(cdo, "adapt", lambda threshold, **kwargs: frozenset())
+    caplog.clear()
+    regimes = tfgc.keras.AutoPlanCallback(strategy, every_steps=4, link_margin=None)
+    _drive(regimes, monkeypatch, durations, change_after={4, 8}, end=True)
+    warned = [r.getMessage() for r in caplog.records if "changes of plan took" in r.getMessage()]
+    assert len(warned) == 1 and "critical regimes move" in warned[0]
+    assert "every_steps=4 sums more steps" in warned[0]
     # The same two changes in a fit five times as long: under RETRACE_SHARE, no word;
     # nor for one change alone, however costly.
     caplog.clear()

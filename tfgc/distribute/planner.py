@@ -84,10 +84,10 @@ of plan is taken only where it pays at both ends of the slope's interval as well
 back and forth. Or as a trial, which must pay twice at the fitted slope, and for what
 it would lose at the interval's worst end over the steps it runs before they are
 weighed, and lose nothing within one standard error of it (``is_trial``): its own
-steps then say whether it stays. Before the steps have measured a slope (one plan timed, or plans whose
-predictions are too close to tell apart), a change rests on the link probe's prediction
-alone, and must pay for the change back as well (``UNMEASURED_CHANGES``; on a given
-link the pace's line is what may call for it).
+steps then say whether it stays. Before the steps have measured a slope (one plan
+timed, or plans whose predictions are too close to tell apart), a change rests on the
+link probe's prediction alone, and must pay for the change back as well
+(``UNMEASURED_CHANGES``; on a given link the pace's line is what may call for it).
 """
 
 import dataclasses

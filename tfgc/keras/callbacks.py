@@ -573,20 +573,22 @@ class AutoPlanCallback(keras.callbacks.Callback):
             return
         fit_s = time.perf_counter() - self._fit_began
         spent = float(sum(self.retraces))
-        if len(self.retraces) < 2 or spent < self.RETRACE_SHARE * fit_s:
+        if len(self.retraces) < 2 or fit_s <= 0 or spent < self.RETRACE_SHARE * fit_s:
             return
         interval = (f"every_steps={self._every_steps}" if self._every_steps is not None
                     else f"every_epochs={self._every}")
         ordinary = float(np.median(self._durations)) if self._durations else 0.0
+        why = ("where the critical regimes move at every interval's end, the plan does "
+               f"too. A longer interval than {interval} sums more steps, whose norms move "
+               "less, and changes less often" if self._threshold is not None else
+               f"a longer interval than {interval} plans again less often")
         logging.warning(
             "tfgc: AutoPlanCallback: %d changes of plan took %.1f s of this fit's %.1f s "
             "(%.0f%%; %.1f s each, where the interval's %d steps took about %.1f s): a "
-            "change retraces the train function, and where the critical regimes move at "
-            "every interval's end, the plan does too. A longer interval than %s sums "
-            "more steps, whose norms move less, and changes less often",
+            "change retraces the train function, and %s",
             len(self.retraces), spent, fit_s, 100 * spent / fit_s,
             spent / len(self.retraces), self._interval_steps(),
-            self._interval_steps() * ordinary, interval)
+            self._interval_steps() * ordinary, why)
 
     def _note_change(self):
         generation = self._strategy.cross_device_ops.generation
