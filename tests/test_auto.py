@@ -2073,6 +2073,7 @@ def _drive(callback, monkeypatch, durations, change_after=None, measuring_s=0.0,
     monkeypatch.setattr(callbacks_module, "time",
                         type("Clock", (), {"perf_counter": staticmethod(lambda: now[0])}))
     cdo = callback._strategy.cross_device_ops  # pylint: disable=protected-access
+    changes = {change_after} if isinstance(change_after, int) else set(change_after or ())
     callback.set_params({"epochs": 1, "steps": len(durations), "verbose": 0})
     callback.on_train_begin()
     callback.on_epoch_begin(0)
@@ -2081,8 +2082,7 @@ def _drive(callback, monkeypatch, durations, change_after=None, measuring_s=0.0,
         now[0] += seconds
         if k == 0:
             cdo._auto.measuring_s += measuring_s  # pylint: disable=protected-access
-        if k == change_after or (not isinstance(change_after, int)
-                                 and k in (change_after or ())):
+        if k in changes:
             cdo.overlap_bytes = cdo.overlap_bytes + 1
         callback.on_train_batch_end(k)
     if end:
