@@ -311,6 +311,117 @@ def test_accordions_rule_marks_a_layer_whose_norm_moved_by_half():
     assert planner.critical_layers({}, {"a": 1.0}, 0.5) == {"a"}
 
 
+def test_an_intervals_norm_is_its_means_with_the_noise_of_independent_steps():
+    steps = np.random.default_rng(3).normal(size=(7, 50))
+    total = steps.sum(0)
+    mean, noise, level = planner.interval_norm(float(np.linalg.norm(total)),
+                                               float((steps ** 2).sum()), len(steps))
+    assert mean == pytest.approx(np.linalg.norm(steps.mean(0)))
+    # The entries' sample variances summed: the level squared; over the steps: the
+    # mean's noise squared.
+    assert level ** 2 == pytest.approx(steps.var(0, ddof=1).sum())
+    assert noise ** 2 == pytest.approx(level ** 2 / len(steps))
+    # The same step every time: no noise; one step: unknown (noise 0, no level); none:
+    # no mean.
+    assert planner.interval_norm(6.0, 3 * 4.0, 3) == pytest.approx((2.0, 0.0, 0.0), abs=1e-9)
+    one = planner.interval_norm(2.0, 4.0, 1)
+    assert one[:2] == (2.0, 0.0) and math.isnan(one[2])
+    assert math.isnan(planner.interval_norm(0.0, 0.0, 0)[0])
+
+
+def test_a_move_within_the_two_intervals_noise_is_not_a_regime_unless_the_level_moved():
+    previous = {"a": (2.0, 0.6), "b": (2.0, 0.6), "c": (2.0, 0.0), "d": (2.0, 0.6),
+                "e": (2.0, 0.6, 3.0), "f": (2.0, 0.6, 3.0), "g": (2.0, 0.6, 3.0),
+                "h": (2.0, 0.05, 3.0)}
+    current = {"a": (1.0, 0.8), "b": (0.9, 0.8), "c": 1.0, "d": (3.0, 0.0),
+               "e": (1.0, 0.8, 1.5), "f": (1.0, 0.8, 1.6), "g": (1.0, 0.8, float("nan")),
+               "h": (1.6, 0.05, 1.0)}
+    # a fell by 1.0 = hypot(0.6, 0.8), no more; b by 1.1; c has no noise; d rose by 1.0,
+    # beyond the previous noise alone. The noise of e, f and g could hide a move of the
+    # mean by half (1.0 >= 0.5 * 2.0): e's level fell by half, f's by less, g's is
+    # unknown. h's level fell by two thirds, but its noise (0.07) hides no move of
+    # half its mean: its mean's 20 % decides.
+    assert planner.critical_layers(previous, current, 0.5) == {"b", "c", "d", "e"}
+    assert planner.critical_layers(previous, current, 0.5, noise=0.0) == \
+        set(current) - {"h"}
+    assert planner.critical_layers(previous, current, 0.5, noise=2.0) == {"c", "e"}
+    assert planner.critical_layers(previous, current, 0.6) == set()  # none moved 60 %
+
+
+def test_the_noise_test_holds_still_where_only_the_draw_of_the_noise_moves():
+    # A gradient of small fixed mean and noise in 4 directions, intervals of 25 steps: the
+    # norm of the mean's noise is sigma / 5 * sqrt(chi2_4), whose draws differ by half
+    # or more about a third of the time (sqrt(chi2_4): mean 1.88, sd 0.7), which
+    # ACCORDION's bare test calls a regime; beyond the two noises' sqrt(2) * 2 sigma / 5
+    # (a difference of 2.8 in sqrt(chi2_4), 2.8 sd) and with the level (the average of
+    # 25 steps' spread: sd about a tenth) still, about 1 % of the time. A level that
+    # falls to a third (early training's), or a mean that does under little noise, is a
+    # regime every time.
+    rng = np.random.default_rng(0)
+    dims, directions, n = 2000, 4, 25
+    basis = np.linalg.qr(rng.normal(size=(dims, directions)))[0].T
+    mu = np.full(dims, 0.003 / math.sqrt(dims))
+
+    def norm(mean, sigma):
+        steps = mean + sigma * rng.normal(size=(n, directions)) @ basis
+        return planner.interval_norm(float(np.linalg.norm(steps.sum(0))),
+                                     float((steps ** 2).sum()), n)
+
+    draws = [({"g": norm(mu, 0.05)}, {"g": norm(mu, 0.05)}) for _ in range(400)]
+    bare = sum(len(planner.critical_layers(a, b, 0.5, noise=0.0)) for a, b in draws)
+    kept = sum(len(planner.critical_layers(a, b, 0.5)) for a, b in draws)
+    assert bare >= 0.2 * len(draws) and kept <= 0.03 * len(draws), (bare, kept)
+    for _ in range(50):
+        assert planner.critical_layers({"g": norm(mu, 0.05)}, {"g": norm(mu, 0.05 / 3)},
+                                       0.5) == {"g"}
+        assert planner.critical_layers({"g": norm(30 * mu, 0.001)},
+                                       {"g": norm(10 * mu, 0.001)}, 0.5) == {"g"}
+
+
+def test_adapt_takes_each_planned_gradients_mean_and_noise_from_the_steps_it_summed():
+    # One worker and a learning rate of 0: the weights stay, so each step's gradient is
+    # the one a tape gives on its batch; worker 0's (mean, noise, level) at the
+    # interval's end is that of those steps.
+    import tf_keras as keras
+    strategy = tfgc.CompressedMultiWorkerMirroredStrategy(compressor="auto")
+    cdo = strategy.cross_device_ops
+    cdo.track_regimes()
+    model = small_model(strategy)
+    model.optimizer.learning_rate.assign(0.0)
+    x, y = small_data(32)
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    cdo.adapt(0.5)
+    lay, = cdo._auto._layouts.values()  # pylint: disable=protected-access
+    names = [g[0] for g in lay.gradients]
+    loss_fn = keras.losses.MeanSquaredError()
+    steps = []
+    for k in range(4):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y[8 * k:8 * k + 8], model(x[8 * k:8 * k + 8]))
+        grads = tape.gradient(loss, model.trainable_variables)
+        steps.append({v.name: g.numpy().astype(np.float64).ravel()
+                      for v, g in zip(model.trainable_variables, grads)})
+    assert lay.norms and set(lay.norms) <= set(range(len(names)))
+    for j, (mean, noise, level) in lay.norms.items():
+        each = np.stack([s[names[j]] for s in steps])
+        assert mean == pytest.approx(np.linalg.norm(each.mean(0)), rel=1e-4), names[j]
+        assert level == pytest.approx(math.sqrt(each.var(0, ddof=1).sum()), rel=1e-3)
+        assert noise == pytest.approx(level / 2, rel=1e-6)
+    # Kept in the checkpoint's record as (mean, noise, level); a record from before the
+    # noise was kept (bare norms of the sums) restores none: the next interval is
+    # critical.
+    part = json.loads(json.dumps(cdo._auto.snapshot()["layouts"][0]))  # pylint: disable=protected-access
+    kept = dict(lay.norms)
+    lay.norms = {}
+    autoplan.AutoPlanner._take_part(lay, part)  # pylint: disable=protected-access
+    assert lay.norms == kept  # JSON keeps a float's every digit
+    part["norms"] = {k: v[0] * 4 for k, v in part["norms"].items()}
+    autoplan.AutoPlanner._take_part(lay, part)  # pylint: disable=protected-access
+    assert lay.norms == {}
+    with pytest.raises(ValueError, match="`noise`"):
+        cdo.adapt(0.5, noise=-1.0)
+
+
 def test_accordions_rule_at_a_decay_asks_the_learning_rate_to_fall_by_the_threshold():
     assert planner.learning_rate_fell(0.1, 0.01, 0.5)  # a step decay
     assert planner.learning_rate_fell(0.1, 0.05, 0.5)  # by exactly the threshold
@@ -3562,7 +3673,9 @@ def test_critical_regimes_follow_accordions_rule_on_every_worker(cluster):
     for k, (epoch, critical, _) in enumerate(history):
         assert epoch == k
         norms = {int(j): v for j, v in epochs[k]["norms"].items()}
-        assert all(v > 0 for v in norms.values()), story
+        # (mean, noise, level): steps of other batches differ, so each has noise.
+        assert all(mean > 0 and noise > 0 and level > 0
+                   for mean, noise, level in norms.values()), story
         names = [e["name"] for e in epochs[k]["plan"]]
         want = planner.critical_layers(previous, norms, 0.5)
         assert sorted(names[j] for j in want) == critical, (k, story)
@@ -3766,6 +3879,18 @@ def test_each_embedding_table_goes_dense_or_as_rows_as_the_plan_prices_it(cluste
         assert len(entry) == 1 and entry[0]["label"] != "fp32"
         assert large["label"] != "fp32" and f"{large['name']}=rows:{large['label']}" \
             in plan["key"]
+    # Each gradient's last interval (mean, noise, level) of LOW_RANK_EVERY steps, the
+    # tables' too: the large table's rows differ from step to step, so its squared
+    # norms summed over the interval (rows that repeat summed first) exceed the sum's
+    # over its steps: noise.
+    norms = runs[0]["norms"]
+    assert runs[1]["norms"] == norms
+    assert {name.split("/")[0] for name in norms} >= {"small_table", "large_table"}, norms
+    for name, (mean, noise, level) in norms.items():
+        assert mean > 0 and noise >= 0 and math.isfinite(noise), norms
+        assert level == pytest.approx(noise * math.sqrt(worker.LOW_RANK_EVERY), rel=1e-6)
+        if name.startswith("large_table"):
+            assert noise > 0, norms
     # What the last plan's steps sent is what it counted: its entries, its rows and the
     # gradients it leaves dense (on two workers the ring sends each one's bytes once).
     last, stats = plans[-1], runs[0]["stats"]

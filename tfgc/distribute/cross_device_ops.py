@@ -770,7 +770,8 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
 
     def track_regimes(self):
         """Under ``compressor="auto"``: from the next step on, worker 0 sums every
-        planned gradient over the interval (a variable of its shape each) and every
+        planned gradient over the interval (a variable of its shape each) and its
+        squared norm (a scalar), and every
         gradient is treated as in a critical regime until ``adapt`` says otherwise.
         Called again (``AutoPlanCallback`` does at each fit's start), it marks every
         set of gradients as not trained yet in this fit (``adapt`` and
@@ -779,11 +780,13 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
 
     def adapt(self, threshold: float = 0.5, min_gain_s: float = 0.0, step_s=None,
               step_se_s=None, steps_left=None, learning_rate=None,
-              trial_steps=None) -> frozenset:
+              trial_steps=None, noise: float = 1.0) -> frozenset:
         """Under ``compressor="auto"`` after ``track_regimes``: ends an interval. The norm
-        of each planned gradient's sum over the interval is compared with the previous
-        interval's (``planner.critical_layers``: a change of ``threshold`` or more, or
-        no previous norm, is a critical regime), the sums restart, and the plan is made
+        of each planned gradient's mean over the interval is compared with the previous
+        interval's (``planner.critical_layers``: a change of ``threshold`` or more, and
+        of more than ``noise`` times the two intervals' noise, estimated from the
+        steps' squared norms, or no previous norm, is a critical regime; ``noise`` 0:
+        ACCORDION's bare test), the sums restart, and the plan is made
         again, critical ones limited to bf16's error. A new plan whose predicted step
         (``Plan.paced_seconds``, under the measured pace and the paces at both ends of
         its slope's interval: ``planner.change_pays``) is less than ``min_gain_s``
@@ -817,7 +820,8 @@ class CompressedAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         interval trained: one whose every step was skipped for a non-finite gradient
         keeps the regimes it had."""
         return self._auto_planner("adapt").adapt(threshold, min_gain_s, step_s, step_se_s,
-                                                 steps_left, learning_rate, trial_steps)
+                                                 steps_left, learning_rate, trial_steps,
+                                                 noise)
 
     def measure_low_rank(self, step_s=None, step_se_s=None, steps_left=None,
                          min_gain_s: float = 0.0, trial_steps=None) -> bool:
