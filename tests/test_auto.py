@@ -346,6 +346,11 @@ def test_a_move_within_the_two_intervals_noise_is_not_a_regime_unless_the_level_
         set(current) - {"h"}
     assert planner.critical_layers(previous, current, 0.5, noise=2.0) == {"c", "e"}
     assert planner.critical_layers(previous, current, 0.6) == set()  # none moved 60 %
+    mean, spread = planner.MEAN_MOVED, planner.SPREAD_MOVED
+    assert planner.critical_reasons(previous, current, 0.5) == \
+        {"b": mean, "c": mean, "d": mean, "e": spread}
+    assert planner.critical_reasons({}, {"a": 1.0, "b": (2.0, 0.1, 1.0)}, 0.5) == \
+        {"a": planner.NO_PREVIOUS, "b": planner.NO_PREVIOUS}
 
 
 def test_the_noise_test_holds_still_where_only_the_draw_of_the_noise_moves():
@@ -378,7 +383,7 @@ def test_the_noise_test_holds_still_where_only_the_draw_of_the_noise_moves():
                                        {"g": norm(10 * mu, 0.001)}, 0.5) == {"g"}
 
 
-def test_adapt_takes_each_planned_gradients_mean_and_noise_from_the_steps_it_summed():
+def test_adapt_takes_each_planned_gradients_mean_and_noise_from_the_steps_it_summed(caplog):
     # One worker and a learning rate of 0: the weights stay, so each step's gradient is
     # the one a tape gives on its batch; worker 0's (mean, noise, level) at the
     # interval's end is that of those steps.
@@ -418,6 +423,15 @@ def test_adapt_takes_each_planned_gradients_mean_and_noise_from_the_steps_it_sum
     part["norms"] = {k: v[0] * 4 for k, v in part["norms"].items()}
     autoplan.AutoPlanner._take_part(lay, part)  # pylint: disable=protected-access
     assert lay.norms == {}
+    # With norms to compare, the next interval's end says how many are critical, and why.
+    lay.norms = kept
+    with caplog.at_level(logging.INFO):
+        model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+        critical = cdo.adapt(0.5)
+    said = [r.getMessage() for r in caplog.records
+            if "gradients critical at the interval's end" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(
+        f"tfgc: compressor='auto': {len(critical)} of {len(names)} gradients"), said
     with pytest.raises(ValueError, match="`noise`"):
         cdo.adapt(0.5, noise=-1.0)
 

@@ -1167,8 +1167,14 @@ class AutoPlanner:
             now = {j: planner.interval_norm(float(first[start + j]),
                                             float(first[start + count + j]), steps)
                    for j in range(count)}
-            lay.critical = frozenset(lay.gradients[j][0] for j in planner.critical_layers(
-                lay.norms, now, threshold, noise))
+            reasons = planner.critical_reasons(lay.norms, now, threshold, noise)
+            lay.critical = frozenset(lay.gradients[j][0] for j in reasons)
+            if lay.norms:  # the first interval's are all critical, as said at its start
+                counts = collections.Counter(reasons.values())
+                logging.info("tfgc: compressor='auto': %d of %d gradients critical at the "
+                             "interval's end (%s)", len(reasons), count,
+                             ", ".join(f"{why}: {n}" for why, n in sorted(counts.items()))
+                             or "none moved by the threshold")
             lay.held = {}
             if planner.learning_rate_fell(lay.learning_rate, rate, threshold):
                 # ACCORDION's rule at a decay: the next interval compresses less, every

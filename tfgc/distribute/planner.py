@@ -746,25 +746,39 @@ def critical_layers(previous: Dict[str, object], current: Dict[str, object],
     examples (``benchmarks/regimes.py``): the bare test called some layer critical at
     6 to 14 of 31 interval ends, mostly where nothing but the draw moved; this one at
     the learning rate's decay and in early training."""
-    out = set()
+    return frozenset(critical_reasons(previous, current, threshold, noise))
+
+
+# Why ``critical_reasons`` calls a gradient critical.
+NO_PREVIOUS, MEAN_MOVED, SPREAD_MOVED = "no previous norm", "the mean moved", \
+    "the spread moved"
+
+
+def critical_reasons(previous: Dict[str, object], current: Dict[str, object],
+                     threshold: float, noise: float = 1.0) -> Dict[str, str]:
+    """``critical_layers``'s gradients, each with why: ``NO_PREVIOUS`` (no previous
+    norm, or one of 0 or not finite, or a norm now not finite), ``MEAN_MOVED`` (the
+    mean's norm moved) or ``SPREAD_MOVED`` (the steps' spread did, where the noise hid
+    the mean's)."""
+    out = {}
     for name, value in current.items():
         norm, spread, level = _norm_parts(value)
         before = previous.get(name)
         if before is None:
-            out.add(name)
+            out[name] = NO_PREVIOUS
             continue
         before, spread_before, level_before = _norm_parts(before)
         if not before > 0 or not math.isfinite(before) or not math.isfinite(norm):
-            out.add(name)
+            out[name] = NO_PREVIOUS
             continue
         moved, hidden = abs(before - norm), noise * math.hypot(spread_before, spread)
         if moved / before >= threshold and moved > hidden:
-            out.add(name)
+            out[name] = MEAN_MOVED
         elif noise > 0 and hidden >= threshold * before and level_before > 0 \
                 and math.isfinite(level_before) and math.isfinite(level) \
                 and abs(level - level_before) / level_before >= threshold:
-            out.add(name)
-    return frozenset(out)
+            out[name] = SPREAD_MOVED
+    return out
 
 
 def _no_lossier(went: Optional["Candidate"], candidate: "Candidate") -> bool:
