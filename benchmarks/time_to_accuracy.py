@@ -98,7 +98,9 @@ def parse_args(argv=None):
     p.add_argument("--settings", nargs="+", default=DEFAULT_SETTINGS,
                    help="'stock', registry names at their recommended setting, or "
                         "compressor strings (trained with their compressor's recommended "
-                        f"optimizer and schedule) (default: {' '.join(DEFAULT_SETTINGS)})")
+                        "optimizer and schedule); auto's may end in ~ and AutoPlanCallback's "
+                        "options ('auto~noise=0') "
+                        f"(default: {' '.join(DEFAULT_SETTINGS)})")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--epochs", type=int, default=0,
                    help="epochs of the schedule (0: per model, "
@@ -158,6 +160,13 @@ def parse_args(argv=None):
     unknown = [s for s in args.floor if s != "all" and s not in args.settings]
     if unknown:
         p.error(f"--floor names settings not in --settings: {', '.join(unknown)}")
+    for setting in args.settings:
+        try:
+            base, options = split_setting(setting)
+        except ValueError as exc:
+            p.error(str(exc))
+        if options and base.split(":")[0] != "auto":
+            p.error(f"{setting}: options after ~ are AutoPlanCallback's, for auto only")
     bad = [s for s in args.settings if s != STOCK and not _known(s)]
     if bad:
         p.error(f"no recommended setting for {', '.join(bad)} (see tfgc.compressors."
@@ -217,9 +226,28 @@ def _recommendations():
     return module
 
 
+# What an ``auto`` setting may give ``AutoPlanCallback`` after "~" ("auto~noise=0"), with
+# its type ("@" names a reduction path in ``network.py``'s configurations).
+CALLBACK_OPTIONS = {"noise": float}
+
+
+def split_setting(setting):
+    """A setting's compressor part and the ``AutoPlanCallback`` options after its "~"
+    ("auto~noise=0": "auto", {"noise": 0.0}); ValueError for an unknown option."""
+    name, _, rest = setting.partition("~")
+    options = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        if key not in CALLBACK_OPTIONS:
+            raise ValueError(f"unknown callback option {key!r} in {setting!r} "
+                             f"(known: {', '.join(CALLBACK_OPTIONS)})")
+        options[key] = CALLBACK_OPTIONS[key](value)
+    return name, options
+
+
 def _known(name):
     try:
-        _recommendations().recommended(name)
+        _recommendations().recommended(split_setting(name)[0])
     except ValueError:
         return False
     return True
@@ -256,8 +284,9 @@ def _worker(args, rank, prefix, phase):
     phase[0] = "data"
     ds = data_lib.load_dataset("fashion_mnist", seed=args.seed)
     steps = steps_per_epoch_for(len(ds.x_train), num_workers, args.batch_size)
-    rec = recommended("none" if args.setting == STOCK else args.setting)
-    spec = None if args.setting == STOCK else resolve(args.setting, steps)
+    setting, callback_options = split_setting(args.setting)
+    rec = recommended("none" if setting == STOCK else setting)
+    spec = None if setting == STOCK else resolve(setting, steps)
     phase[0] = "strategy"
     if spec is None:
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
@@ -408,7 +437,8 @@ def _worker(args, rank, prefix, phase):
     auto = None
     if getattr(compressor, "plans_per_tensor", False):
         # compressor="auto": the plan follows the link and the critical regimes.
-        auto = tfgc.keras.AutoPlanCallback(strategy, every_steps=args.auto_every_steps or None)
+        auto = tfgc.keras.AutoPlanCallback(strategy, every_steps=args.auto_every_steps or None,
+                                           **callback_options)
 
         class PlanLog(keras.callbacks.Callback):
             """Each plan that a step ended with, when it differs from the last: the step,
@@ -550,7 +580,7 @@ def plan(args, done):
         def epochs_of(setting):
             if setting == STOCK:
                 return epochs
-            rec = _recommendations().recommended(setting)
+            rec = _recommendations().recommended(split_setting(setting)[0])
             if rec.epochs_scale == 1:  # the dense schedule: bf16, 8-bit QSGD, auto
                 return epochs
             return args.compressed_epochs or rec.epochs(epochs)
@@ -591,7 +621,7 @@ def add_projections(runs):
         run.pop("projected_s", None)
         # compressor="auto" changes its plan, and so its step time, during a run (the
         # critical intervals in bf16 first): one median step time cannot project it.
-        if not run["reached"] and run["setting"].split(":")[0] != "auto":
+        if not run["reached"] and split_setting(run["setting"])[0].split(":")[0] != "auto":
             other = [r for r in runs if r.get("status") == "ok" and r is not run
                      and r["model"] == run["model"] and r["setting"] == run["setting"]
                      and r.get("reached") and r["role"] != "floor"]

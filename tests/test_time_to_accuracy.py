@@ -56,6 +56,21 @@ def test_bad_arguments_stop_with_a_message(argv, words, capsys):
         tta.parse_args(["--settings", "stock", "dgcc"])
 
 
+def test_an_auto_setting_may_carry_the_plan_callbacks_options(capsys):
+    assert tta.split_setting("auto~noise=0") == ("auto", {"noise": 0.0})
+    assert tta.split_setting("auto:link_gbps=0.1") == ("auto:link_gbps=0.1", {})
+    args = tta.parse_args(["--models", "cnn", "--settings", "auto", "auto~noise=0",
+                           "--epochs", "2", "--compressed_epochs", "5"])
+    # Both keep auto's schedule: the options are the callback's, not the compressor's.
+    assert {r["setting"]: r["epochs"] for r in tta.plan(args, {})} == {
+        "stock": 2, "auto": 2, "auto~noise=0": 2}
+    for bad, words in [("auto~speed=1", "unknown callback option 'speed'"),
+                       ("qsgd~noise=0", "for auto only")]:
+        with pytest.raises(SystemExit):
+            tta.parse_args(["--settings", "stock", bad])
+        assert words in capsys.readouterr().err
+
+
 def _run(setting, rate, role="run", reached_at=None, step_ms=100.0, steps=500, acc=0.8):
     run = {"model": "mlp", "rate": rate, "setting": setting, "role": role, "status": "ok",
            "epochs": 2, "reached": reached_at is not None, "median_step_ms": step_ms,
