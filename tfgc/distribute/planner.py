@@ -47,8 +47,10 @@ again and the plan made again when the predicted float32 all-reduce of the plann
 gradients moves by more than a margin (``link_changed``); and gradients in a critical
 regime (ACCORDION, Agarwal et al., MLSys 2021: the norm of a layer's gradient summed
 over the interval changed by half or more since the previous one; every layer until
-two intervals can be compared) take no quantizer with more error than bf16
-(``critical``), and low rank only as below.
+two intervals can be compared; here the norm of the interval's mean, by more than its
+noise could move it, or where that noise hides it, the steps' spread by half:
+``critical_layers``) take no quantizer with more error than bf16 (``critical``), and
+low rank only as below.
 
 Low rank (PowerSGD at ranks 1 to 8, with error feedback): no bound holds for every
 gradient, so the end of an interval measures each matrix's error at every rank
@@ -741,16 +743,18 @@ def critical_layers(previous: Dict[str, object], current: Dict[str, object],
     the noise could hide a move of the mean by ``threshold``, a move of the level by
     ``threshold`` or more counts instead: the noise falling as early training ends.
     (Where it could not, the mean's test decides alone: the spread of steps that only
-    drift, as full-batch ones do, says nothing the mean does not.) ``noise`` 0: ACCORDION's bare test of the mean alone. Measured on the
-    trainer's CNN and MLP on Fashion-MNIST, 3 seeds each, intervals of 25 steps of 128
-    examples (``benchmarks/regimes.py``): the bare test called some layer critical at
-    6 to 14 of 31 interval ends, mostly where nothing but the draw moved; this one at
-    the learning rate's decay and in early training."""
+    drift, as full-batch ones do, says nothing the mean does not.) ``noise`` 0:
+    ACCORDION's bare test of the mean alone. Measured on the trainer's CNN and MLP on
+    Fashion-MNIST, 3 seeds each, intervals of 25 steps of 128 examples
+    (``benchmarks/regimes.py``): the bare test called some layer critical at 6 to 14
+    of 31 interval ends, mostly where nothing but the draw moved; this one at 3 to 5:
+    the first (early training), those after the learning rate's decay, and twice
+    elsewhere."""
     return frozenset(critical_reasons(previous, current, threshold, noise))
 
 
 # Why ``critical_reasons`` calls a gradient critical.
-NO_PREVIOUS, MEAN_MOVED, SPREAD_MOVED = "no previous norm", "the mean moved", \
+NO_PREVIOUS, MEAN_MOVED, SPREAD_MOVED = "no norm to compare", "the mean moved", \
     "the spread moved"
 
 
