@@ -349,7 +349,8 @@ class AutoPlanCallback(keras.callbacks.Callback):
         the mean of a stochastic gradient is mostly noise, and the bare norm moves with
         its draw (the trainer's CNN on Fashion-MNIST at 25-step intervals, three seeds:
         the bare test called some layer critical at 11-14 of 31 interval ends, this one
-        at 3-5: early training and the learning rate's decay; the MLP: 6-10 against 3;
+        at 3-5: early training, the learning rate's decay and, twice in three seeds,
+        one layer elsewhere; the MLP: 6-10 against 3;
         ``benchmarks/regimes.py``). The noise is estimated as if steps were
         independent; the steps of SGD with momentum are not (the mean's norm below the
         noise so estimated in 83-94 % of those intervals), so the test errs toward
