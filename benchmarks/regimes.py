@@ -64,7 +64,7 @@ def gradients(model_name, steps, batch, rate, seed):
 
 
 def interval_norms(steps):
-    """The layers' (mean, noise) over ``steps`` (their gradients), by place."""
+    """The layers' (mean, noise, level) over ``steps`` (their gradients), by place."""
     norms = {}
     for j in range(len(steps[0])):
         total = sum(s[j] for s in steps)

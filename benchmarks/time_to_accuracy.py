@@ -165,7 +165,7 @@ def parse_args(argv=None):
             base, options = split_setting(setting)
         except ValueError as exc:
             p.error(str(exc))
-        if options and base.split(":")[0] != "auto":
+        if options and not _is_auto(base):
             p.error(f"{setting}: options after ~ are AutoPlanCallback's, for auto only")
     bad = [s for s in args.settings if s != STOCK and not _known(s)]
     if bad:
@@ -243,6 +243,11 @@ def split_setting(setting):
                              f"(known: {', '.join(CALLBACK_OPTIONS)})")
         options[key] = CALLBACK_OPTIONS[key](value)
     return name, options
+
+
+def _is_auto(setting):
+    """Whether ``setting`` trains under ``compressor="auto"`` (its options aside)."""
+    return split_setting(setting)[0].split(":")[0] == "auto"
 
 
 def _known(name):
@@ -621,7 +626,7 @@ def add_projections(runs):
         run.pop("projected_s", None)
         # compressor="auto" changes its plan, and so its step time, during a run (the
         # critical intervals in bf16 first): one median step time cannot project it.
-        if not run["reached"] and split_setting(run["setting"])[0].split(":")[0] != "auto":
+        if not run["reached"] and not _is_auto(run["setting"]):
             other = [r for r in runs if r.get("status") == "ok" and r is not run
                      and r["model"] == run["model"] and r["setting"] == run["setting"]
                      and r.get("reached") and r["role"] != "floor"]

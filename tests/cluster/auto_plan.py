@@ -485,7 +485,8 @@ def tables(strategy, rank, out_dir):
     # for its retrace over the steps the fit says are left (``AutoPlanCallback``).
     history = net.fit(data.with_options(options), epochs=1000, steps_per_epoch=6, verbose=0,
                       callbacks=[callback, Record(), Stop()])
-    # The last interval's (mean, noise) of each gradient, by name, tables' rows too.
+    # The last interval's (mean, noise, level) of each gradient, by name, tables' rows
+    # too.
     lay = strategy.cross_device_ops._auto._shown()  # pylint: disable=protected-access
     norms = {lay.gradients[j][0]: list(v) for j, v in lay.norms.items()}
     np.savez(os.path.join(out_dir, f"tables.w{rank}.npz"), *[w.numpy() for w in net.weights])
