@@ -646,6 +646,7 @@ def run_loopback(args, model, settings, prefix, log):
 
 def run_shaped(args, model, settings, prefix, log, cluster, port):
     """One cluster inside ``cluster``'s namespaces (network.py's way of starting them)."""
+    from netns import tool
     from network import _kill_groups, worker_env
 
     cmd = worker_command(args, model, settings, prefix)
@@ -655,7 +656,8 @@ def run_shaped(args, model, settings, prefix, log, cluster, port):
     try:
         for i, ns in enumerate(cluster.workers):
             procs.append(subprocess.Popen(
-                ["ip", "netns", "exec", ns] + cmd, env=worker_env(cluster, i, port),
+                [tool("ip") or "ip", "netns", "exec", ns] + cmd,
+                env=worker_env(cluster, i, port),
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True, cwd=_common.REPO_ROOT))
         deadline = time.monotonic() + timeout

@@ -27,17 +27,29 @@ BRIDGE = "br0"
 TBF = ("burst", "64kb", "latency", "50ms")
 
 
+# Where iproute2 lives when PATH leaves the system directories out (a non-login shell, a
+# CI runner's PATH of /usr/local/bin:/usr/bin:/bin): tc is often only in /usr/sbin.
+SYSTEM_DIRS = ("/usr/sbin", "/sbin", "/usr/bin", "/bin")
+
+
 class NetError(RuntimeError):
     pass
 
 
+def tool(name):
+    """The path of ``name`` (``ip``, ``tc``): on PATH, else in ``SYSTEM_DIRS``; None
+    where it is in neither."""
+    return shutil.which(name) or shutil.which(name, path=os.pathsep.join(SYSTEM_DIRS))
+
+
 def _ip(*argv, ns=None, check=True):
-    cmd = ["ip"] + (["-n", ns] if ns else []) + list(argv)
+    cmd = [tool("ip") or "ip"] + (["-n", ns] if ns else []) + list(argv)
     return _run(cmd, check)
 
 
 def _tc(*argv, ns, check=True):
-    return _run(["ip", "netns", "exec", ns, "tc"] + list(argv), check)
+    return _run([tool("ip") or "ip", "netns", "exec", ns, tool("tc") or "tc"] + list(argv),
+                check)
 
 
 def _run(cmd, check):
@@ -99,9 +111,10 @@ def preflight():
     """None if this process can build a shaped cluster, else why not."""
     if os.geteuid() != 0:
         return "needs root (network namespaces, veth pairs and tc); run it with sudo"
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            return f"`{tool}` not found (install iproute2)"
+    for name in ("ip", "tc"):
+        if tool(name) is None:
+            return (f"`{name}` not found on PATH or in {', '.join(SYSTEM_DIRS)} "
+                    "(install iproute2)")
     ns = f"{NS_PREFIX}{os.getpid()}-probe"
     try:
         _ip("netns", "add", ns)

@@ -62,7 +62,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402  (also puts the repo root on sys.path)
 from netns import (NS_PREFIX, SUBNET, TBF, WORKER_DEV, Cluster, NetError,  # noqa: E402
-                   clean_leftovers, delete_namespace, list_namespaces, preflight)
+                   clean_leftovers, delete_namespace, list_namespaces, preflight, tool)
 from network_report import (STOCK, add_speedups, rate_bps, render_markdown,  # noqa: E402
                             render_svg, split_config, split_options)
 from tfgc.apps.plots import fmt_bytes  # noqa: E402  (stdlib only)
@@ -688,7 +688,8 @@ def supervise(cluster, cmd, run_dir, port, timeout, timeout_flag=""):
             log = open(logs[i], "w")
             files.append(log)
             procs.append(subprocess.Popen(
-                ["ip", "netns", "exec", ns] + cmd, env=worker_env(cluster, i, port),
+                [tool("ip") or "ip", "netns", "exec", ns] + cmd,
+                env=worker_env(cluster, i, port),
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True, cwd=_common.REPO_ROOT))
         deadline = time.monotonic() + timeout

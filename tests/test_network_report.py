@@ -274,3 +274,19 @@ def test_the_workers_log_what_they_are_told_to():
             absl_logging.set_verbosity(before)
     with pytest.raises(SystemExit):
         _args("--worker_log", "debug")
+
+
+def test_the_shaped_cluster_finds_tc_where_path_leaves_out_the_system_directories(
+        tmp_path, monkeypatch):
+    netns = benchmark_module("netns")
+    system = tmp_path / "sbin"
+    system.mkdir()
+    tc = system / "tc"
+    tc.write_text("#!/bin/sh\n")
+    tc.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.setattr(netns, "SYSTEM_DIRS", (str(system),))
+    assert netns.tool("tc") == str(tc)
+    assert netns.tool("ip") is None
+    tc.chmod(0o644)  # not executable: not a tool
+    assert netns.tool("tc") is None
