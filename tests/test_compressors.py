@@ -242,6 +242,36 @@ def test_topk_aggregate_sums_overlapping_entries():
     np.testing.assert_array_equal(out.numpy(), [8, 0, 7, -4, 0, 0])
 
 
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_context_seed_folds_seed_index_rank_and_step_eagerly_and_traced(shared):
+    # The parts known when traced are folded once, as a constant; the numbers must be
+    # those of the fold-ins made in the graph, or a checkpoint's run would draw anew.
+    def folded(base, index, rank, step):
+        seed = tf.constant([base & 0x7FFFFFFF, 0x5EED], tf.int64)
+        seed = tf.random.experimental.stateless_fold_in(seed, index)
+        if not shared:
+            seed = tf.random.experimental.stateless_fold_in(seed, rank + 1)
+        return tf.random.experimental.stateless_fold_in(seed, tf.constant(step, tf.int64))
+
+    seen = set()
+    for base, index, rank, step in [(0, 0, 0, 0), (11, 3, 1, 7), (2**31 + 5, 40, 2, 2**40),
+                                    (-3, 1, 0, 1)]:
+        def seed(now, base=base, index=index, rank=rank):
+            return CompressContext(rank=rank, num_workers=4, index=index,
+                                   step=now).seed(base, shared)
+
+        want = folded(base, index, rank, step).numpy()
+        now = tf.constant(step, tf.int64)
+        np.testing.assert_array_equal(seed(now).numpy(), want)
+        np.testing.assert_array_equal(tf.function(seed)(now).numpy(), want)
+        seen.add(tuple(want))
+    assert len(seen) == 4
+    # A rank given as a tensor (not known when traced) folds in the graph, alike.
+    ctx = CompressContext(rank=tf.constant(1), num_workers=4, index=3,
+                          step=tf.constant(7, tf.int64))
+    np.testing.assert_array_equal(ctx.seed(11, shared).numpy(), folded(11, 3, 1, 7).numpy())
+
+
 def test_randomk_indices_shared_across_workers_and_fresh_each_step():
     c = RandomK(ratio=0.05, seed=3)
     shape = tf.TensorShape([400])

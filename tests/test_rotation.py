@@ -224,6 +224,38 @@ def test_rotated_payloads_add_before_one_inverse_rotation():
     assert scales.shape == [8] and words.shape == [1024 * 4 // 32]
 
 
+def test_a_traced_step_draws_its_signs_once_for_every_gradient():
+    # The signs depend on the seed and the step alone, so a traced step of many rotated
+    # gradients draws them once (one uniform draw in the graph), and every gradient's
+    # round trip is the one it makes alone, eagerly.
+    c = tfgc.get_compressor(ROTATED)
+    rng = np.random.default_rng(5)
+    xs = [tf.constant(rng.normal(size=n).astype(np.float32)) for n in (1000, 300, 128)]
+    step = tf.Variable(7, dtype=tf.int64)
+
+    @tf.function
+    def round_trips():
+        now = step.read_value()
+        outs = []
+        for index, x in enumerate(xs):
+            ctx = CompressContext(rank=1, num_workers=2, index=index, step=now)
+            payload, _ = c.compress(x, {}, ctx)
+            outs.append(c.aggregate([payload], x.shape, tf.float32, ctx))
+        return outs
+
+    graph = round_trips.get_concrete_function().graph
+    draws = [op for op in graph.get_operations() if op.type.startswith("StatelessRandomUniform")]
+    # One for the signs; QSGD's stochastic rounding draws once per gradient besides
+    # (the custom kernel draws inside itself: no op of its own).
+    assert len([op for op in draws if op.outputs[0].shape == [128]]) == 1, draws
+    for index, (x, out) in enumerate(zip(xs, round_trips())):
+        ctx = CompressContext(rank=1, num_workers=2, index=index,
+                              step=tf.constant(7, tf.int64))
+        payload, _ = c.compress(x, {}, ctx)
+        alone = c.aggregate([payload], x.shape, tf.float32, ctx)
+        np.testing.assert_array_equal(out.numpy(), alone.numpy())
+
+
 @pytest.mark.parametrize("dtype", [tf.float16, tf.bfloat16])
 def test_rotated_qsgd_returns_the_gradients_dtype(dtype):
     c = tfgc.get_compressor(ROTATED)

@@ -55,8 +55,16 @@ def unpack_payload_words(words: tf.Tensor, like) -> Tuple[tf.Tensor, ...]:
         parts = [words[o:o + w] for o, w in zip(offsets, widths)]
     else:
         parts = split_words(words, widths)
-    return tuple(tf.reshape(packing.from_words(part, t.dtype, n), t.shape)
+    return tuple(_shaped(packing.from_words(part, t.dtype, n), t.shape)
                  for part, t, n in zip(parts, like, sizes))
+
+
+def _shaped(values: tf.Tensor, shape) -> tf.Tensor:
+    """``values`` reshaped to ``shape``: no op where the static shapes already agree (a
+    traced step unpacks every worker's payload of every gradient)."""
+    if values.shape.is_fully_defined() and values.shape == shape:
+        return values
+    return tf.reshape(values, shape)
 
 
 def gather_payloads(launcher, payloads: List[Sequence[tf.Tensor]], num_workers: int, options,

@@ -20,6 +20,7 @@ Every compressor declares how payloads from different workers combine:
 
 import abc
 import dataclasses
+import functools
 import inspect
 import numbers
 from typing import Any, Dict, List, Sequence, Tuple
@@ -63,12 +64,38 @@ class CompressContext:
         coordinates everywhere, so payloads stay summable); ``shared=False`` mixes in
         the rank so workers' stochastic rounding is independent.
         """
-        seed = tf.constant([base_seed & 0x7FFFFFFF, 0x5EED], dtype=tf.int64)
-        seed = tf.random.experimental.stateless_fold_in(seed, self.index)
-        if not shared:
-            seed = tf.random.experimental.stateless_fold_in(seed, self.rank + 1)
+        rank = None if shared else self.rank + 1
+        fixed = None
+        if isinstance(self.index, numbers.Integral) and isinstance(rank, (numbers.Integral,
+                                                                          type(None))):
+            # Known when traced: folded once, as a constant (a traced step of many
+            # gradients made three fold-ins of ops apiece each; the same numbers).
+            fixed = _fixed_seed(base_seed & 0x7FFFFFFF, int(self.index),
+                                None if rank is None else int(rank))
+        if fixed is not None:
+            seed = tf.constant(fixed, dtype=tf.int64)
+        else:
+            seed = tf.constant([base_seed & 0x7FFFFFFF, 0x5EED], dtype=tf.int64)
+            seed = tf.random.experimental.stateless_fold_in(seed, self.index)
+            if rank is not None:
+                seed = tf.random.experimental.stateless_fold_in(seed, rank)
         step = tf.cast(self.step, tf.int64)
         return tf.random.experimental.stateless_fold_in(seed, step)
+
+
+@functools.lru_cache(maxsize=4096)
+def _fixed_seed(base_seed: int, index: int, rank=None):
+    """``CompressContext.seed``'s part that does not change with the step, as int64s:
+    ``[base_seed, 0x5EED]`` folded with ``index``, then with ``rank`` unless None; None
+    where it cannot run eagerly (a TF1-style graph)."""
+    with tf.init_scope():
+        if not tf.executing_eagerly():
+            return None
+        seed = tf.constant([base_seed, 0x5EED], dtype=tf.int64)
+        seed = tf.random.experimental.stateless_fold_in(seed, index)
+        if rank is not None:
+            seed = tf.random.experimental.stateless_fold_in(seed, rank)
+        return tuple(int(v) for v in seed.numpy())
 
 
 class Compressor(abc.ABC):

@@ -253,9 +253,30 @@ class QSGD(Recompressible):
         """The rotation's signs at this step: from ``seed`` and the step only, so every
         worker, tensor and chunk of the step rotates alike and payloads add up before
         the one inverse rotation (``aggregate``)."""
-        seed = tf.constant([self.seed & 0x7FFFFFFF, 0x207A7E], tf.int64)
-        seed = tf.random.experimental.stateless_fold_in(seed, tf.cast(ctx.step, tf.int64))
-        return rotation.random_signs(seed, self.bucket_size)
+        def draw():
+            seed = tf.constant([self.seed & 0x7FFFFFFF, 0x207A7E], tf.int64)
+            seed = tf.random.experimental.stateless_fold_in(seed, tf.cast(ctx.step, tf.int64))
+            return rotation.random_signs(seed, self.bucket_size)
+
+        if tf.executing_eagerly() or not isinstance(ctx.step, tf.Tensor):
+            return draw()
+        # Traced: one draw per graph and step tensor serves every gradient of the step
+        # (a traced step of many rotated gradients drew them again for each, encode and
+        # decode). Drawn outside any control dependencies, so that a later bucket's
+        # encoding does not wait on the ops around an earlier one's decoding.
+        # Kept on the graph (a tf.function's), whose life they share.
+        graph = tf.compat.v1.get_default_graph()
+        drawn = getattr(graph, "_tfgc_rotation_signs", None)
+        if drawn is None:
+            try:
+                graph._tfgc_rotation_signs = drawn = {}  # pylint: disable=protected-access
+            except AttributeError:  # a graph that keeps no attributes: drawn each time
+                return draw()
+        key = (self.seed & 0x7FFFFFFF, self.bucket_size, ctx.step.ref())
+        if key not in drawn:
+            with tf.control_dependencies(None):
+                drawn[key] = draw()
+        return drawn[key]
 
     def _coded_elements(self, shape):
         n = num_elements(shape)

@@ -51,7 +51,8 @@ def unpack_codes(words: tf.Tensor, num_codes: int, bits: int) -> tf.Tensor:
 
 def to_words(t: tf.Tensor) -> tf.Tensor:
     """Bitcasts a tensor of any 1, 2, 4 or 8-byte dtype into int32 words (zero padded)."""
-    t = tf.reshape(t, [-1])
+    if t.shape.rank != 1:
+        t = tf.reshape(t, [-1])
     size = t.dtype.size
     if t.dtype == tf.int32:
         return t
